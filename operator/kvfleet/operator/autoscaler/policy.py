@@ -1,0 +1,201 @@
+"""The autoscaling policy: a pure function from observations to a replica decision.
+
+Rules (the contract the tests hold it to):
+
+* demand = sum over pods whose metrics were read of (waiting + running requests);
+  needed = ceil(demand / targetQueueDepth), clamped to [minReplicas, maxReplicas].
+* Scale up at once, by as many replicas as needed (never one at a time).
+* Scale down only after demand has stayed below the current replica count for
+  ``scaleDownDelaySeconds``; the target is then the *highest* need seen during that
+  window (a stabilisation window, like the HPA's), so a short dip does not shed
+  replicas that the next burst will need again, and never fewer replicas than pods
+  that still hold requests (``busy``).
+* Any demand at or above the current count restarts the window: a steady load
+  that hovers around a boundary never flaps.
+* Unknown is not zero: a pod whose metrics could not be read blocks scale-down
+  (and restarts the window), because its queue might be full. Scale-up still
+  happens when the pods that *were* read already justify it.
+* The policy never asks for more than ``maxReplicas``; whether Kueue admits them
+  is the operator's business, not the policy's.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any, Literal, Optional, Sequence
+
+Action = Literal["scale_up", "scale_down", "hold"]
+
+
+@dataclass(frozen=True)
+class AutoscalingSpec:
+    """``spec.autoscaling`` of a ModelDeployment, validated."""
+
+    min_replicas: int
+    max_replicas: int
+    target_queue_depth: float
+    scale_down_delay_seconds: float
+
+    def __post_init__(self) -> None:
+        if self.min_replicas < 0:
+            raise ValueError(f"autoscaling.minReplicas must be >= 0, got {self.min_replicas}")
+        if self.max_replicas < max(self.min_replicas, 1):
+            raise ValueError(
+                "autoscaling.maxReplicas must be >= minReplicas and >= 1, "
+                f"got maxReplicas={self.max_replicas} minReplicas={self.min_replicas}"
+            )
+        if not self.target_queue_depth > 0:
+            raise ValueError(
+                f"autoscaling.targetQueueDepth must be > 0, got {self.target_queue_depth}"
+            )
+        if self.scale_down_delay_seconds < 0:
+            raise ValueError(
+                "autoscaling.scaleDownDelaySeconds must be >= 0, "
+                f"got {self.scale_down_delay_seconds}"
+            )
+
+    @classmethod
+    def from_spec(cls, autoscaling: dict[str, Any]) -> "AutoscalingSpec":
+        """Build from the CRD's camelCase dict (defaults as in the CRD)."""
+
+        def num(key: str, default: float) -> float:
+            value = autoscaling.get(key, default)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ValueError(f"autoscaling.{key} must be a number, got {value!r}")
+            return value
+
+        return cls(
+            min_replicas=int(num("minReplicas", 1)),
+            max_replicas=int(num("maxReplicas", 1)),
+            target_queue_depth=float(num("targetQueueDepth", 4)),
+            scale_down_delay_seconds=float(num("scaleDownDelaySeconds", 300)),
+        )
+
+
+@dataclass(frozen=True)
+class PodLoad:
+    """What one ready pod reported; ``None`` means it could not be read."""
+
+    pod: str
+    waiting: Optional[float]
+    running: Optional[float]
+    error: str = ""
+
+    @property
+    def known(self) -> bool:
+        return self.waiting is not None and self.running is not None
+
+    @property
+    def busy(self) -> bool:
+        return self.known and (self.waiting or 0) + (self.running or 0) > 0
+
+
+@dataclass(frozen=True)
+class AutoscalerState:
+    """The small state kept between decisions (saved in the ModelDeployment's status)."""
+
+    low_demand_since: Optional[float] = None  # when need first dropped below current
+    window_peak: int = 0  # highest need seen since then
+
+
+@dataclass(frozen=True)
+class Decision:
+    """A decision with the inputs it was made from, for status and Events."""
+
+    action: Action
+    current: int
+    desired: int
+    needed: int
+    waiting: float
+    running: float
+    busy: int
+    known_pods: int
+    unknown_pods: tuple[str, ...]
+    reason: str
+    time: float
+    state: AutoscalerState = field(default_factory=AutoscalerState)
+
+    @property
+    def queue_depth(self) -> float:
+        return self.waiting + self.running
+
+    def as_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["unknown_pods"] = list(self.unknown_pods)
+        out["queue_depth"] = self.queue_depth
+        return out
+
+
+def needed_replicas(demand: float, spec: AutoscalingSpec) -> int:
+    """Replicas for ``demand`` requests at ``targetQueueDepth`` each, clamped."""
+    raw = math.ceil(demand / spec.target_queue_depth - 1e-9) if demand > 0 else 0
+    return max(spec.min_replicas, min(spec.max_replicas, raw))
+
+
+def decide(
+    spec: AutoscalingSpec,
+    current: int,
+    pods: Sequence[PodLoad],
+    state: AutoscalerState,
+    now: float,
+) -> Decision:
+    """Decide the desired replica count. Pure: same inputs, same decision."""
+    if current < 0:
+        raise ValueError(f"current replicas must be >= 0, got {current}")
+    known = [p for p in pods if p.known]
+    unknown = tuple(sorted(p.pod for p in pods if not p.known))
+    waiting = float(sum(p.waiting or 0 for p in known))
+    running = float(sum(p.running or 0 for p in known))
+    busy = sum(1 for p in known if p.busy)
+    needed = needed_replicas(waiting + running, spec)
+    base = Decision(
+        action="hold", current=current, desired=current, needed=needed, waiting=waiting,
+        running=running, busy=busy, known_pods=len(known), unknown_pods=unknown,
+        reason="", time=now, state=AutoscalerState(),
+    )
+    demand = f"queue depth {waiting + running:g} ({waiting:g} waiting, {running:g} running)"
+
+    # Bounds first: a spec change moves the count into range at once.
+    if current < spec.min_replicas or current > spec.max_replicas:
+        target = max(spec.min_replicas, min(spec.max_replicas, current))
+        return replace(
+            base, action="scale_up" if target > current else "scale_down", desired=target,
+            reason=f"replicas {current} outside [{spec.min_replicas}, {spec.max_replicas}]",
+        )
+    if needed > current:
+        return replace(
+            base, action="scale_up", desired=needed,
+            reason=f"{demand} needs {needed} replicas at {spec.target_queue_depth:g} per replica",
+        )
+    if needed == current:
+        return replace(base, reason=f"{demand} matches {current} replicas")
+    if unknown:
+        return replace(
+            base,
+            reason=f"metrics unknown for {len(unknown)} pod(s) ({', '.join(unknown)}); "
+            "not scaling down",
+        )
+    # Demand is below the current count and every pod was read.
+    since = state.low_demand_since if state.low_demand_since is not None else now
+    peak = max(needed, state.window_peak if state.low_demand_since is not None else 0)
+    waited = now - since
+    if waited < spec.scale_down_delay_seconds:
+        return replace(
+            base, state=AutoscalerState(since, peak),
+            reason=f"{demand} needs {needed}; scale-down after "
+            f"{spec.scale_down_delay_seconds:g}s of lower demand ({waited:g}s so far)",
+        )
+    target = max(peak, busy, spec.min_replicas)
+    if target >= current:
+        return replace(
+            base, state=AutoscalerState(since, peak),
+            reason=f"{demand}; {busy} busy replicas block scale-down",
+        )
+    # Keep the window open while busy pods, not demand, hold the count up.
+    next_state = AutoscalerState(since, needed) if target > max(peak, spec.min_replicas) else AutoscalerState()
+    return replace(
+        base, action="scale_down", desired=target, state=next_state,
+        reason=f"{demand} below {current} replicas for {waited:g}s; "
+        f"scaling to {target} (window peak {peak}, busy {busy})",
+    )

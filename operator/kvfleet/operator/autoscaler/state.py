@@ -1,0 +1,68 @@
+"""The autoscaler's saved state and status, kept in ``status.autoscaler`` of the ModelDeployment.
+
+Pure conversions between the policy's dataclasses and the camelCase status dict, so
+that a restarted operator resumes a scale-down window where the last one left it.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime, timezone
+from typing import Any, Mapping, Optional
+
+from kvfleet.operator.autoscaler.policy import AutoscalerState, Decision
+
+STATUS_KEY = "autoscaler"
+
+
+def iso(ts: float) -> str:
+    return datetime.fromtimestamp(ts, tz=timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def state_from_status(status: Optional[Mapping[str, Any]]) -> AutoscalerState:
+    """Read the saved state; anything missing or malformed starts a fresh window."""
+    saved = ((status or {}).get(STATUS_KEY) or {}).get("state") or {}
+    since = saved.get("lowDemandSince")
+    peak = saved.get("windowPeak", 0)
+    if not isinstance(since, (int, float)) or isinstance(since, bool):
+        return AutoscalerState()
+    if not isinstance(peak, int) or isinstance(peak, bool) or peak < 0:
+        peak = 0
+    return AutoscalerState(low_demand_since=float(since), window_peak=peak)
+
+
+def status_patch(decision: Decision, metric_source: str) -> dict[str, Any]:
+    """``status.autoscaler`` for a decision: its inputs, the outcome and the saved state."""
+    state: dict[str, Any] = {"lowDemandSince": decision.state.low_demand_since,
+                             "windowPeak": decision.state.window_peak}
+    return {
+        STATUS_KEY: {
+            "desiredReplicas": decision.desired,
+            "lastDecision": {
+                "action": decision.action,
+                "from": decision.current,
+                "to": decision.desired,
+                "reason": decision.reason,
+                "time": iso(decision.time),
+            },
+            "inputs": {
+                "metricSource": metric_source,
+                "queueDepth": decision.queue_depth,
+                "waiting": decision.waiting,
+                "running": decision.running,
+                "neededReplicas": decision.needed,
+                "busyReplicas": decision.busy,
+                "podsRead": decision.known_pods,
+                "podsUnknown": list(decision.unknown_pods),
+            },
+            "state": state,
+        }
+    }
+
+
+def event_message(decision: Decision) -> str:
+    """One line for a Kubernetes Event."""
+    unknown = f", unknown pods: {', '.join(decision.unknown_pods)}" if decision.unknown_pods else ""
+    return (
+        f"{decision.action} {decision.current}->{decision.desired}: {decision.reason}"
+        f" (pods read: {decision.known_pods}{unknown})"
+    )

@@ -1,0 +1,171 @@
+"""The autoscaling policy: bursts, steady load, scale-down delay, unknown metrics, bounds."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvfleet.operator.autoscaler.policy import (
+    AutoscalerState,
+    AutoscalingSpec,
+    Decision,
+    PodLoad,
+    decide,
+    needed_replicas,
+)
+
+SPEC = AutoscalingSpec(min_replicas=1, max_replicas=8, target_queue_depth=4,
+                       scale_down_delay_seconds=60)
+
+
+def pods(*loads: tuple[float, float] | None) -> list[PodLoad]:
+    """One PodLoad per (waiting, running) pair; None is an unreadable pod."""
+    return [
+        PodLoad(f"p{i}", None, None, "timeout") if load is None else PodLoad(f"p{i}", *load)
+        for i, load in enumerate(loads)
+    ]
+
+
+def run(spec: AutoscalingSpec, current: int, ticks: list[tuple[float, list[PodLoad]]]) -> list[Decision]:
+    """Feed a sequence of (time, pods) through the policy, applying each decision."""
+    state = AutoscalerState()
+    out = []
+    for now, observed in ticks:
+        d = decide(spec, current, observed, state, now)
+        out.append(d)
+        current, state = d.desired, d.state
+    return out
+
+
+def test_needed_rounds_up_and_clamps() -> None:
+    assert needed_replicas(0, SPEC) == 1
+    assert needed_replicas(4, SPEC) == 1
+    assert needed_replicas(4.5, SPEC) == 2
+    assert needed_replicas(13, SPEC) == 4
+    assert needed_replicas(1000, SPEC) == 8
+
+
+def test_burst_scales_up_by_many_in_one_decision() -> None:
+    d = decide(SPEC, 1, pods((20, 4)), AutoscalerState(), now=0)
+    assert (d.action, d.current, d.desired, d.needed) == ("scale_up", 1, 6, 6)
+    assert d.waiting == 20 and d.running == 4 and d.queue_depth == 24
+    assert "needs 6 replicas" in d.reason
+
+
+def test_burst_is_capped_at_max_replicas() -> None:
+    d = decide(SPEC, 2, pods((100, 4), (100, 4)), AutoscalerState(), now=0)
+    assert d.desired == 8 and d.action == "scale_up"
+
+
+def test_steady_load_does_not_flap() -> None:
+    # Demand hovers around the 2/3-replica boundary (needs 2, then 3, then 2, ...).
+    loads = [(5, 3), (6, 4), (4, 3), (7, 4), (5, 3), (6, 4)] * 10
+    ticks = [(t * 15.0, pods(load, (0, 0), (0, 0))) for t, load in enumerate(loads)]
+    decisions = run(SPEC, 3, ticks)
+    assert {d.desired for d in decisions} == {3}
+    assert all(d.action == "hold" for d in decisions)
+
+
+def test_scale_down_waits_for_the_delay() -> None:
+    quiet = pods((0, 1), (0, 0), (0, 0), (0, 0))
+    decisions = run(SPEC, 4, [(0, quiet), (30, quiet), (59, quiet), (60, quiet), (75, quiet)])
+    assert [d.desired for d in decisions] == [4, 4, 4, 1, 1]
+    assert decisions[0].state.low_demand_since == 0
+    assert "59s so far" in decisions[2].reason
+    assert decisions[3].action == "scale_down"
+    assert decisions[3].state == AutoscalerState()  # window closed after reaching the need
+
+
+def test_scale_down_goes_to_the_peak_need_of_the_window() -> None:
+    ticks = [(0, pods((6, 4), (0, 0), (0, 0), (0, 0))),   # needs 3 of 4
+             (30, pods((1, 1), (0, 0), (0, 0), (0, 0))),   # needs 1
+             (60, pods((0, 0), (0, 0), (0, 0), (0, 0)))]   # needs 1, delay over
+    decisions = run(SPEC, 4, ticks)
+    assert decisions[1].state.window_peak == 3
+    assert (decisions[2].action, decisions[2].desired) == ("scale_down", 3)
+
+
+def test_demand_back_at_current_restarts_the_window() -> None:
+    ticks = [(0, pods((0, 0), (0, 0))), (40, pods((4, 4), (0, 0))),
+             (70, pods((0, 0), (0, 0))), (100, pods((0, 0), (0, 0))),
+             (130, pods((0, 0), (0, 0)))]
+    decisions = run(SPEC, 2, ticks)
+    assert [d.desired for d in decisions] == [2, 2, 2, 2, 1]
+    assert decisions[1].state.low_demand_since is None
+    assert decisions[2].state.low_demand_since == 70
+
+
+def test_never_below_busy_replicas() -> None:
+    # Need is 1 (three running requests) but they sit on three different pods.
+    busy = pods((0, 1), (0, 1), (0, 1), (0, 0), (0, 0))
+    decisions = run(SPEC, 5, [(0, busy), (60, busy)])
+    assert (decisions[1].action, decisions[1].desired, decisions[1].busy) == ("scale_down", 3, 3)
+    # The window stays open so the rest goes once those requests finish.
+    assert decisions[1].state.low_demand_since == 0
+    d = decide(SPEC, 3, pods((0, 0), (0, 0), (0, 0)), decisions[1].state, now=61)
+    assert (d.action, d.desired) == ("scale_down", 1)
+
+
+def test_busy_pods_can_block_scale_down_entirely() -> None:
+    busy = pods((0, 1), (0, 1))
+    d = decide(SPEC, 2, busy, AutoscalerState(low_demand_since=0, window_peak=1), now=100)
+    assert (d.action, d.desired) == ("hold", 2)
+    assert "busy" in d.reason
+
+
+def test_unknown_pod_blocks_scale_down_and_restarts_window() -> None:
+    state = AutoscalerState(low_demand_since=0, window_peak=1)
+    d = decide(SPEC, 3, pods((0, 0), None, (0, 0)), state, now=500)
+    assert (d.action, d.desired) == ("hold", 3)
+    assert d.unknown_pods == ("p1",) and d.known_pods == 2
+    assert "unknown" in d.reason
+    assert d.state == AutoscalerState()
+
+
+def test_unknown_pod_does_not_prevent_scale_up() -> None:
+    d = decide(SPEC, 2, pods((12, 4), None), AutoscalerState(), now=0)
+    assert (d.action, d.desired) == ("scale_up", 4)
+    assert d.unknown_pods == ("p1",)
+
+
+def test_all_unknown_holds() -> None:
+    d = decide(SPEC, 4, pods(None, None, None, None), AutoscalerState(), now=0)
+    assert (d.action, d.desired, d.queue_depth) == ("hold", 4, 0)
+
+
+def test_out_of_bounds_current_is_moved_into_range() -> None:
+    spec = AutoscalingSpec(2, 3, 4, 60)
+    assert decide(spec, 1, pods((0, 0)), AutoscalerState(), 0).desired == 2
+    d = decide(spec, 6, pods(*[(0, 1)] * 6), AutoscalerState(), 0)
+    assert (d.action, d.desired) == ("scale_down", 3)  # max wins over busy pods
+
+
+def test_zero_delay_scales_down_on_first_quiet_tick() -> None:
+    spec = AutoscalingSpec(1, 4, 4, 0)
+    d = decide(spec, 4, pods((0, 0), (0, 0), (0, 0), (0, 0)), AutoscalerState(), 10)
+    assert (d.action, d.desired) == ("scale_down", 1)
+
+
+def test_decision_is_pure() -> None:
+    args = (SPEC, 3, pods((1, 1), (0, 0), None), AutoscalerState(5, 2), 30.0)
+    assert decide(*args) == decide(*args)
+
+
+@pytest.mark.parametrize(
+    "field,value,spec",
+    [
+        ("minReplicas", -1, {"minReplicas": -1, "maxReplicas": 2}),
+        ("maxReplicas", 1, {"minReplicas": 3, "maxReplicas": 1}),
+        ("targetQueueDepth", 0, {"targetQueueDepth": 0}),
+        ("scaleDownDelaySeconds", -5, {"scaleDownDelaySeconds": -5}),
+        ("targetQueueDepth", "four", {"targetQueueDepth": "four"}),
+    ],
+)
+def test_bad_spec_names_the_field(field: str, value: object, spec: dict) -> None:
+    with pytest.raises(ValueError, match=field):
+        AutoscalingSpec.from_spec(spec)
+
+
+def test_from_spec_reads_camel_case() -> None:
+    s = AutoscalingSpec.from_spec({"enabled": True, "minReplicas": 1, "maxReplicas": 5,
+                                   "targetQueueDepth": 2, "scaleDownDelaySeconds": 30})
+    assert s == AutoscalingSpec(1, 5, 2.0, 30.0)
