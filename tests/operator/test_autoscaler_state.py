@@ -1,0 +1,67 @@
+"""Saved state and status of the autoscaler, and the choice of pods to read."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvfleet.operator.autoscaler.metrics import PodTarget
+from kvfleet.operator.autoscaler.pods import ready_targets
+from kvfleet.operator.autoscaler.policy import (
+    AutoscalerState,
+    AutoscalingSpec,
+    PodLoad,
+    decide,
+)
+from kvfleet.operator.autoscaler.state import event_message, state_from_status, status_patch
+
+SPEC = AutoscalingSpec(1, 4, 4, 60)
+
+
+def test_state_round_trips_through_status() -> None:
+    d = decide(SPEC, 3, [PodLoad("a", 1, 1), PodLoad("b", 0, 0)], AutoscalerState(), 1_700_000_000)
+    patch = status_patch(d, "scrape")
+    assert state_from_status(patch) == d.state == AutoscalerState(1_700_000_000, 1)
+    auto = patch["autoscaler"]
+    assert auto["desiredReplicas"] == 3
+    assert auto["lastDecision"] == {"action": "hold", "from": 3, "to": 3, "reason": d.reason,
+                                    "time": "2023-11-14T22:13:20Z"}
+    assert auto["inputs"]["queueDepth"] == 2 and auto["inputs"]["podsRead"] == 2
+    assert auto["inputs"]["metricSource"] == "scrape"
+
+
+def test_restart_resumes_the_window() -> None:
+    quiet = [PodLoad("a", 0, 0), PodLoad("b", 0, 0)]
+    first = decide(SPEC, 2, quiet, AutoscalerState(), 100)
+    resumed = state_from_status(status_patch(first, "scrape"))
+    assert decide(SPEC, 2, quiet, resumed, 160).desired == 1
+
+
+def test_missing_or_malformed_state_is_fresh() -> None:
+    assert state_from_status(None) == AutoscalerState()
+    assert state_from_status({"autoscaler": {"state": {"lowDemandSince": "yesterday"}}}) == AutoscalerState()
+    assert state_from_status({"autoscaler": {"state": {"lowDemandSince": 5, "windowPeak": -2}}}) == \
+        AutoscalerState(5.0, 0)
+
+
+def test_unknown_pods_show_in_status_and_event() -> None:
+    d = decide(SPEC, 2, [PodLoad("a", 0, 0), PodLoad("b", None, None, "timeout")], AutoscalerState(), 0)
+    assert status_patch(d, "scrape")["autoscaler"]["inputs"]["podsUnknown"] == ["b"]
+    assert "unknown pods: b" in event_message(d)
+
+
+def pod(name: str, ip: str | None = "127.1.0.5", phase: str = "Running", ready: str = "True",
+        deleting: bool = False, port: int | None = None) -> dict[str, Any]:
+    meta: dict[str, Any] = {"name": name}
+    if deleting:
+        meta["deletionTimestamp"] = "2026-01-01T00:00:00Z"
+    containers = [{"name": "engine", "ports": [{"name": "http", "containerPort": port}] if port else []}]
+    return {"metadata": meta, "spec": {"containers": containers},
+            "status": {"phase": phase, "podIP": ip,
+                       "conditions": [{"type": "Ready", "status": ready}]}}
+
+
+def test_only_ready_pods_are_targets() -> None:
+    pods = [pod("b", port=9000), pod("a"), pod("pending", phase="Pending"), pod("noip", ip=None),
+            pod("unready", ready="False"), pod("gone", deleting=True)]
+    assert ready_targets(pods, default_port=8000) == [
+        PodTarget("a", "127.1.0.5", 8000), PodTarget("b", "127.1.0.5", 9000)]
