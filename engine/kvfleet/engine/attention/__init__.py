@@ -1,0 +1,82 @@
+"""Attention backends. Every backend has the signature of `torch_paged_attention`:
+
+    out = attention(q[T, Hq, D], k[T, Hkv, D], v[T, Hkv, D], kv_cache, attn_metadata, scale) -> [T, Hq, D]
+
+The torch path is registered here. Another backend (e.g. Triton kernels) registers
+itself with `register_attention_backend("triton", fn, device_types=("cuda",))` on
+import; `get_attention_backend` prefers it on those devices. The environment
+variable KVFLEET_ATTENTION_BACKEND (or the `name` argument) forces one by name.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import torch
+
+from kvfleet.engine.attention.metadata import AttentionMetadata, build_attention_metadata
+from kvfleet.engine.attention.torch_attention import torch_paged_attention
+
+logger = logging.getLogger(__name__)
+
+AttentionFn = Callable[..., torch.Tensor]
+
+
+@dataclass(frozen=True)
+class _Backend:
+    name: str
+    fn: AttentionFn
+    device_types: tuple[str, ...]
+    priority: int
+
+
+_BACKENDS: dict[str, _Backend] = {}
+
+
+def register_attention_backend(
+    name: str, fn: AttentionFn, device_types: Iterable[str] = ("cuda",), priority: int = 10
+) -> None:
+    """Make `fn` available; among the backends for a device the highest priority wins by default."""
+    _BACKENDS[name] = _Backend(name, fn, tuple(device_types), priority)
+
+
+register_attention_backend("torch", torch_paged_attention, ("cpu", "cuda"), priority=0)
+
+
+def _load_optional_backends() -> None:
+    # The kernels package registers its backends when imported; it may be absent (e.g. no triton).
+    try:
+        import kvfleet.engine.kernels  # noqa: F401
+    except ImportError:
+        pass
+
+
+def get_attention_backend(device: str | torch.device, name: str | None = None) -> AttentionFn:
+    device_type = torch.device(device).type
+    _load_optional_backends()
+    name = name or os.environ.get("KVFLEET_ATTENTION_BACKEND") or None
+    if name is not None:
+        if name not in _BACKENDS:
+            raise ValueError(f"attention_backend: {name!r} is not one of {sorted(_BACKENDS)}")
+        backend = _BACKENDS[name]
+        if device_type not in backend.device_types:
+            raise ValueError(f"attention_backend: {name!r} does not run on {device_type}")
+        return backend.fn
+    candidates = [b for b in _BACKENDS.values() if device_type in b.device_types]
+    if not candidates:
+        raise ValueError(f"device: no attention backend for {device_type}")
+    best = max(candidates, key=lambda b: b.priority)
+    logger.debug("attention backend %s for %s", best.name, device_type)
+    return best.fn
+
+
+__all__ = [
+    "AttentionMetadata",
+    "build_attention_metadata",
+    "get_attention_backend",
+    "register_attention_backend",
+    "torch_paged_attention",
+]

@@ -1,0 +1,79 @@
+"""The tensor-parallel group of this process (one per process; size 1 when not distributed).
+
+Layers read rank/size from here at construction and call tp_all_reduce /
+tp_all_gather in forward; both are no-ops at size 1, so single-process code never
+touches torch.distributed.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class _TPState:
+    rank: int = 0
+    size: int = 1
+    owns_process_group: bool = False
+
+
+_STATE = _TPState()
+
+
+def init_tensor_parallel(
+    rank: int, world_size: int, init_method: str, backend: str | None = None, device: str | torch.device = "cpu"
+) -> None:
+    """Join the group (gloo on CPU, nccl on CUDA). init_method e.g. tcp://127.0.0.1:29555."""
+    global _STATE
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise ValueError(f"tensor_parallel_size: rank {rank} is outside a group of {world_size}")
+    if world_size == 1:
+        _STATE = _TPState()
+        return
+    backend = backend or ("nccl" if torch.device(device).type == "cuda" else "gloo")
+    owns = False
+    if not dist.is_initialized():
+        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size)
+        owns = True
+    elif dist.get_world_size() != world_size:
+        raise ValueError(f"tensor_parallel_size: {world_size} != torch.distributed world size {dist.get_world_size()}")
+    _STATE = _TPState(rank=rank, size=world_size, owns_process_group=owns)
+    logger.info("tensor parallel rank %d/%d (%s)", rank, world_size, backend)
+
+
+def destroy_tensor_parallel() -> None:
+    global _STATE
+    if _STATE.owns_process_group and dist.is_initialized():
+        dist.destroy_process_group()
+    _STATE = _TPState()
+
+
+def get_tp_rank() -> int:
+    return _STATE.rank
+
+
+def get_tp_size() -> int:
+    return _STATE.size
+
+
+def tp_all_reduce(x: torch.Tensor) -> torch.Tensor:
+    """Sum over ranks (in place when distributed)."""
+    if _STATE.size == 1:
+        return x
+    dist.all_reduce(x)
+    return x
+
+
+def tp_all_gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """Concatenate the ranks' shards along `dim`, in rank order."""
+    if _STATE.size == 1:
+        return x
+    parts = [torch.empty_like(x) for _ in range(_STATE.size)]
+    dist.all_gather(parts, x.contiguous())
+    return torch.cat(parts, dim=dim)
