@@ -1,0 +1,259 @@
+"""Continuous batching with a token budget (vLLM v1 style, no prefill/decode phases).
+
+Each step: running sequences that decode get their one token first, then running
+sequences still in prefill get chunks, then waiting requests (by priority, then
+arrival) are admitted, all within `max_num_batched_tokens` and `max_num_seqs`.
+A request is computed until its computed count catches up with its tokens; a
+chunked prefill falls out of that. When blocks run out, the running sequence with
+the lowest priority / latest arrival is preempted: its blocks are freed and it is
+recomputed later (prefix caching usually makes that cheap). Nothing is lost.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Optional
+
+from kvfleet.engine.core.kv_cache_manager import KVCacheManager
+from kvfleet.engine.core.request import Request, RequestStatus
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ScheduledRequest:
+    request: Request
+    start: int                 # tokens computed before this step (= position of the first new token)
+    num_new_tokens: int
+    block_ids: list[int]       # its block table for this step
+    needs_sample: bool         # this step computes its last token: sample the next one
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.request.all_token_ids[self.start:self.start + self.num_new_tokens]
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    copy_pairs: list[tuple[int, int]] = field(default_factory=list)   # CoW (src, dst), before the forward
+    preempted_req_ids: list[str] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass
+class ModelRunnerOutput:
+    sampled_token_ids: dict[str, int] = field(default_factory=dict)   # request id -> next token
+    logprobs: dict[str, Any] = field(default_factory=dict)            # opaque to the scheduler
+    prompt_logprobs: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class RequestUpdate:
+    request: Request
+    new_token_id: Optional[int]
+    finished: bool
+
+
+class Scheduler:
+    def __init__(self, kv_cache_manager: KVCacheManager, max_num_seqs: int,
+                 max_num_batched_tokens: int, max_model_len: int,
+                 enable_chunked_prefill: bool = True) -> None:
+        self.kv = kv_cache_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.enable_chunked_prefill = enable_chunked_prefill
+        self.waiting: list[Request] = []     # sorted by Request.sort_key()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0
+
+    # --- queue management ----------------------------------------------------------
+    def add_request(self, req: Request) -> None:
+        assert req.request_id not in self.requests, f"duplicate request id {req.request_id}"
+        self.requests[req.request_id] = req
+        req.status = RequestStatus.WAITING
+        self._enqueue(req)
+
+    def _enqueue(self, req: Request) -> None:
+        keys = [r.sort_key() for r in self.waiting]
+        self.waiting.insert(bisect.bisect(keys, req.sort_key()), req)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> list[Request]:
+        """End requests (abort, stop string): their blocks are freed at once."""
+        assert status.is_finished
+        done = []
+        for rid in request_ids:
+            req = self.requests.get(rid)
+            if req is None or req.is_finished:
+                continue
+            if req in self.running:
+                self.running.remove(req)
+            elif req in self.waiting:
+                self.waiting.remove(req)
+            req.status = status
+            self._free(req)
+            done.append(req)
+        return done
+
+    def _free(self, req: Request) -> None:
+        self.kv.free(req)
+        self.requests.pop(req.request_id, None)
+
+    def fork(self, parent: Request, child_id: str, index: int) -> Request:
+        """A new running sequence sharing `parent`'s blocks (copy-on-write later)."""
+        assert parent.status == RequestStatus.RUNNING and child_id not in self.requests
+        child = parent.fork(child_id, index)
+        self.kv.fork(parent, child)
+        self.requests[child_id] = child
+        self.running.insert(self.running.index(parent) + 1, child)
+        return child
+
+    # --- scheduling ----------------------------------------------------------------
+    def _pick_victim(self) -> Request:
+        return max(self.running, key=lambda r: r.sort_key())
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self.kv.free(req)
+        req.num_computed_tokens = 0
+        req.status = RequestStatus.PREEMPTED
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self._enqueue(req)
+        logger.debug("preempted %s (%d tokens)", req.request_id, req.num_tokens)
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.max_num_batched_tokens
+        scheduled: dict[str, int] = {}
+        preempted: list[str] = []
+        # Decodes first, then running prefills (chunks of long prompts).
+        order = sorted(self.running, key=lambda r: 0 if r.is_prefill_done else 1)
+        for req in order:
+            if budget <= 0:
+                break
+            if req.status != RequestStatus.RUNNING:
+                continue  # preempted earlier in this pass
+            n = min(req.num_tokens_to_compute, budget)
+            if n <= 0:
+                continue
+            if not self.enable_chunked_prefill and n < req.num_tokens_to_compute:
+                continue
+            while not self.kv.allocate_slots(req, n):
+                victim = self._pick_victim()
+                self._preempt(victim)
+                preempted.append(victim.request_id)
+                budget += scheduled.pop(victim.request_id, 0)
+                if victim is req:
+                    break
+            else:
+                scheduled[req.request_id] = n
+                budget -= n
+
+        # Admit waiting requests only when nothing had to be preempted this step.
+        while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            req = self.waiting[0]
+            hits, num_hit = self.kv.get_computed_blocks(req) if req.num_computed_tokens == 0 else ([], 0)
+            want = req.compute_target - req.num_computed_tokens - num_hit
+            n = min(want, budget)
+            if not self.enable_chunked_prefill and n < want:
+                break
+            if not self.kv.allocate_slots(req, n, hits):
+                break
+            self.waiting.pop(0)
+            self.kv.record_prefix_lookup(req.num_tokens, num_hit)
+            req.num_computed_tokens += num_hit
+            if req.num_cached_tokens < 0:
+                req.num_cached_tokens = num_hit
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            scheduled[req.request_id] = n
+            budget -= n
+
+        out = SchedulerOutput(copy_pairs=self.kv.take_copies(), preempted_req_ids=preempted)
+        for req in self.running:
+            n = scheduled.get(req.request_id)
+            if n is None:
+                continue
+            start = req.num_computed_tokens
+            req.num_computed_tokens += n
+            out.scheduled.append(ScheduledRequest(
+                request=req, start=start, num_new_tokens=n,
+                block_ids=list(self.kv.get_block_ids(req)),
+                needs_sample=req.num_computed_tokens == req.num_tokens))
+            assert len(self.kv.get_block_ids(req)) * self.kv.block_size >= req.num_computed_tokens
+        assert out.num_batched_tokens <= self.max_num_batched_tokens
+        return out
+
+    # --- results -------------------------------------------------------------------
+    def update_from_output(self, sched: SchedulerOutput, result: ModelRunnerOutput) -> list[RequestUpdate]:
+        """Append sampled tokens, apply token-based stops, free finished sequences."""
+        updates: list[RequestUpdate] = []
+        for s in sched.scheduled:
+            req = s.request
+            if req.status != RequestStatus.RUNNING:
+                continue  # aborted or preempted since
+            self.kv.cache_full_blocks(req)
+            if not s.needs_sample:
+                if req.compute_limit is not None and req.num_tokens_to_compute == 0:
+                    updates.append(RequestUpdate(req, None, False))   # ready to fork
+                continue
+            if req.external_tokens:
+                updates.append(RequestUpdate(req, None, False))       # the engine picks (beam search)
+                continue
+            tok = result.sampled_token_ids[req.request_id]
+            req.append_output_token(tok)
+            self._check_stop(req, tok)
+            if req.is_finished:
+                self.running.remove(req)
+                self._free(req)
+            updates.append(RequestUpdate(req, tok, req.is_finished))
+        return updates
+
+    def _check_stop(self, req: Request, tok: int) -> None:
+        num_out = len(req.output_token_ids)
+        if tok in req.stop_token_ids and num_out > req.min_tokens:
+            req.status, req.stop_reason = RequestStatus.FINISHED_STOPPED, tok
+        elif num_out >= req.max_tokens or req.num_tokens >= self.max_model_len:
+            req.status = RequestStatus.FINISHED_LENGTH
+
+    def append_token(self, req: Request, tok: int) -> bool:
+        """For engine-picked tokens (beam search); True if the sequence finished."""
+        req.append_output_token(tok)
+        self._check_stop(req, tok)
+        if req.is_finished:
+            self.running.remove(req)
+            self._free(req)
+        return req.is_finished
+
+    # --- stats ---------------------------------------------------------------------
+    def stats(self) -> dict[str, Any]:
+        pool = self.kv.pool
+        return {
+            "num_waiting": len(self.waiting),
+            "num_running": len(self.running),
+            "kv_blocks_total": pool.num_blocks,
+            "kv_blocks_used": pool.num_used_blocks,
+            "kv_blocks_cached": pool.num_cached_free_blocks,
+            "kv_cache_usage": pool.num_used_blocks / pool.num_blocks,
+            "prefix_cache_queries": self.kv.prefix_cache_queries,
+            "prefix_cache_hits": self.kv.prefix_cache_hits,
+            "num_preemptions": self.num_preemptions,
+        }

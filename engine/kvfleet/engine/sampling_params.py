@@ -1,0 +1,127 @@
+"""`SamplingParams` with vLLM's field names and defaults.
+
+`validate(vocab_size)` raises `ValueError` naming the field and its limit; the
+engine calls it before a request reaches the scheduler.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import Optional, Union
+
+_GREEDY_EPS = 1e-5  # vLLM treats temperature below this as greedy
+
+
+def _fail(field_name: str, message: str) -> None:
+    raise ValueError(f"{field_name}: {message}")
+
+
+@dataclass
+class SamplingParams:
+    n: int = 1
+    best_of: Optional[int] = None
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
+    early_stopping: Union[bool, str] = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    seed: Optional[int] = None
+    stop: Optional[Union[str, list[str]]] = None
+    stop_token_ids: Optional[list[int]] = None
+    ignore_eos: bool = False
+    max_tokens: Optional[int] = 16
+    min_tokens: int = 0
+    logprobs: Optional[int] = None
+    prompt_logprobs: Optional[int] = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    spaces_between_special_tokens: bool = True
+    # Filled by the engine: all token ids that end a sequence (eos + stop_token_ids).
+    _all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        elif self.stop is None:
+            self.stop = []
+        else:
+            self.stop = list(self.stop)
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.best_of is None:
+            self.best_of = self.n
+        if self.temperature < _GREEDY_EPS and self.temperature >= 0 and not self.use_beam_search:
+            # Greedy: vLLM resets the truncation knobs so they cannot change the argmax.
+            self.top_p, self.top_k, self.min_p = 1.0, -1, 0.0
+
+    # --- derived views -------------------------------------------------------------
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature < _GREEDY_EPS
+
+    @property
+    def beam_width(self) -> int:
+        return max(int(self.best_of or 1), int(self.n))
+
+    @property
+    def num_samples(self) -> int:
+        """How many sequences the engine runs for this request (best_of >= n)."""
+        return self.beam_width
+
+    def clone(self) -> "SamplingParams":
+        return copy.deepcopy(self)
+
+    # --- validation ----------------------------------------------------------------
+    def validate(self, vocab_size: Optional[int] = None) -> "SamplingParams":
+        def is_int(v: object) -> bool:
+            return isinstance(v, int) and not isinstance(v, bool)
+
+        if not is_int(self.n) or self.n < 1:
+            _fail("n", f"must be at least 1, got {self.n!r}")
+        if not is_int(self.best_of) or self.best_of < self.n:
+            _fail("best_of", f"must be an int >= n ({self.n}), got {self.best_of!r}")
+        if self.temperature < 0.0:
+            _fail("temperature", f"must be non-negative, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            _fail("top_p", f"must be in (0, 1], got {self.top_p}")
+        if not is_int(self.top_k) or self.top_k == 0 or self.top_k < -1:
+            _fail("top_k", f"must be -1 (disable) or at least 1, got {self.top_k!r}")
+        if vocab_size is not None and self.top_k > vocab_size:
+            _fail("top_k", f"must be at most the vocabulary size ({vocab_size}), got {self.top_k}")
+        if not 0.0 <= self.min_p <= 1.0:
+            _fail("min_p", f"must be in [0, 1], got {self.min_p}")
+        if not -2.0 <= self.presence_penalty <= 2.0:
+            _fail("presence_penalty", f"must be in [-2, 2], got {self.presence_penalty}")
+        if not -2.0 <= self.frequency_penalty <= 2.0:
+            _fail("frequency_penalty", f"must be in [-2, 2], got {self.frequency_penalty}")
+        if not 0.0 < self.repetition_penalty <= 2.0:
+            _fail("repetition_penalty", f"must be in (0, 2], got {self.repetition_penalty}")
+        if self.max_tokens is not None and (not is_int(self.max_tokens) or self.max_tokens < 1):
+            _fail("max_tokens", f"must be at least 1, got {self.max_tokens!r}")
+        if not is_int(self.min_tokens) or self.min_tokens < 0:
+            _fail("min_tokens", f"must be greater than or equal to 0, got {self.min_tokens!r}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            _fail("min_tokens", f"must be less than or equal to max_tokens={self.max_tokens}, got {self.min_tokens}")
+        if self.logprobs is not None and (not is_int(self.logprobs) or self.logprobs < 0):
+            _fail("logprobs", f"must be non-negative, got {self.logprobs!r}")
+        if self.prompt_logprobs is not None and (not is_int(self.prompt_logprobs) or self.prompt_logprobs < 0):
+            _fail("prompt_logprobs", f"must be non-negative, got {self.prompt_logprobs!r}")
+        for name, val in (("logprobs", self.logprobs), ("prompt_logprobs", self.prompt_logprobs)):
+            if vocab_size is not None and val is not None and val > vocab_size:
+                _fail(name, f"must be at most the vocabulary size ({vocab_size}), got {val}")
+        if self.seed is not None and not is_int(self.seed):
+            _fail("seed", f"must be an int, got {self.seed!r}")
+        assert isinstance(self.stop, list)
+        if any(not isinstance(s, str) or s == "" for s in self.stop):
+            _fail("stop", "must be non-empty strings")
+        for tok in self.stop_token_ids or []:
+            if not is_int(tok) or tok < 0 or (vocab_size is not None and tok >= vocab_size):
+                _fail("stop_token_ids", f"must be token ids in [0, {vocab_size}), got {tok!r}")
+        if not isinstance(self.early_stopping, bool) and self.early_stopping != "never":
+            _fail("early_stopping", f"must be True, False or 'never', got {self.early_stopping!r}")
+        return self
