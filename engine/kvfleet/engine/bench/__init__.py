@@ -1,0 +1,1 @@
+"""Benchmarks: `serve.py` (online, over HTTP), `throughput.py` (offline), `workloads.py` (shared workloads)."""

@@ -1,0 +1,1 @@
+"""The serving process: OpenAI-compatible HTTP API over `AsyncLLM` (`kvfleet serve`)."""

@@ -1,0 +1,165 @@
+"""The FastAPI application: routes, the gate (readiness, draining, API keys), lifespan."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from typing import Any, AsyncIterator, Callable
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from kvfleet.engine.server import protocol as P
+from kvfleet.engine.server.auth import DEFAULT_TENANT, bearer_token, tenant_for
+from kvfleet.engine.server.chat import chat_prompt_ids, create_chat_completion
+from kvfleet.engine.server.completions import create_completion
+from kvfleet.engine.server.errors import APIError, error_body, install_error_handlers
+from kvfleet.engine.server.metrics import CONTENT_TYPE
+from kvfleet.engine.server.serving import check_model
+from kvfleet.engine.server.state import ServerState
+
+logger = logging.getLogger("kvfleet.server")
+
+VERSION = "0.1.0"
+PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
+TENANT_KEY = "kvfleet.tenant"
+ERRORS: dict[int | str, dict[str, Any]] = {code: {"model": P.ErrorResponse} for code in (400, 401, 404, 429, 503)}
+
+
+class Gate:
+    """ASGI middleware (not BaseHTTPMiddleware, which breaks disconnect detection on streams):
+    engine routes need a loaded model, a valid key, and a server that is not draining."""
+
+    def __init__(self, app: ASGIApp, state: ServerState) -> None:
+        self.app = app
+        self.state = state
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or not scope["path"].startswith(PROTECTED_PREFIXES):
+            await self.app(scope, receive, send)
+            return
+        st = self.state
+        tenant = DEFAULT_TENANT
+        if st.keys is not None:
+            headers = dict(scope.get("headers") or [])
+            raw = headers.get(b"authorization")
+            found = tenant_for(bearer_token(raw.decode("latin-1") if raw else None), st.keys)
+            if found is None:
+                await self._reject(scope, receive, send, 401, "Missing or invalid API key "
+                                   "(send `Authorization: Bearer <key>`).", "invalid_api_key",
+                                   {"WWW-Authenticate": "Bearer"})
+                return
+            tenant = found
+        if st.draining:
+            st.metrics.observe_rejected(tenant, "draining")
+            await self._reject(scope, receive, send, 503, "The server is shutting down; retry on another replica.",
+                               "draining", {"Retry-After": "1", "Connection": "close"})
+            return
+        if not st.ready:
+            await self._reject(scope, receive, send, 503, "The model is still loading; retry shortly.",
+                               "loading", {"Retry-After": "5"})
+            return
+        scope[TENANT_KEY] = tenant
+        await self.app(scope, receive, send)
+
+    @staticmethod
+    async def _reject(scope: Scope, receive: Receive, send: Send, status: int, message: str, code: str,
+                      headers: dict[str, str]) -> None:
+        await JSONResponse(error_body(status, message, code=code), status_code=status,
+                           headers=headers)(scope, receive, send)
+
+
+def _tenant(request: Request) -> str:
+    return str(request.scope.get(TENANT_KEY, DEFAULT_TENANT))
+
+
+def build_app(state: ServerState, load_engine: Callable[[], Any] | None = None) -> FastAPI:
+    """`load_engine` (blocking) builds the AsyncLLM; it runs in a thread after the server starts
+    listening, so /health answers 503 while the model loads."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        task = asyncio.create_task(_load(state, load_engine)) if load_engine is not None else None
+        try:
+            yield
+        finally:
+            if task is not None and not task.done():
+                task.cancel()
+            if state.engine is not None:
+                await state.engine.shutdown()
+
+    app = FastAPI(title="kvfleet", version=VERSION, lifespan=lifespan,
+                  description="OpenAI-compatible API of a kvfleet engine.")
+    install_error_handlers(app)
+    app.add_middleware(Gate, state=state)
+
+    @app.get("/health", responses={503: {"model": P.ErrorResponse}})
+    async def health() -> Response:
+        if state.ready and not state.draining:
+            return JSONResponse({"status": "ok"})
+        status = "draining" if state.draining else ("failed" if state.load_error else "loading")
+        return JSONResponse(error_body(503, f"not ready: {status}", code=status), status_code=503)
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": VERSION}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(state.metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.get("/v1/models", response_model=P.ModelList, responses=ERRORS)
+    async def models() -> dict[str, Any]:
+        card = P.ModelCard(id=state.model_name, root=state.model_path, max_model_len=state.max_model_len)
+        return P.dump(P.ModelList(data=[card]))
+
+    @app.post("/v1/completions", response_model=P.CompletionResponse, responses=ERRORS)
+    async def completions(req: P.CompletionRequest, request: Request) -> Response:
+        return await create_completion(state, req, request, _tenant(request))
+
+    @app.post("/v1/chat/completions", response_model=P.ChatCompletionResponse, responses=ERRORS)
+    async def chat_completions(req: P.ChatCompletionRequest, request: Request) -> Response:
+        return await create_chat_completion(state, req, request, _tenant(request))
+
+    @app.post("/tokenize", response_model=P.TokenizeResponse, responses=ERRORS)
+    async def tokenize(req: P.TokenizeRequest) -> dict[str, Any]:
+        check_model(state, req.model)
+        if req.messages is not None:
+            ids = chat_prompt_ids(state, req.messages, req.add_generation_prompt)
+        else:
+            ids = list(state.tokenizer.encode(req.prompt or "", add_special_tokens=req.add_special_tokens))
+        return {"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids}
+
+    @app.post("/detokenize", response_model=P.DetokenizeResponse, responses=ERRORS)
+    async def detokenize(req: P.DetokenizeRequest) -> dict[str, Any]:
+        check_model(state, req.model)
+        bad = next((t for t in req.tokens if t >= state.vocab_size), None)
+        if bad is not None:
+            raise APIError(400, f"tokens: token id {bad} is outside the vocabulary [0, {state.vocab_size})",
+                           "tokens", "invalid_value")
+        return {"prompt": state.tokenizer.decode(req.tokens)}
+
+    return app
+
+
+async def _load(state: ServerState, load_engine: Callable[[], Any]) -> None:
+    try:
+        state.engine = await asyncio.to_thread(load_engine)
+        await _warm_up(state)
+    except Exception as exc:
+        state.load_error = f"{exc.__class__.__name__}: {exc}"
+        logger.exception("model load failed")
+        return
+    state.ready = True
+    logger.info("model ready", extra={"model": state.model_name, "max_model_len": state.max_model_len})
+
+
+async def _warm_up(state: ServerState) -> None:
+    """Run one real step (one token) so /health is 200 only when the engine can serve."""
+    from kvfleet.engine.sampling_params import SamplingParams
+
+    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    async for _ in state.engine.generate({"prompt_token_ids": [0]}, params, "warmup"):
+        pass

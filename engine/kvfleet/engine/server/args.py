@@ -1,0 +1,143 @@
+"""Flags of `kvfleet serve`, named like `vllm serve`, each also read from `KVFLEET_<FLAG>`.
+
+Pure argparse: nothing heavy is imported here so `kvfleet --help` stays fast. The
+operator configures pods through the environment variables, so every flag has one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+ENV_PREFIX = "KVFLEET_"
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off", ""}
+
+
+def env_name(flag: str) -> str:
+    """`--max-num-seqs` -> `KVFLEET_MAX_NUM_SEQS`."""
+    return ENV_PREFIX + flag.lstrip("-").replace("-", "_").upper()
+
+
+def parse_bool(text: str, name: str) -> bool:
+    low = text.strip().lower()
+    if low in _TRUE:
+        return True
+    if low in _FALSE:
+        return False
+    raise ValueError(f"{name}: expected a boolean (true/false), got {text!r}")
+
+
+@dataclass(frozen=True)
+class Flag:
+    name: str
+    help: str
+    type: Callable[[str], Any] | None = str
+    default: Any = None
+    choices: tuple[str, ...] | None = None
+    boolean: bool = False  # --x / --no-x
+    metavar: str | None = None
+
+
+SERVE_FLAGS: tuple[Flag, ...] = (
+    Flag("--host", "Address to listen on.", default="0.0.0.0"),
+    Flag("--port", "Port to listen on.", type=int, default=8000),
+    Flag("--served-model-name", "Model name clients send in the `model` field and see in /v1/models "
+         "(default: MODEL as given, or SmolLM2-135M-Instruct for the embedded model).", metavar="NAME"),
+    Flag("--tokenizer", "Tokenizer path if it differs from the model's.", metavar="PATH"),
+    Flag("--device", "Device to run the model on; auto picks CUDA when present.", default="auto",
+         choices=("auto", "cuda", "cpu")),
+    Flag("--dtype", "Weight and activation dtype; auto = the model's (bfloat16 on GPU, float32 on CPU).",
+         default="auto", choices=("auto", "float32", "float16", "bfloat16", "half", "float")),
+    Flag("--tensor-parallel-size", "Number of GPUs to shard the model over.", type=int, default=1),
+    Flag("--max-model-len", "Context length (prompt + output tokens); default: the model's.", type=int,
+         metavar="N"),
+    Flag("--gpu-memory-utilization", "Fraction of GPU memory the engine may use (weights + KV cache).",
+         type=float, default=0.9),
+    Flag("--max-num-seqs", "Most sequences batched in one step.", type=int, metavar="N"),
+    Flag("--max-num-batched-tokens", "Token budget of one step (chunked prefill).", type=int, metavar="N"),
+    Flag("--block-size", "Tokens per KV-cache block.", type=int, default=16),
+    Flag("--enable-prefix-caching", "Reuse KV blocks of shared prompt prefixes.", boolean=True, default=True),
+    Flag("--enforce-eager", "Never capture CUDA graphs.", boolean=True, default=False),
+    Flag("--seed", "Engine random seed.", type=int, default=0),
+    Flag("--load-format", "auto: read the weights; dummy: random weights of the right shapes (benchmarks).",
+         default="auto", choices=("auto", "dummy")),
+    Flag("--chat-template", "Jinja chat template file overriding the tokenizer's.", metavar="FILE"),
+    Flag("--api-key", "Single API key clients must send as `Authorization: Bearer KEY` (tenant `default`).",
+         metavar="KEY"),
+    Flag("--api-keys-file", "YAML or JSON file mapping API key -> tenant name; requests without a listed "
+         "key get 401 and the tenant labels the request metrics.", metavar="FILE"),
+    Flag("--max-queue-len", "Most requests waiting for their first token; beyond it a request gets 429 with "
+         "Retry-After.", type=int, metavar="N"),
+    Flag("--shutdown-grace-period", "Seconds running requests may take to finish after SIGTERM (new ones "
+         "get 503).", type=float, default=30.0, metavar="SECONDS"),
+    Flag("--log-level", "Log level of kvfleet and uvicorn.", default="info",
+         choices=("debug", "info", "warning", "error")),
+    Flag("--disable-log-requests", "Do not log one line per finished request.", boolean=True, default=False),
+)
+
+
+def _env_default(flag: Flag, env: Mapping[str, str]) -> Any:
+    name = env_name(flag.name)
+    if name not in env:
+        return flag.default
+    raw = env[name]
+    try:
+        if flag.boolean:
+            return parse_bool(raw, name)
+        value = flag.type(raw) if flag.type else raw
+    except (ValueError, argparse.ArgumentTypeError) as exc:
+        raise SystemExit(f"kvfleet: error: environment variable {name}={raw!r} is invalid: {exc}") from exc
+    if flag.choices and value not in flag.choices:
+        raise SystemExit(f"kvfleet: error: environment variable {name}={raw!r} is not one of {flag.choices}")
+    return value
+
+
+def add_serve_args(parser: argparse.ArgumentParser, env: Mapping[str, str] | None = None) -> None:
+    """Add the serve flags; a set environment variable replaces the built-in default."""
+    env = os.environ if env is None else env
+    parser.add_argument("model", nargs="?", default=env.get(env_name("--model")),
+                        help="Model: an HF folder, a .gguf file or a config-only folder with --load-format "
+                             "dummy (env KVFLEET_MODEL; default: the embedded SmolLM2-135M-Instruct GGUF).")
+    for flag in SERVE_FLAGS:
+        default = _env_default(flag, env)
+        help_text = f"{flag.help} (env {env_name(flag.name)}; default: %(default)s)"
+        dest = flag.name.lstrip("-").replace("-", "_")
+        if flag.boolean:
+            parser.add_argument(flag.name, dest=dest, action=argparse.BooleanOptionalAction, default=default,
+                                help=help_text)
+        else:
+            parser.add_argument(flag.name, dest=dest, type=flag.type, default=default, choices=flag.choices,
+                                metavar=flag.metavar, help=help_text)
+
+
+def check_serve_args(args: argparse.Namespace) -> None:
+    """Cross-flag rules argparse cannot express; raises ValueError naming the flag."""
+    if args.api_key and args.api_keys_file:
+        raise ValueError("--api-key and --api-keys-file are exclusive")
+    for name in ("port", "tensor_parallel_size", "block_size"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+    for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "max_queue_len"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+    if not 0 < args.gpu_memory_utilization <= 1:
+        raise ValueError("--gpu-memory-utilization must be in (0, 1]")
+    if args.shutdown_grace_period < 0:
+        raise ValueError("--shutdown-grace-period must be >= 0")
+
+
+_ENGINE_KWARGS = ("tokenizer", "device", "dtype", "max_model_len",
+                  "gpu_memory_utilization", "max_num_seqs", "max_num_batched_tokens", "block_size",
+                  "enable_prefix_caching", "enforce_eager", "seed", "load_format")
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """The `AsyncLLM(model, **kwargs)` arguments; unset optional flags are left to the engine."""
+    kwargs = {k: getattr(args, k) for k in _ENGINE_KWARGS if getattr(args, k) is not None}
+    if args.tensor_parallel_size != 1:  # only passed when asked for: the single-GPU engine has no such knob
+        kwargs["tensor_parallel_size"] = args.tensor_parallel_size
+    return kwargs

@@ -1,0 +1,115 @@
+"""POST /v1/chat/completions: the tokenizer's chat template, then one engine request with `n` choices."""
+
+from __future__ import annotations
+
+import time
+from typing import Any, AsyncIterator
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from kvfleet.engine.server.errors import APIError, error_body
+from kvfleet.engine.server.generation import ClientGone, last_outputs, merge_streams, new_request_id, stream_request
+from kvfleet.engine.server.logprobs import chat_logprobs
+from kvfleet.engine.server.protocol import ChatCompletionRequest, ChatMessage
+from kvfleet.engine.server.serving import (SSE_DONE, ManagedStream, build_params, check_model, release_all, sse,
+                                           take_tickets, usage)
+from kvfleet.engine.server.state import ServerState, logger
+
+
+def chat_prompt_ids(state: ServerState, messages: list[ChatMessage], add_generation_prompt: bool) -> list[int]:
+    """Render the chat template and tokenize it (the template already holds any BOS token)."""
+    conversation = [{"role": m.role, "content": m.text()} for m in messages]
+    try:
+        text = state.render_chat(conversation, add_generation_prompt)
+    except Exception as exc:  # a template may raise for conversations it does not support
+        raise APIError(400, f"messages: the chat template cannot render this conversation: {exc}", "messages",
+                       "invalid_messages") from None
+    return list(state.tokenizer.encode(text, add_special_tokens=False))
+
+
+def _logprobs(state: ServerState, req: ChatCompletionRequest, token_ids: list[int],
+              positions: Any) -> dict[str, Any] | None:
+    if not req.logprobs:
+        return None
+    return {"content": chat_logprobs(token_ids, positions, req.top_logprobs or 0, state.decode_one)}
+
+
+async def create_chat_completion(state: ServerState, req: ChatCompletionRequest, request: Request,
+                                 tenant: str) -> Response:
+    model = check_model(state, req.model)
+    ids = chat_prompt_ids(state, req.messages, req.add_generation_prompt)
+    requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    max_field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+    logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    params = build_params(state, req, ids, requested, "messages", max_field, logprobs)
+    tickets = take_tickets(state, 1, tenant)
+    request_id = new_request_id("chatcmpl")
+    streams = [stream_request(state, tickets[0], ids, params, request_id, tenant)]
+    created = int(time.time())
+    if req.stream:
+        return ManagedStream(_stream(state, req, streams, request_id, model, created),
+                             on_close=lambda: release_all(tickets))
+    try:
+        (out,) = await last_outputs(streams, request)
+    except ClientGone:
+        return Response(status_code=499)
+    finally:
+        release_all(tickets)
+    choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
+                "logprobs": _logprobs(state, req, c.token_ids, c.logprobs),
+                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason} for c in out.outputs]
+    completion_tokens = sum(len(c.token_ids) for c in out.outputs)
+    return JSONResponse({"id": request_id, "object": "chat.completion", "created": created, "model": model,
+                         "choices": choices, "usage": usage(len(out.prompt_token_ids), completion_tokens)})
+
+
+def _chunk(request_id: str, model: str, created: int, choices: list[dict[str, Any]]) -> dict[str, Any]:
+    return {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model,
+            "choices": choices}
+
+
+async def _stream(state: ServerState, req: ChatCompletionRequest, streams: list[AsyncIterator[Any]],
+                  request_id: str, model: str, created: int) -> AsyncIterator[str]:
+    sent_text: dict[int, int] = {}
+    sent_tokens: dict[int, int] = {}
+    finished: set[int] = set()
+    prompt_tokens = 0
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    continuous = bool(include_usage and req.stream_options and req.stream_options.continuous_usage_stats)
+    try:
+        # The first chunk of every choice carries the role, as OpenAI's does.
+        yield sse(_chunk(request_id, model, created, [
+            {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+            for i in range(req.n)]))
+        async for _, out in merge_streams(streams):
+            prompt_tokens = len(out.prompt_token_ids)
+            for c in out.outputs:
+                if c.index in finished:
+                    continue
+                start_tok = sent_tokens.get(c.index, 0)
+                delta = c.text[sent_text.get(c.index, 0):]
+                new_ids = c.token_ids[start_tok:]
+                if not delta and not new_ids and c.finish_reason is None:
+                    continue
+                sent_text[c.index], sent_tokens[c.index] = len(c.text), len(c.token_ids)
+                if c.finish_reason is not None:
+                    finished.add(c.index)
+                positions = (c.logprobs or [])[start_tok:]
+                chunk = _chunk(request_id, model, created, [{
+                    "index": c.index, "delta": {"content": delta} if delta or new_ids else {},
+                    "logprobs": _logprobs(state, req, new_ids, positions),
+                    "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}])
+                if continuous:
+                    chunk["usage"] = usage(prompt_tokens, sum(sent_tokens.values()))
+                yield sse(chunk)
+        if include_usage:
+            final = _chunk(request_id, model, created, [])
+            final["usage"] = usage(prompt_tokens, sum(sent_tokens.values()))
+            yield sse(final)
+    except APIError as exc:
+        yield sse(error_body(exc.status, exc.message, exc.param, exc.code))
+    except Exception:
+        logger.exception("chat stream %s failed", request_id)
+        yield sse(error_body(500, "Internal error while streaming", code="internal_error"))
+    yield SSE_DONE

@@ -1,0 +1,127 @@
+"""OpenAI-style errors: every failure answers `{"error": {"message", "type", "param", "code"}}`.
+
+What a client sent is never a 500: validation errors become 400 naming the field; the
+catch-all handler exists only for our own bugs (and logs them).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Mapping, Sequence
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+logger = logging.getLogger("kvfleet.server")
+
+_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "invalid_request_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    415: "invalid_request_error",
+    422: "invalid_request_error",
+    429: "rate_limit_error",
+    500: "server_error",
+    503: "service_unavailable",
+}
+
+
+class APIError(Exception):
+    """An error the server answers on purpose."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 headers: Mapping[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.headers = dict(headers or {})
+
+
+def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": _TYPES.get(status, "invalid_request_error"),
+                      "param": param, "code": code}}
+
+
+def error_response(err: APIError) -> JSONResponse:
+    return JSONResponse(error_body(err.status, err.message, err.param, err.code), status_code=err.status,
+                        headers=err.headers)
+
+
+def _loc_text(loc: Sequence[Any]) -> str:
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        else:
+            out += f".{part}" if out else str(part)
+    return out
+
+
+def describe_validation_errors(errors: Sequence[Mapping[str, Any]]) -> tuple[str, str | None, str]:
+    """(message, param, code) for pydantic/FastAPI errors: the first error names the field."""
+    if not errors:
+        return "Invalid request", None, "invalid_request"
+    first = errors[0]
+    loc = [p for p in first.get("loc", ()) if p != "body"]
+    kind = str(first.get("type", ""))
+    if kind == "json_invalid":
+        return "Malformed JSON body: " + str(first.get("ctx", {}).get("error", first.get("msg", ""))), None, \
+            "invalid_json"
+    if not loc and kind == "missing":
+        return "Request body is required (a JSON object)", None, "missing_body"
+    msg = str(first.get("msg", "invalid value"))
+    if not loc and kind == "value_error":
+        # model validators write "field: reason"; lift the field into `param`.
+        text = msg.removeprefix("Value error, ")
+        field, sep, reason = text.partition(": ")
+        if sep and field.isidentifier():
+            return f"{field}: {reason}", field, "invalid_value"
+        return text, None, "invalid_value"
+    param = str(loc[0]) if loc else None
+    where = _loc_text(loc) or "body"
+    if kind == "extra_forbidden":
+        return f"Unknown field '{where}'", param, "unknown_field"
+    if kind == "missing":
+        return f"Missing required field '{where}'", param, "missing_field"
+    return f"Invalid value for '{where}': {msg}", param, "invalid_value"
+
+
+def value_error_param(message: str, fields: Sequence[str]) -> str | None:
+    """The request field an engine `ValueError` message names, if any (it starts with or quotes it)."""
+    head = message.split(":", 1)[0].strip().strip("'\"`")
+    if head in fields:
+        return head
+    for name in fields:
+        if f"'{name}'" in message or f"`{name}`" in message or message.startswith(name + " "):
+            return name
+    return None
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
+        return error_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+        message, param, code = describe_validation_errors(exc.errors())
+        return JSONResponse(error_body(400, message, param, code), status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        message = str(exc.detail) if exc.detail else "HTTP error"
+        if exc.status_code == 404:
+            message = "Not found: no such route"
+        return JSONResponse(error_body(exc.status_code, message), status_code=exc.status_code,
+                            headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        logger.exception("internal error on %s %s", request.method, request.url.path)
+        return JSONResponse(error_body(500, "Internal server error", code="internal_error"), status_code=500)

@@ -1,0 +1,146 @@
+"""Running engine requests for HTTP handlers: admission bookkeeping, metrics, aborts.
+
+A request whose consumer goes away (client disconnect, cancelled task) is aborted in
+the engine at once, so its KV blocks are freed; the abort runs shielded because the
+cancellation that triggered it would otherwise cancel the abort too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+import uuid
+from typing import Any, AsyncIterator, Sequence, TypeVar
+
+import anyio
+from starlette.requests import Request
+
+from kvfleet.engine.server.errors import APIError, value_error_param
+from kvfleet.engine.server.limits import Ticket
+from kvfleet.engine.server.state import ServerState, logger
+
+T = TypeVar("T")
+
+REQUEST_FIELDS = ("prompt", "messages", "n", "temperature", "top_p", "top_k", "min_p", "max_tokens",
+                  "max_completion_tokens", "stop", "stop_token_ids", "seed", "presence_penalty",
+                  "frequency_penalty", "repetition_penalty", "logprobs", "top_logprobs", "min_tokens",
+                  "prompt_logprobs", "best_of")
+
+
+class ClientGone(Exception):
+    """The client disconnected before the response was ready."""
+
+
+def new_request_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def finish_reason_of(out: Any) -> str:
+    reasons = [o.finish_reason for o in out.outputs if o.finish_reason]
+    return reasons[0] if reasons else "abort"
+
+
+async def stream_request(state: ServerState, ticket: Ticket, prompt_ids: list[int], params: Any,
+                         request_id: str, tenant: str) -> AsyncIterator[Any]:
+    """`engine.generate` with bookkeeping: queue count until the first output, ITL, finish metrics."""
+    engine = state.engine
+    finished, rejected = False, False
+    last: Any = None
+    prev_tokens, last_time = 0, None
+    try:
+        try:
+            async for out in engine.generate({"prompt_token_ids": prompt_ids}, params, request_id):
+                now = time.monotonic()
+                ticket.started()
+                tokens = max((len(o.token_ids) for o in out.outputs), default=0)
+                if tokens > prev_tokens:
+                    if last_time is not None:
+                        state.metrics.observe_itl(now - last_time, tokens - prev_tokens)
+                    prev_tokens, last_time = tokens, now
+                last = out
+                finished = bool(out.finished)
+                yield out
+        except ValueError as exc:
+            if last is not None:
+                raise
+            rejected = True
+            message = str(exc)
+            raise APIError(400, message, value_error_param(message, REQUEST_FIELDS), "invalid_value") from None
+    finally:
+        ticket.release()
+        if not rejected:
+            if not finished:
+                with anyio.CancelScope(shield=True):
+                    await engine.abort(request_id)
+            reason = finish_reason_of(last) if finished and last is not None else "abort"
+            state.metrics.observe_finished(tenant, reason, getattr(last, "metrics", None))
+            if state.log_requests:
+                logger.info("request finished", extra={"request_id": request_id, "tenant": tenant,
+                                                       "finish_reason": reason, "output_tokens": prev_tokens})
+
+
+async def merge_streams(streams: Sequence[AsyncIterator[T]]) -> AsyncIterator[tuple[int, T]]:
+    """Interleave several streams as items arrive, tagged with the stream's index."""
+    if len(streams) == 1:
+        async with contextlib.aclosing(streams[0]) as only:  # closing it aborts the engine request now
+            async for item in only:
+                yield 0, item
+        return
+    queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
+    done = object()
+
+    async def pump(i: int, stream: AsyncIterator[T]) -> None:
+        try:
+            async for item in stream:
+                await queue.put((i, item))
+            await queue.put((i, done))
+        except Exception as exc:  # handed to the consumer, which re-raises it
+            await queue.put((i, exc))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    remaining = len(tasks)
+    try:
+        while remaining:
+            i, item = await queue.get()
+            if item is done:
+                remaining -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for task in tasks:  # their own finally blocks abort the engine requests
+            task.cancel()
+
+
+async def wait_for_disconnect(request: Request) -> None:
+    """Returns when the client closes the connection (the request body is already read)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def last_outputs(streams: Sequence[AsyncIterator[Any]], request: Request) -> list[Any]:
+    """The final output of each stream; raises ClientGone (after aborting) if the client leaves."""
+
+    async def consume() -> list[Any]:
+        finals: list[Any] = [None] * len(streams)
+        async for i, out in merge_streams(streams):
+            finals[i] = out
+        return finals
+
+    work = asyncio.create_task(consume())
+    watcher = asyncio.create_task(wait_for_disconnect(request))
+    try:
+        done, _ = await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not work.done():
+            work.cancel()
+            with anyio.CancelScope(shield=True):
+                await asyncio.gather(work, return_exceptions=True)
+        watcher.cancel()
+    if work in done:
+        return work.result()
+    raise ClientGone()

@@ -1,0 +1,120 @@
+"""Pure decisions about a request: token limits, sampling parameters, admission.
+
+Everything here is a plain function of its arguments, so the rules are tested
+without a server; the handlers turn a `RequestError` into a 400 naming the field.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+from kvfleet.engine.server.protocol import SamplingFields
+
+
+class RequestError(ValueError):
+    def __init__(self, message: str, param: str | None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+
+
+def check_prompt_ids(ids: Sequence[int], vocab_size: int, field: str) -> None:
+    if not ids:
+        raise RequestError(f"{field}: the prompt is empty (it must hold at least one token)", field)
+    bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise RequestError(f"{field}: token id {bad} is outside the vocabulary [0, {vocab_size})", field)
+
+
+def resolve_max_tokens(requested: int | None, prompt_len: int, max_model_len: int,
+                       prompt_field: str, max_field: str) -> int:
+    """The output budget; a prompt or request that cannot fit the context is an error (like vLLM)."""
+    if prompt_len >= max_model_len:
+        raise RequestError(
+            f"{prompt_field}: this model's maximum context length is {max_model_len} tokens, but the prompt has "
+            f"{prompt_len} tokens (no room for output)", prompt_field)
+    room = max_model_len - prompt_len
+    if requested is None:
+        return room
+    if requested > room:
+        raise RequestError(
+            f"{max_field}: this model's maximum context length is {max_model_len} tokens; you requested "
+            f"{prompt_len + requested} tokens ({prompt_len} in the prompt, {requested} for the output)", max_field)
+    return requested
+
+
+def sampling_kwargs(req: SamplingFields, max_tokens: int, logprobs: int | None,
+                    prompt_logprobs: int | None = None) -> dict[str, Any]:
+    """`SamplingParams(**kwargs)` for a request; unset OpenAI fields keep the engine's defaults."""
+    kwargs: dict[str, Any] = {
+        "n": req.n,
+        "max_tokens": max_tokens,
+        "min_tokens": min(req.min_tokens, max_tokens),
+        "stop": [req.stop] if isinstance(req.stop, str) else list(req.stop or []),
+        "stop_token_ids": list(req.stop_token_ids or []),
+        "seed": req.seed,
+        "ignore_eos": req.ignore_eos,
+        "skip_special_tokens": req.skip_special_tokens,
+        "include_stop_str_in_output": req.include_stop_str_in_output,
+        "logprobs": logprobs,
+        "prompt_logprobs": prompt_logprobs,
+    }
+    if req.min_tokens > max_tokens:
+        raise RequestError(f"min_tokens: must be <= max_tokens ({max_tokens}), got {req.min_tokens}", "min_tokens")
+    for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
+        value = getattr(req, name)
+        if value is not None:
+            kwargs[name] = float(value)
+    if req.top_k is not None:
+        kwargs["top_k"] = -1 if req.top_k == 0 else req.top_k  # 0 means "disabled", as in vLLM/OpenAI SDKs
+    if any(s == "" for s in kwargs["stop"]):
+        raise RequestError("stop: stop strings must be non-empty", "stop")
+    return kwargs
+
+
+@dataclass
+class Admission:
+    """Counts of accepted requests: `waiting` = no first output yet, `inflight` = not finished."""
+
+    waiting: int = 0
+    inflight: int = 0
+
+    def ticket(self) -> "Ticket":
+        return Ticket(self)
+
+
+class Ticket:
+    """One accepted engine request's place in the counts, taken synchronously when the handler
+    admits it (so concurrent handlers see each other) and released exactly once."""
+
+    def __init__(self, admission: Admission) -> None:
+        self._admission = admission
+        self._waiting = True
+        self._open = True
+        admission.waiting += 1
+        admission.inflight += 1
+
+    def started(self) -> None:
+        if self._waiting:
+            self._waiting = False
+            self._admission.waiting -= 1
+
+    def release(self) -> None:
+        self.started()
+        if self._open:
+            self._open = False
+            self._admission.inflight -= 1
+
+
+def admit(waiting: int, incoming: int, max_queue_len: int | None) -> bool:
+    """May `incoming` more requests join a queue of `waiting`? A lone request is never refused
+    when the queue is empty, so a batch larger than the limit still runs on an idle server."""
+    if max_queue_len is None:
+        return True
+    return waiting == 0 or waiting + incoming <= max_queue_len
+
+
+def retry_after_seconds(waiting: int, max_queue_len: int) -> int:
+    """A hint for 429's Retry-After: longer the further over the limit we are (1..30 s)."""
+    return max(1, min(30, 1 + waiting // max(1, max_queue_len)))

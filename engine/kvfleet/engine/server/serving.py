@@ -1,0 +1,95 @@
+"""Steps shared by the completion and chat handlers: model check, parameters, admission, SSE."""
+
+from __future__ import annotations
+
+import json
+from typing import Any, AsyncIterator, Callable, Sequence
+
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from kvfleet.engine.sampling_params import SamplingParams
+from kvfleet.engine.server.errors import APIError
+from kvfleet.engine.server.limits import (RequestError, Ticket, admit, check_prompt_ids, resolve_max_tokens,
+                                          retry_after_seconds, sampling_kwargs)
+from kvfleet.engine.server.protocol import SamplingFields
+from kvfleet.engine.server.state import ServerState
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+def sse(payload: dict[str, Any]) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+def check_model(state: ServerState, model: str | None) -> str:
+    """The served name; a request naming another model gets 404 (as OpenAI and vLLM answer)."""
+    if model is not None and model != state.model_name:
+        raise APIError(404, f"The model `{model}` does not exist; this server serves `{state.model_name}`.",
+                       "model", "model_not_found")
+    return state.model_name
+
+
+def build_params(state: ServerState, req: SamplingFields, prompt_ids: list[int], requested_max: int | None,
+                 prompt_field: str, max_field: str, logprobs: int | None,
+                 prompt_logprobs: int | None = None) -> SamplingParams:
+    """Validated SamplingParams for one prompt; any problem is a 400 naming the field."""
+    try:
+        check_prompt_ids(prompt_ids, state.vocab_size, prompt_field)
+        max_tokens = resolve_max_tokens(requested_max, len(prompt_ids), state.max_model_len, prompt_field,
+                                        max_field)
+        kwargs = sampling_kwargs(req, max_tokens, logprobs, prompt_logprobs)
+        return SamplingParams(**kwargs).validate(state.vocab_size)
+    except RequestError as exc:
+        raise APIError(400, exc.message, exc.param, "invalid_value") from None
+    except ValueError as exc:  # SamplingParams.validate: "field: reason"
+        message = str(exc)
+        field = message.split(":", 1)[0].strip()
+        raise APIError(400, message, field if field.isidentifier() else None, "invalid_value") from None
+
+
+def take_tickets(state: ServerState, count: int, tenant: str) -> list[Ticket]:
+    """Admit `count` engine requests or answer 429 (queue full) / 503 (draining)."""
+    if state.draining:
+        state.metrics.observe_rejected(tenant, "draining")
+        raise APIError(503, "The server is shutting down; retry on another replica.", code="draining",
+                       headers={"Retry-After": "1", "Connection": "close"})
+    waiting = state.admission.waiting
+    if not admit(waiting, count, state.max_queue_len):
+        state.metrics.observe_rejected(tenant, "queue_full")
+        assert state.max_queue_len is not None
+        retry = retry_after_seconds(waiting, state.max_queue_len)
+        raise APIError(429, f"Too many requests waiting ({waiting} queued, limit {state.max_queue_len}); "
+                            f"retry after {retry} s.", code="queue_full", headers={"Retry-After": str(retry)})
+    return [state.admission.ticket() for _ in range(count)]
+
+
+def release_all(tickets: Sequence[Ticket]) -> None:
+    for ticket in tickets:
+        ticket.release()
+
+
+class ManagedStream(StreamingResponse):
+    """A StreamingResponse that runs `on_close` however it ends, even if the body never started
+    (a client that leaves before the first byte)."""
+
+    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None]) -> None:
+        super().__init__(content, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self._on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            try:
+                aclose = getattr(self.body_iterator, "aclose", None)
+                if aclose is not None:
+                    await aclose()
+            finally:
+                self._on_close()
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}

@@ -1,0 +1,62 @@
+"""What the HTTP handlers share: the engine once loaded, the keys, the metrics, and the
+readiness / draining flags that /health and the middleware read."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from kvfleet.engine.server.limits import Admission
+from kvfleet.engine.server.metrics import ServerMetrics
+
+logger = logging.getLogger("kvfleet.server")
+
+# Used when the tokenizer has none: ChatML, the format of SmolLM2 and Qwen.
+FALLBACK_CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + "
+    "'<|im_end|>' + '\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+@dataclass
+class ServerState:
+    model_name: str
+    model_path: str
+    keys: Mapping[str, str] | None
+    max_queue_len: int | None = None
+    chat_template: str | None = None
+    log_requests: bool = True
+    engine: Any = None            # AsyncLLM once loaded
+    ready: bool = False           # loaded and one step has run
+    load_error: str | None = None
+    draining: bool = False
+    admission: Admission = field(default_factory=Admission)
+    metrics: ServerMetrics = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.metrics = ServerMetrics(self.model_name, self.engine_stats)
+
+    def engine_stats(self) -> Mapping[str, Any] | None:
+        return self.engine.stats() if self.ready and self.engine is not None else None
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return int(self.engine.model_config.max_model_len)
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.engine.model_config.vocab_size)
+
+    def decode_one(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])
+
+    def render_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> str:
+        tok = self.tokenizer
+        template = self.chat_template or getattr(tok, "chat_template", None) or FALLBACK_CHAT_TEMPLATE
+        return tok.apply_chat_template(messages, chat_template=template, tokenize=False,
+                                       add_generation_prompt=add_generation_prompt)
