@@ -1,0 +1,134 @@
+"""The command lines of the control plane's processes, in start order (pure: paths and ports in, argv out)."""
+
+from __future__ import annotations
+
+from .layout import Layout
+from .procs import Component, Probe
+
+# Start order; stopping goes the other way.
+ORDER = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kwok", "kueue")
+
+
+def _admin_probe(layout: Layout, url: str) -> Probe:
+    pki = layout.pki
+    return Probe(url, ca=None, cert=pki / "admin.crt", key=pki / "admin.key")
+
+
+def etcd(layout: Layout) -> Component:
+    client = f"http://127.0.0.1:{layout.port('etcd_client')}"
+    peer = f"http://127.0.0.1:{layout.port('etcd_peer')}"
+    argv = (
+        str(layout.binary("etcd")),
+        "--name=kvfleet",
+        f"--data-dir={layout.etcd_data}",
+        f"--listen-client-urls={client}",
+        f"--advertise-client-urls={client}",
+        f"--listen-peer-urls={peer}",
+        f"--initial-advertise-peer-urls={peer}",
+        f"--initial-cluster=kvfleet={peer}",
+        "--unsafe-no-fsync",  # a throw-away test cluster: speed over durability
+        "--quota-backend-bytes=2147483648",
+        "--log-level=warn",
+    )
+    return Component("etcd", argv, Probe(f"{client}/health"))
+
+
+def apiserver(layout: Layout) -> Component:
+    pki = layout.pki
+    port = layout.port("apiserver")
+    argv = (
+        str(layout.binary("kube-apiserver")),
+        f"--etcd-servers=http://127.0.0.1:{layout.port('etcd_client')}",
+        "--bind-address=127.0.0.1",
+        # Without it the apiserver looks for an interface with a default route, which a loopback-only host lacks.
+        "--advertise-address=127.0.0.1",
+        f"--secure-port={port}",
+        f"--tls-cert-file={pki / 'apiserver.crt'}",
+        f"--tls-private-key-file={pki / 'apiserver.key'}",
+        f"--client-ca-file={pki / 'ca.crt'}",
+        "--authorization-mode=Node,RBAC",
+        f"--service-account-issuer=https://127.0.0.1:{port}",
+        f"--service-account-key-file={pki / 'sa.pub'}",
+        f"--service-account-signing-key-file={pki / 'sa.key'}",
+        # Cluster IPs are only ever stored, never routed or contacted.
+        "--service-cluster-ip-range=10.96.0.0/16",
+        # A loopback advertise address fails Endpoints validation, so the `kubernetes` Service gets no endpoints.
+        "--endpoint-reconciler-type=none",
+        "--allow-privileged=true",
+        "--profiling=false",
+        f"--cert-dir={pki}",
+    )
+    return Component("kube-apiserver", argv, _admin_probe(layout, f"https://127.0.0.1:{port}/readyz"))
+
+
+def controller_manager(layout: Layout) -> Component:
+    pki, kubeconfig = layout.pki, str(layout.run / "controller-manager.kubeconfig")
+    port = layout.port("controller_manager")
+    argv = (
+        str(layout.binary("kube-controller-manager")),
+        f"--kubeconfig={kubeconfig}",
+        f"--authentication-kubeconfig={kubeconfig}",
+        f"--authorization-kubeconfig={kubeconfig}",
+        "--leader-elect=false",
+        "--bind-address=127.0.0.1",
+        f"--secure-port={port}",
+        f"--cert-dir={layout.run / 'controller-manager-certs'}",
+        f"--service-account-private-key-file={pki / 'sa.key'}",
+        f"--root-ca-file={pki / 'ca.crt'}",
+        "--use-service-account-credentials=true",
+        f"--cluster-signing-cert-file={pki / 'ca.crt'}",
+        f"--cluster-signing-key-file={pki / 'ca.key'}",
+        "--profiling=false",
+    )
+    return Component("kube-controller-manager", argv, _admin_probe(layout, f"https://127.0.0.1:{port}/healthz"))
+
+
+def scheduler(layout: Layout) -> Component:
+    kubeconfig = str(layout.run / "scheduler.kubeconfig")
+    port = layout.port("scheduler")
+    argv = (
+        str(layout.binary("kube-scheduler")),
+        f"--kubeconfig={kubeconfig}",
+        f"--authentication-kubeconfig={kubeconfig}",
+        f"--authorization-kubeconfig={kubeconfig}",
+        "--leader-elect=false",
+        "--bind-address=127.0.0.1",
+        f"--secure-port={port}",
+        f"--cert-dir={layout.run / 'scheduler-certs'}",
+        "--profiling=false",
+    )
+    return Component("kube-scheduler", argv, _admin_probe(layout, f"https://127.0.0.1:{port}/healthz"))
+
+
+def kwok(layout: Layout) -> Component:
+    port = layout.port("kwok")
+    argv = (
+        str(layout.binary("kwok")),
+        f"--kubeconfig={layout.kubeconfig}",
+        f"--config={layout.run / 'kwok-stages.yaml'}",
+        "--manage-all-nodes=false",
+        "--manage-nodes-with-annotation-selector=kwok.x-k8s.io/node=fake",
+        # Pod IPs and node IPs inside 127.0.0.0/8: a test can bind a real process on a pod's IP.
+        f"--cidr={layout.pod_cidr}",
+        f"--node-ip={layout.kwok_node_ip}",
+        "--node-lease-duration-seconds=40",
+        f"--server-address=127.0.0.1:{port}",
+    )
+    return Component("kwok", argv, Probe(f"http://127.0.0.1:{port}/healthz"))
+
+
+def kueue(layout: Layout) -> Component:
+    argv = (
+        str(layout.binary("kueue")),
+        f"--kubeconfig={layout.kubeconfig}",
+        f"--config={layout.run / 'kueue-config.yaml'}",
+    )
+    return Component("kueue", argv, Probe(f"http://127.0.0.1:{layout.port('kueue_health')}/readyz"))
+
+
+def all_components(layout: Layout) -> dict[str, Component]:
+    """Every component by name, in start order."""
+    makers = (etcd, apiserver, controller_manager, scheduler, kwok, kueue)
+    components = {c.name: c for c in (make(layout) for make in makers)}
+    assert tuple(components) == ORDER
+    return components

@@ -1,0 +1,182 @@
+"""Bringing the local cluster up, down, and reporting on it."""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import socket
+import subprocess
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import yaml
+
+from . import components as comps
+from . import manifests, pki, procs
+from .layout import Layout
+
+log = logging.getLogger(__name__)
+
+BINARIES = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kubectl", "kwok", "kueue")
+
+
+@dataclass(frozen=True)
+class ComponentState:
+    name: str
+    pid: int | None
+    healthy: bool
+
+
+def kubectl(layout: Layout, *args: str, stdin: str | None = None, check: bool = True) -> str:
+    """Runs the cluster's kubectl with the admin kubeconfig; returns stdout, raises with stderr on failure."""
+    argv = [str(layout.binary("kubectl")), f"--kubeconfig={layout.kubeconfig}", *args]
+    proc = subprocess.run(argv, input=stdin, capture_output=True, text=True, check=False)  # noqa: S603
+    if check and proc.returncode != 0:
+        raise RuntimeError(f"kubectl {' '.join(args)} failed: {proc.stderr.strip()}")
+    return proc.stdout
+
+
+def dump_all(objects: list[dict[str, Any]]) -> str:
+    return yaml.safe_dump_all(objects, sort_keys=False)
+
+
+def states(layout: Layout) -> list[ComponentState]:
+    """Whether each component runs (our pid) and answers its health probe."""
+    result = []
+    for name, component in comps.all_components(layout).items():
+        pid = procs.running_pid(layout.run, name)
+        result.append(ComponentState(name, pid, pid is not None and component.probe.ok()))
+    return result
+
+
+def is_up(layout: Layout) -> bool:
+    return layout.kubeconfig.exists() and all(s.healthy for s in states(layout))
+
+
+def missing_binaries(layout: Layout) -> list[str]:
+    return [b for b in BINARIES if not layout.binary(b).exists()]
+
+
+def busy_ports(layout: Layout) -> list[str]:
+    """The cluster's ports that something else already listens on."""
+    busy = []
+    for name in ("etcd_client", "etcd_peer", "apiserver", "controller_manager", "scheduler", "kwok",
+                 "kueue_health", "kueue_metrics", "kueue_webhook"):  # fmt: skip
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind(("127.0.0.1", layout.port(name)))
+            except OSError:
+                busy.append(f"{name}={layout.port(name)}")
+    return busy
+
+
+def _write_kubeconfigs(layout: Layout) -> None:
+    ca = (layout.pki / "ca.crt").read_bytes()
+    targets = {
+        pki.ADMIN: layout.kubeconfig,
+        pki.CONTROLLER_MANAGER: layout.run / "controller-manager.kubeconfig",
+        pki.SCHEDULER: layout.run / "scheduler.kubeconfig",
+    }
+    for identity, path in targets.items():
+        cert = (layout.pki / f"{identity.stem}.crt").read_bytes()
+        key = (layout.pki / f"{identity.stem}.key").read_bytes()
+        path.write_text(yaml.safe_dump(manifests.kubeconfig(layout.apiserver_url, ca, identity.user, cert, key)))
+        path.chmod(0o600)
+
+
+def _write_component_configs(layout: Layout) -> None:
+    stage_dir = layout.binary("kwok-stage")
+    stages = [yaml.safe_load((stage_dir / f).read_text()) for f in manifests.KWOK_STAGE_FILES]
+    (layout.run / "kwok-stages.yaml").write_text(dump_all(stages))
+    kueue_config = manifests.kueue_configuration(
+        layout.port("kueue_health"), layout.port("kueue_metrics"), layout.port("kueue_webhook"),
+        str(layout.run / "kueue-certs"),
+    )  # fmt: skip
+    (layout.run / "kueue-config.yaml").write_text(yaml.safe_dump(kueue_config, sort_keys=False))
+
+
+def _install_kueue_api(layout: Layout) -> None:
+    crd_dir = layout.binary("kueue-crds")
+    crds = [manifests.with_conversion_webhook(yaml.safe_load(p.read_text())) for p in sorted(crd_dir.glob("*.yaml"))]
+    # Server-side: the Workload CRD is too large for the last-applied annotation of client-side apply.
+    kubectl(layout, "apply", "--server-side", "--field-manager=kvfleet-cluster", "-f", "-",
+            stdin=dump_all(crds + manifests.kueue_bootstrap_objects()))  # fmt: skip
+    kubectl(layout, "wait", "--for=condition=Established", "--timeout=60s", "crd", "--all")
+
+
+def _register_nodes(layout: Layout, node_spec: str) -> list[str]:
+    nodes = manifests.gpu_nodes(node_spec, layout.node_ip)
+    kubectl(layout, "apply", "--server-side", "--field-manager=kvfleet-cluster", "-f", "-", stdin=dump_all(nodes))
+    for node in nodes:
+        # Status is a subresource: set capacity explicitly, whether the node was just made or already there.
+        patch = json.dumps({"status": node["status"]})
+        kubectl(layout, "patch", "node", node["metadata"]["name"], "--subresource=status", "--type=merge", "-p", patch)
+    return [n["metadata"]["name"] for n in nodes]
+
+
+def up(layout: Layout, node_spec: str = manifests.DEFAULT_NODES, timeout: float = 240.0) -> bool:
+    """Brings the cluster up, or leaves a healthy one as it is. True when it started something."""
+    manifests.parse_node_spec(node_spec)  # fail on a bad spec before starting anything
+    missing = missing_binaries(layout)
+    if missing:
+        raise RuntimeError(f"missing binaries in {layout.bin}: {', '.join(missing)}; run `make cluster-build`")
+    if is_up(layout):
+        log.info("cluster already up")
+        return False
+    # Something is missing or broken: start again from a clean slate (a throw-away test cluster).
+    down(layout)
+    busy = busy_ports(layout)
+    if busy:
+        raise RuntimeError(f"ports already in use: {', '.join(busy)} (set KVFLEET_CLUSTER_PORT_BASE to move them)")
+    started = time.monotonic()
+    for d in (layout.run, layout.logs):
+        d.mkdir(parents=True, exist_ok=True)
+    pki.ensure_pki(layout.pki)
+    _write_kubeconfigs(layout)
+    _write_component_configs(layout)
+    every = comps.all_components(layout)
+    for name in ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler"):
+        procs.start_and_wait(every[name], layout.run, layout.logs, timeout)
+    _install_kueue_api(layout)
+    names = _register_nodes(layout, node_spec)
+    procs.start_and_wait(every["kwok"], layout.run, layout.logs, timeout)
+    kubectl(layout, "wait", "--for=condition=Ready", f"--timeout={int(timeout)}s", *[f"node/{n}" for n in names])
+    procs.start_and_wait(every["kueue"], layout.run, layout.logs, timeout)
+    log.info("cluster up in %.0f s", time.monotonic() - started)
+    return True
+
+
+def down(layout: Layout) -> list[str]:
+    """Stops every component and removes the cluster's state (binaries and logs stay). Safe to run twice."""
+    stopped = procs.stop_all(layout.run, tuple(reversed(comps.ORDER)))
+    for path in (layout.etcd_data, layout.run, layout.pki):
+        shutil.rmtree(path, ignore_errors=True)
+    layout.kubeconfig.unlink(missing_ok=True)
+    return stopped
+
+
+def describe(layout: Layout) -> str:
+    """A human summary: each component, its pid and health, and the nodes when the apiserver answers."""
+    lines = [f"cluster of {layout.root} (ports {layout.base + 1}-{layout.base + 9}, pods {layout.pod_cidr})"]
+    component_states = states(layout)
+    for s in component_states:
+        status = "healthy" if s.healthy else ("running, not ready" if s.pid else "stopped")
+        lines.append(f"  {s.name:<24} {status}{f' (pid {s.pid})' if s.pid else ''}")
+    api = next(s for s in component_states if s.name == "kube-apiserver")
+    if api.healthy:
+        lines.append(kubectl(layout, "get", "nodes", "-L", f"{manifests.FLAVOR_LABEL},nvidia.com/gpu.count",
+                             check=False).rstrip())  # fmt: skip
+    return "\n".join(lines)
+
+
+def usage(layout: Layout) -> str:
+    return (
+        f"export KUBECONFIG={layout.kubeconfig}\n"
+        f"export PATH={layout.bin}:$PATH\n"
+        "kubectl get nodes    # fake GPU nodes (kwok): pods are scheduled and marked Running, no container runs\n"
+        f"logs: {layout.logs}/    stop: make cluster-down"
+    )
+

@@ -1,0 +1,189 @@
+"""The objects and configuration files of the local cluster, as plain data (pure functions, no I/O)."""
+
+from __future__ import annotations
+
+import base64
+from dataclasses import dataclass
+from typing import Any
+
+KWOK_ANNOTATION = "kwok.x-k8s.io/node"
+FLAVOR_LABEL = "kvfleet.dev/gpu-flavor"
+GPU_RESOURCE = "nvidia.com/gpu"
+KUEUE_NAMESPACE = "kueue-system"
+KUEUE_WEBHOOK_SERVICE = "kueue-webhook-service"
+KUEUE_WEBHOOK_SECRET = "kueue-webhook-server-cert"
+
+# The kwok stages to run, from the kwok module's kustomize/stage/ folder. pod-complete is left out on purpose:
+# it would end every pod at once, and serving pods are meant to stay Running.
+KWOK_STAGE_FILES = (
+    "node/fast/node-initialize.yaml",
+    "node/heartbeat-with-lease/node-heartbeat-with-lease.yaml",
+    "pod/fast/pod-ready.yaml",
+    "pod/fast/pod-delete.yaml",
+)
+
+# The CRDs whose CA bundle Kueue's internal certificate rotator injects (sigs.k8s.io/kueue pkg/util/cert); the
+# rotator only reports ready once each has a conversion webhook clientConfig to inject into.
+KUEUE_CONVERSION_CRDS = frozenset(
+    {
+        "localqueues.kueue.x-k8s.io",
+        "clusterqueues.kueue.x-k8s.io",
+        "workloads.kueue.x-k8s.io",
+        "cohorts.kueue.x-k8s.io",
+        "multikueueclusters.kueue.x-k8s.io",
+    }
+)
+
+
+@dataclass(frozen=True)
+class GpuFlavor:
+    """A kind of fake GPU node: what its labels and capacity say."""
+
+    name: str
+    product: str
+    gpus: int
+    gpu_memory_mib: int
+    cpu: str
+    memory: str
+
+
+FLAVORS = {
+    "h200": GpuFlavor("h200", "NVIDIA-H200", 8, 143771, "96", "1536Gi"),
+    "l40s": GpuFlavor("l40s", "NVIDIA-L40S", 4, 46068, "48", "384Gi"),
+}
+DEFAULT_NODES = "h200=2,l40s=2"
+
+
+def parse_node_spec(spec: str) -> list[tuple[GpuFlavor, int]]:
+    """Parses 'h200=2,l40s=2' (flavor=count, comma separated) into flavors and counts."""
+    result: list[tuple[GpuFlavor, int]] = []
+    for item in filter(None, (part.strip() for part in spec.split(","))):
+        name, sep, count = item.partition("=")
+        if not sep or name not in FLAVORS:
+            raise ValueError(f"nodes: expected FLAVOR=COUNT with FLAVOR one of {sorted(FLAVORS)}, got {item!r}")
+        if not count.isdigit() or not 0 < int(count) <= 50:
+            raise ValueError(f"nodes: count for {name} must be 1-50, got {count!r}")
+        result.append((FLAVORS[name], int(count)))
+    if not result:
+        raise ValueError("nodes: at least one FLAVOR=COUNT is needed")
+    return result
+
+
+def gpu_node(flavor: GpuFlavor, ordinal: int, internal_ip: str) -> dict[str, Any]:
+    """A Node managed by kwok, with GPU capacity and the labels GPU feature discovery would set."""
+    name = f"gpu-{flavor.name}-{ordinal}"
+    resources = {
+        "cpu": flavor.cpu,
+        "memory": flavor.memory,
+        "ephemeral-storage": "2Ti",
+        "pods": "110",
+        GPU_RESOURCE: str(flavor.gpus),
+    }
+    return {
+        "apiVersion": "v1",
+        "kind": "Node",
+        "metadata": {
+            "name": name,
+            "annotations": {KWOK_ANNOTATION: "fake", "node.alpha.kubernetes.io/ttl": "0"},
+            "labels": {
+                "kubernetes.io/hostname": name,
+                "kubernetes.io/os": "linux",
+                "kubernetes.io/arch": "amd64",
+                "type": "kwok",
+                FLAVOR_LABEL: flavor.name,
+                "nvidia.com/gpu.present": "true",
+                "nvidia.com/gpu.product": flavor.product,
+                "nvidia.com/gpu.count": str(flavor.gpus),
+                "nvidia.com/gpu.memory": str(flavor.gpu_memory_mib),
+            },
+        },
+        "spec": {},
+        # Kept on create (as a kubelet registers); kwok's node-initialize stage keeps capacity and addresses.
+        "status": {
+            "capacity": resources,
+            "allocatable": resources,
+            "addresses": [{"type": "InternalIP", "address": internal_ip}, {"type": "Hostname", "address": name}],
+        },
+    }
+
+
+def gpu_nodes(spec: str, node_ip: Any) -> list[dict[str, Any]]:
+    """Every node of a node spec; `node_ip(n)` gives the n-th node's address."""
+    nodes = []
+    for flavor, count in parse_node_spec(spec):
+        for ordinal in range(count):
+            nodes.append(gpu_node(flavor, ordinal, node_ip(len(nodes))))
+    return nodes
+
+
+def kubeconfig(server: str, ca_pem: bytes, user: str, cert_pem: bytes, key_pem: bytes) -> dict[str, Any]:
+    """A kubeconfig with one cluster, one user and one context, certificates embedded."""
+
+    def b64(data: bytes) -> str:
+        return base64.b64encode(data).decode()
+
+    return {
+        "apiVersion": "v1",
+        "kind": "Config",
+        "clusters": [{"name": "kvfleet", "cluster": {"server": server, "certificate-authority-data": b64(ca_pem)}}],
+        "users": [{"name": user, "user": {"client-certificate-data": b64(cert_pem), "client-key-data": b64(key_pem)}}],
+        "contexts": [{"name": "kvfleet", "context": {"cluster": "kvfleet", "user": user}}],
+        "current-context": "kvfleet",
+    }
+
+
+def kueue_configuration(health_port: int, metrics_port: int, webhook_port: int, cert_dir: str) -> dict[str, Any]:
+    """Kueue's Configuration (config.kueue.x-k8s.io/v1beta2) for a controller running outside the cluster."""
+    return {
+        "apiVersion": "config.kueue.x-k8s.io/v1beta2",
+        "kind": "Configuration",
+        "namespace": KUEUE_NAMESPACE,
+        "health": {"healthProbeBindAddress": f"127.0.0.1:{health_port}"},
+        "metrics": {"bindAddress": f"127.0.0.1:{metrics_port}"},
+        "webhook": {"host": "127.0.0.1", "port": webhook_port, "certDir": cert_dir},
+        "leaderElection": {"leaderElect": False},
+        "internalCertManagement": {
+            "enable": True,
+            "webhookServiceName": KUEUE_WEBHOOK_SERVICE,
+            "webhookSecretName": KUEUE_WEBHOOK_SECRET,
+        },
+        "manageJobsWithoutQueueName": False,
+        "integrations": {"frameworks": ["batch/job"]},
+        # The visibility API server needs an APIService routed to it; nothing here uses it.
+        "featureGates": {"VisibilityOnDemand": False},
+    }
+
+
+def with_conversion_webhook(crd: dict[str, Any]) -> dict[str, Any]:
+    """Kueue's CRD with the conversion webhook stanza of its own kustomize patch (service, not URL).
+
+    The base CRDs have none, and without it Kueue's certificate rotator never reports ready. The service does not
+    exist, so the apiserver never sends traffic for it: objects are only read and written in the storage version
+    (v1beta2), which needs no conversion.
+    """
+    if crd.get("metadata", {}).get("name") not in KUEUE_CONVERSION_CRDS:
+        return crd
+    patched = {**crd, "spec": dict(crd["spec"])}
+    patched["spec"]["conversion"] = {
+        "strategy": "Webhook",
+        "webhook": {
+            "clientConfig": {
+                "service": {"namespace": KUEUE_NAMESPACE, "name": KUEUE_WEBHOOK_SERVICE, "path": "/convert"}
+            },
+            "conversionReviewVersions": ["v1"],
+        },
+    }
+    return patched
+
+
+def kueue_bootstrap_objects() -> list[dict[str, Any]]:
+    """The namespace and the empty Secret Kueue's certificate rotator fills in."""
+    return [
+        {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": KUEUE_NAMESPACE}},
+        {
+            "apiVersion": "v1",
+            "kind": "Secret",
+            "metadata": {"name": KUEUE_WEBHOOK_SECRET, "namespace": KUEUE_NAMESPACE},
+            "type": "Opaque",
+        },
+    ]

@@ -1,0 +1,155 @@
+"""Starting, probing and stopping the cluster's processes (the I/O edge of the cluster scripts).
+
+Each process runs in its own session (it outlives the command that started it), logs to `.cluster/logs/NAME.log`
+and is recorded in `.cluster/run/NAME.pid` with the path of its executable, so that stopping it can check the pid
+still belongs to that executable before signalling it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import ssl
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Probe:
+    """An HTTP(S) health endpoint; client certificate and CA are optional."""
+
+    url: str
+    ca: Path | None = None
+    cert: Path | None = None
+    key: Path | None = None
+
+    def ok(self, timeout: float = 2.0) -> bool:
+        """True when the endpoint answers 200."""
+        context = None
+        if self.url.startswith("https://"):
+            context = ssl.create_default_context(cafile=str(self.ca)) if self.ca else ssl._create_unverified_context()
+            if self.cert and self.key:
+                context.load_cert_chain(str(self.cert), str(self.key))
+        try:
+            with urllib.request.urlopen(self.url, timeout=timeout, context=context) as response:  # noqa: S310
+                return response.status == 200
+        except (urllib.error.URLError, OSError, ssl.SSLError):
+            return False
+
+
+@dataclass(frozen=True)
+class Component:
+    """One process of the cluster: its name, command line and health probe."""
+
+    name: str
+    argv: tuple[str, ...]
+    probe: Probe
+
+
+def _pidfile(run: Path, name: str) -> Path:
+    return run / f"{name}.pid"
+
+
+def _exe_of(pid: int) -> str | None:
+    try:
+        return os.readlink(f"/proc/{pid}/exe")
+    except OSError:
+        return None
+
+
+def running_pid(run: Path, name: str) -> int | None:
+    """The pid of our process NAME when it is alive and still runs the executable it was started with."""
+    try:
+        record = json.loads(_pidfile(run, name).read_text())
+    except (OSError, ValueError):
+        return None
+    pid, exe = record.get("pid"), record.get("exe")
+    if not isinstance(pid, int) or not exe:
+        return None
+    return pid if _exe_of(pid) == exe else None
+
+
+def start(component: Component, run: Path, logs: Path) -> int:
+    """Starts a component in its own session, logging to logs/NAME.log; returns its pid."""
+    exe = Path(component.argv[0])
+    if not exe.exists():
+        raise FileNotFoundError(f"{component.name}: {exe} is missing; run `make cluster-build` first")
+    run.mkdir(parents=True, exist_ok=True)
+    logs.mkdir(parents=True, exist_ok=True)
+    with open(logs / f"{component.name}.log", "ab") as out:
+        out.write(f"\n=== {time.strftime('%Y-%m-%dT%H:%M:%S')} {' '.join(component.argv)}\n".encode())
+        out.flush()
+        proc = subprocess.Popen(  # noqa: S603
+            component.argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+            cwd=run, start_new_session=True,
+        )  # fmt: skip
+    _pidfile(run, component.name).write_text(json.dumps({"pid": proc.pid, "exe": str(exe.resolve())}))
+    log.info("started %s (pid %d)", component.name, proc.pid)
+    return proc.pid
+
+
+def wait_until(what: str, check: Callable[[], bool], timeout: float, alive: Callable[[], bool] = lambda: True) -> None:
+    """Polls `check` until it is true; fails early when `alive` turns false, or after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    delay = 0.2
+    while True:
+        if check():
+            return
+        if not alive():
+            raise RuntimeError(f"{what}: the process exited")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what}: not ready after {timeout:.0f} s")
+        time.sleep(delay)
+        delay = min(delay * 1.5, 2.0)
+
+
+def start_and_wait(component: Component, run: Path, logs: Path, timeout: float = 180.0) -> None:
+    """Starts a component and waits until its probe answers; shows the log's tail when it does not."""
+    start(component, run, logs)
+    try:
+        wait_until(component.name, component.probe.ok, timeout, lambda: running_pid(run, component.name) is not None)
+    except (RuntimeError, TimeoutError) as err:
+        tail = "".join((logs / f"{component.name}.log").read_text(errors="replace").splitlines(True)[-25:])
+        raise RuntimeError(f"{err}; last lines of {logs / (component.name + '.log')}:\n{tail}") from err
+
+
+def stop(run: Path, name: str, grace: float = 10.0) -> bool:
+    """Stops our process NAME (SIGTERM, then SIGKILL after `grace` s); True when one was running."""
+    pid = running_pid(run, name)
+    _pidfile(run, name).unlink(missing_ok=True)
+    if pid is None:
+        return False
+    try:
+        os.kill(pid, signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        while _exe_of(pid) is not None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        if _exe_of(pid) is not None:
+            os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    _reap(pid)
+    log.info("stopped %s (pid %d)", name, pid)
+    return True
+
+
+def _reap(pid: int) -> None:
+    """Collects the exit status when we are the parent (a fixture that started the cluster), so no zombie stays."""
+    try:
+        os.waitpid(pid, os.WNOHANG)
+    except ChildProcessError:
+        pass
+
+
+def stop_all(run: Path, names: Sequence[str]) -> list[str]:
+    """Stops the named processes in order; returns those that were running."""
+    return [name for name in names if stop(run, name)]
