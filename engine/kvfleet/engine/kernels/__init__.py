@@ -1,0 +1,18 @@
+"""Triton kernels of the engine, one per module, each with a plain-PyTorch reference.
+
+Compiled on CUDA; under ``TRITON_INTERPRET=1`` they also run on CPU tensors (tests).
+"""
+
+from .activation import silu_and_mul, silu_mul, silu_mul_ref
+from .paged_decode import choose_num_splits, paged_attention_ref, paged_decode_attention
+from .prefill_attention import prefill_attention
+from .reshape_and_cache import reshape_and_cache, reshape_and_cache_ref
+from .rms_norm import fused_add_rms_norm, rms_norm, rms_norm_ref
+from .rotary import build_cos_sin_cache, rope_inv_freq, rotary_embedding, rotary_embedding_ref
+
+__all__ = [
+    "build_cos_sin_cache", "choose_num_splits", "fused_add_rms_norm", "paged_attention_ref",
+    "paged_decode_attention", "prefill_attention", "reshape_and_cache", "reshape_and_cache_ref",
+    "rms_norm", "rms_norm_ref", "rope_inv_freq", "rotary_embedding", "rotary_embedding_ref",
+    "silu_and_mul", "silu_mul", "silu_mul_ref",
+]

@@ -1,0 +1,100 @@
+"""Shared helpers for the Triton kernels: interpreter detection and input checks.
+
+The kernels run compiled on CUDA and, for tests on machines without a GPU, under
+Triton's interpreter (``TRITON_INTERPRET=1``) on CPU tensors. The interpreter
+cannot multiply bfloat16 tiles with ``tl.dot`` (numpy has no bfloat16), so every
+kernel that uses ``tl.dot`` takes an ``UPCAST`` flag that widens its operands to
+float32 first when interpreting; compiled kernels keep the native dtype.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def interpret_mode() -> bool:
+    """True when Triton runs kernels in its CPU interpreter."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _fix_interpreter_loop_bounds() -> None:
+    """Let the interpreter use loaded scalars as ``range`` bounds with numpy >= 2.4.
+
+    Triton 3.6's interpreter turns a tensor into a Python int with
+    ``int(ndarray)``; a loaded scalar is a one-element 1-D array there, which
+    numpy 2.4 no longer converts. Compiled kernels are unaffected.
+    """
+    from triton.runtime import interpreter
+
+    original = interpreter._patch_lang_tensor
+    if getattr(original, "_kvfleet_fixed", False):
+        return
+
+    def patched(tensor: type, scope: object) -> None:
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))  # type: ignore[attr-defined]
+
+    patched._kvfleet_fixed = True  # type: ignore[attr-defined]
+    interpreter._patch_lang_tensor = patched
+
+
+if interpret_mode():
+    _fix_interpreter_loop_bounds()
+
+
+def triton_usable(device: torch.device | str) -> bool:
+    """Whether the Triton kernels can run for tensors on ``device``."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:  # pragma: no cover - triton ships with torch on Linux
+        return False
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        return torch.cuda.is_available()
+    return interpret_mode()
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """float32 inputs get exact IEEE products (Triton defaults to tf32)."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def upcast_dots(dtype: torch.dtype) -> bool:
+    """Upcast tl.dot operands to float32 only in the interpreter, for bf16."""
+    return interpret_mode() and dtype == torch.bfloat16
+
+
+def next_pow2(n: int) -> int:
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
+def check(cond: bool, name: str, msg: str) -> None:
+    """Raise ``ValueError`` naming the offending argument."""
+    if not cond:
+        raise ValueError(f"{name}: {msg}")
+
+
+def check_tensor(
+    name: str,
+    t: torch.Tensor,
+    *,
+    ndim: int | None = None,
+    dtype: torch.dtype | tuple[torch.dtype, ...] | None = None,
+    device: torch.device | None = None,
+    last_contiguous: bool = True,
+) -> None:
+    """Validate a kernel argument's rank, dtype, device and innermost stride."""
+    check(isinstance(t, torch.Tensor), name, f"expected a tensor, got {type(t).__name__}")
+    if ndim is not None:
+        check(t.dim() == ndim, name, f"expected {ndim} dims, got shape {tuple(t.shape)}")
+    if dtype is not None:
+        allowed = dtype if isinstance(dtype, tuple) else (dtype,)
+        check(t.dtype in allowed, name, f"dtype {t.dtype} not in {allowed}")
+    if device is not None:
+        check(t.device == device, name, f"on {t.device}, expected {device}")
+    if last_contiguous and t.numel() > 0:
+        check(t.stride(-1) == 1, name, f"innermost stride must be 1, got {t.stride()}")

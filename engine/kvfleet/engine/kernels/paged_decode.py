@@ -1,0 +1,231 @@
+"""Paged attention for decode steps (one query token per sequence), flash-decoding style.
+
+One program handles every query head of one KV head (GQA: the ``G = Hq / Hkv``
+query heads share each K/V tile they load, padded to 16 rows for ``tl.dot``) for
+one sequence and one split of its context. Long contexts with few sequences are
+split along the keys (split-K); a second small kernel merges the partial results
+with their log-sum-exp. The number of splits depends only on the batch shape, so
+the launch is the same for every replay of a CUDA graph.
+
+Sequences whose query length in this step is not 1 are skipped (the prefill
+kernel handles them), so one mixed batch can be served by both kernels.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import SUPPORTED_DTYPES, check, check_tensor, dot_precision, next_pow2, upcast_dots
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _decode_kernel(
+    q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, qsl_ptr,
+    out_ptr, part_out_ptr, part_lse_ptr,
+    scale_log2,
+    stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_c_kv, stride_c_blk, stride_c_slot, stride_c_head, stride_bt,
+    stride_pb, stride_ph, stride_ps,
+    G: tl.constexpr, G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    UPCAST: tl.constexpr, PREC: tl.constexpr,
+):
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    q_start = tl.load(qsl_ptr + b)
+    q_len = tl.load(qsl_ptr + b + 1) - q_start
+    if q_len != 1:
+        return
+    seq_len = tl.load(seq_lens_ptr + b)
+    tiles = tl.cdiv(seq_len, BLOCK_N)
+    tiles_per_split = tl.cdiv(tiles, NUM_SPLITS)
+    start = split * tiles_per_split * BLOCK_N
+    end = tl.minimum(start + tiles_per_split * BLOCK_N, seq_len)
+
+    g = tl.arange(0, G_PAD)
+    d = tl.arange(0, D_PAD)
+    heads = kvh * G + g
+    gmask = g < G
+    dmask = d < HEAD_DIM
+    q = tl.load(q_ptr + q_start.to(tl.int64) * stride_qt + heads[:, None] * stride_qh + d[None, :],
+                mask=gmask[:, None] & dmask[None, :], other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
+
+    m_i = tl.full([G_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([G_PAD], tl.float32)
+    acc = tl.zeros([G_PAD, D_PAD], tl.float32)
+    k_base = cache_ptr + kvh * stride_c_head
+    bt_row = block_tables_ptr + b.to(tl.int64) * stride_bt
+    for n0 in range(start, end, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        nmask = offs_n < end
+        blk = tl.load(bt_row + offs_n // BLOCK_SIZE, mask=nmask, other=0).to(tl.int64)
+        row = blk * stride_c_blk + (offs_n % BLOCK_SIZE) * stride_c_slot
+        kv_mask = nmask[:, None] & dmask[None, :]
+        k = tl.load(k_base + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(k_base + stride_c_kv + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        if UPCAST:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale_log2
+        s = tl.where(nmask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.math.exp2(s - m_new[:, None])
+        alpha = tl.math.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
+        m_i = m_new
+
+    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+    out = acc / l_safe[:, None]
+    omask = gmask[:, None] & dmask[None, :]
+    if NUM_SPLITS == 1:
+        tl.store(out_ptr + q_start.to(tl.int64) * stride_ot + heads[:, None] * stride_oh + d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=omask)
+    else:
+        base = b.to(tl.int64) * stride_pb + heads * stride_ph + split * stride_ps
+        tl.store(part_out_ptr + base[:, None] * HEAD_DIM + d[None, :], out, mask=omask)
+        # log2-sum-exp of this split's scores; -inf for an empty split
+        lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.math.log2(l_safe))
+        tl.store(part_lse_ptr + base, lse, mask=gmask)
+
+
+@triton.jit
+def _merge_kernel(
+    out_ptr, part_out_ptr, part_lse_ptr, qsl_ptr,
+    stride_ot, stride_oh, stride_pb, stride_ph, stride_ps,
+    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr, S_PAD: tl.constexpr,
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    q_start = tl.load(qsl_ptr + b)
+    if tl.load(qsl_ptr + b + 1) - q_start != 1:
+        return
+    s = tl.arange(0, S_PAD)
+    d = tl.arange(0, D_PAD)
+    smask = s < NUM_SPLITS
+    base = b.to(tl.int64) * stride_pb + h * stride_ph + s * stride_ps
+    lse = tl.load(part_lse_ptr + base, mask=smask, other=float("-inf"))
+    m = tl.max(lse, 0)
+    m = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.math.exp2(lse - m)
+    w = w / tl.maximum(tl.sum(w, 0), 1e-30)
+    parts = tl.load(part_out_ptr + base[:, None] * HEAD_DIM + d[None, :],
+                    mask=smask[:, None] & (d[None, :] < HEAD_DIM), other=0.0)
+    out = tl.sum(parts * w[:, None], 0)
+    tl.store(out_ptr + q_start.to(tl.int64) * stride_ot + h * stride_oh + d, out.to(out_ptr.dtype.element_ty),
+             mask=d < HEAD_DIM)
+
+
+def choose_num_splits(batch: int, num_kv_heads: int, max_seq_len: int, num_sms: int = 132,
+                      block_n: int = 64, min_tokens_per_split: int = 256, max_splits: int = 32) -> int:
+    """Split the keys only when batch x KV heads alone leaves the GPU underused."""
+    programs = max(1, batch * num_kv_heads)
+    want = math.ceil(2 * num_sms / programs)
+    by_len = max(1, math.ceil(max_seq_len / max(min_tokens_per_split, block_n)))
+    return int(max(1, min(want, by_len, max_splits)))
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    out: torch.Tensor,
+    num_splits: int = 1,
+    block_n: int = 64,
+) -> torch.Tensor:
+    """Attention of the one query token of each decode sequence over its paged context.
+
+    ``q``/``out`` ``[T, Hq, D]``; sequence ``b``'s token is row ``query_start_loc[b]``
+    (sequences whose query length is not 1 are left untouched in ``out``).
+    """
+    check_tensor("q", q, ndim=3, dtype=SUPPORTED_DTYPES)
+    check_tensor("out", out, ndim=3, dtype=q.dtype, device=q.device)
+    check(out.shape == q.shape, "out", f"shape {tuple(out.shape)} != q {tuple(q.shape)}")
+    check_tensor("kv_cache", kv_cache, ndim=5, dtype=q.dtype, device=q.device)
+    _, _, block_size, hkv, d = kv_cache.shape
+    hq = q.shape[1]
+    check(q.shape[2] == d, "q", f"head_dim {q.shape[2]} != cache head_dim {d}")
+    check(hq % hkv == 0, "q", f"{hq} query heads not a multiple of {hkv} KV heads")
+    check_tensor("block_tables", block_tables, ndim=2, dtype=torch.int32, device=q.device)
+    check_tensor("seq_lens", seq_lens, ndim=1, dtype=torch.int32, device=q.device)
+    check_tensor("query_start_loc", query_start_loc, ndim=1, dtype=torch.int32, device=q.device)
+    batch = seq_lens.shape[0]
+    check(query_start_loc.shape[0] == batch + 1, "query_start_loc", f"length must be B+1 = {batch + 1}")
+    check(block_tables.shape[0] >= batch, "block_tables", f"{block_tables.shape[0]} rows < batch {batch}")
+    check(num_splits >= 1, "num_splits", "must be >= 1")
+    if batch == 0:
+        return out
+    g = hq // hkv
+    d_pad = next_pow2(d)
+    if num_splits > 1:
+        part_out = torch.empty((batch, hq, num_splits, d), dtype=torch.float32, device=q.device)
+        part_lse = torch.empty((batch, hq, num_splits), dtype=torch.float32, device=q.device)
+    else:
+        part_out = part_lse = out  # unused
+    pstr = (hq * num_splits, num_splits, 1)
+    _decode_kernel[(batch, hkv, num_splits)](
+        q, kv_cache, block_tables, seq_lens, query_start_loc,
+        out, part_out, part_lse,
+        scale * LOG2E,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3), block_tables.stride(0),
+        *pstr,
+        G=g, G_PAD=max(16, next_pow2(g)), HEAD_DIM=d, D_PAD=d_pad,
+        BLOCK_SIZE=block_size, BLOCK_N=block_n, NUM_SPLITS=num_splits,
+        UPCAST=upcast_dots(q.dtype), PREC=dot_precision(q.dtype),
+        num_warps=4, num_stages=2,
+    )
+    if num_splits > 1:
+        _merge_kernel[(batch, hq)](
+            out, part_out, part_lse, query_start_loc,
+            out.stride(0), out.stride(1), *pstr,
+            HEAD_DIM=d, D_PAD=d_pad, NUM_SPLITS=num_splits, S_PAD=next_pow2(num_splits),
+        )
+    return out
+
+
+def paged_attention_ref(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Plain-PyTorch reference for decode and prefill alike (float32 math, causal).
+
+    Query token ``i`` of sequence ``b`` sits at position ``seq_len - q_len + i`` and
+    attends to positions ``0..pos`` read through the block table.
+    """
+    _, _, block_size, hkv, d = kv_cache.shape
+    hq = q.shape[1]
+    g = hq // hkv
+    out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    qsl = query_start_loc.tolist()
+    for b, seq_len in enumerate(seq_lens.tolist()):
+        q0, q1 = qsl[b], qsl[b + 1]
+        if q1 == q0:
+            continue
+        pos = torch.arange(seq_len, device=q.device)
+        slots = block_tables[b, pos // block_size].long() * block_size + pos % block_size
+        flat = kv_cache.view(2, -1, hkv, d)
+        k = flat[0, slots].float().repeat_interleave(g, dim=1)  # [S, Hq, D]
+        v = flat[1, slots].float().repeat_interleave(g, dim=1)
+        qb = q[q0:q1].float()  # [L, Hq, D]
+        scores = torch.einsum("lhd,shd->hls", qb, k) * scale
+        qpos = seq_len - (q1 - q0) + torch.arange(q1 - q0, device=q.device)
+        scores = scores.masked_fill(pos[None, None, :] > qpos[None, :, None], float("-inf"))
+        out[q0:q1] = torch.einsum("hls,shd->lhd", scores.softmax(-1), v)
+    return out.to(q.dtype)

@@ -1,0 +1,133 @@
+"""Causal attention for prefill and chunked prefill over the paged KV cache.
+
+The new tokens' K/V are written into the cache first (``reshape_and_cache``), so
+this kernel reads every key (the cached prefix and the new chunk alike) through
+the block table. Query tile ``t`` of sequence ``b`` for query head ``h`` is one
+program; query token ``i`` sits at position ``seq_len - q_len + i`` and sees keys
+``0..pos``. Sequences with exactly one query token are skipped when
+``skip_decode`` is set (the decode kernel serves them in the same step).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import SUPPORTED_DTYPES, check, check_tensor, dot_precision, next_pow2, upcast_dots
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, qsl_ptr, out_ptr,
+    scale_log2,
+    stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_c_kv, stride_c_blk, stride_c_slot, stride_c_head, stride_bt,
+    G: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    SKIP_DECODE: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    b = tl.program_id(1)
+    h = tl.program_id(2)
+    q_start = tl.load(qsl_ptr + b)
+    q_len = tl.load(qsl_ptr + b + 1) - q_start
+    if tile * BLOCK_M >= q_len:
+        return
+    if SKIP_DECODE:
+        if q_len == 1:
+            return
+    seq_len = tl.load(seq_lens_ptr + b)
+    ctx = seq_len - q_len
+    kvh = h // G
+
+    offs_m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    d = tl.arange(0, D_PAD)
+    mmask = offs_m < q_len
+    dmask = d < HEAD_DIM
+    rows = (q_start + offs_m).to(tl.int64)
+    q = tl.load(q_ptr + rows[:, None] * stride_qt + h * stride_qh + d[None, :],
+                mask=mmask[:, None] & dmask[None, :], other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
+    q_pos = ctx + offs_m
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
+    k_base = cache_ptr + kvh * stride_c_head
+    bt_row = block_tables_ptr + b.to(tl.int64) * stride_bt
+    end_n = tl.minimum(seq_len, ctx + (tile + 1) * BLOCK_M)
+    for n0 in range(0, end_n, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        nmask = offs_n < end_n
+        blk = tl.load(bt_row + offs_n // BLOCK_SIZE, mask=nmask, other=0).to(tl.int64)
+        row = blk * stride_c_blk + (offs_n % BLOCK_SIZE) * stride_c_slot
+        kv_mask = nmask[:, None] & dmask[None, :]
+        k = tl.load(k_base + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(k_base + stride_c_kv + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        if UPCAST:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale_log2
+        causal = (offs_n[None, :] <= q_pos[:, None]) & nmask[None, :]
+        s = tl.where(causal, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.math.exp2(s - m_new[:, None])
+        alpha = tl.math.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
+        m_i = m_new
+
+    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+    out = acc / l_safe[:, None]
+    tl.store(out_ptr + rows[:, None] * stride_ot + h * stride_oh + d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=mmask[:, None] & dmask[None, :])
+
+
+def prefill_attention(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    max_query_len: int,
+    scale: float,
+    out: torch.Tensor,
+    skip_decode: bool = False,
+    block_m: int | None = None,
+    block_n: int = 64,
+) -> torch.Tensor:
+    """Causal varlen attention of ``q`` ``[T, Hq, D]`` over the paged cache into ``out``."""
+    check_tensor("q", q, ndim=3, dtype=SUPPORTED_DTYPES)
+    check_tensor("out", out, ndim=3, dtype=q.dtype, device=q.device)
+    check(out.shape == q.shape, "out", f"shape {tuple(out.shape)} != q {tuple(q.shape)}")
+    check_tensor("kv_cache", kv_cache, ndim=5, dtype=q.dtype, device=q.device)
+    _, _, block_size, hkv, d = kv_cache.shape
+    hq = q.shape[1]
+    check(q.shape[2] == d, "q", f"head_dim {q.shape[2]} != cache head_dim {d}")
+    check(hq % hkv == 0, "q", f"{hq} query heads not a multiple of {hkv} KV heads")
+    check_tensor("block_tables", block_tables, ndim=2, dtype=torch.int32, device=q.device)
+    check_tensor("seq_lens", seq_lens, ndim=1, dtype=torch.int32, device=q.device)
+    check_tensor("query_start_loc", query_start_loc, ndim=1, dtype=torch.int32, device=q.device)
+    batch = seq_lens.shape[0]
+    check(query_start_loc.shape[0] == batch + 1, "query_start_loc", f"length must be B+1 = {batch + 1}")
+    check(max_query_len >= 0, "max_query_len", "must be >= 0")
+    if batch == 0 or max_query_len == 0:
+        return out
+    if block_m is None:
+        block_m = 16 if max_query_len <= 16 else (64 if q.dtype != torch.float32 else 32)
+    grid = (triton.cdiv(max_query_len, block_m), batch, hq)
+    _prefill_kernel[grid](
+        q, kv_cache, block_tables, seq_lens, query_start_loc, out,
+        scale * LOG2E,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3), block_tables.stride(0),
+        G=hq // hkv, HEAD_DIM=d, D_PAD=next_pow2(d),
+        BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_N=block_n,
+        SKIP_DECODE=skip_decode, UPCAST=upcast_dots(q.dtype), PREC=dot_precision(q.dtype),
+        num_warps=4, num_stages=2,
+    )
+    return out

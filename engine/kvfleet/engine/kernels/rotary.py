@@ -1,0 +1,116 @@
+"""Rotary position embedding (Neox / "rotate half" layout), with Llama-3 frequency scaling.
+
+``cos_sin_cache[pos] = [cos(pos * inv_freq), sin(pos * inv_freq)]`` (float32,
+``[max_pos, head_dim]``); the kernel rotates ``q`` and ``k`` in place, in
+float32, for every head of every token.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import SUPPORTED_DTYPES, check, check_tensor, next_pow2
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None = None) -> torch.Tensor:
+    """Inverse frequencies, with Llama-3 scaling when ``scaling['rope_type'] == 'llama3'``."""
+    check(head_dim > 0 and head_dim % 2 == 0, "head_dim", f"must be positive and even, got {head_dim}")
+    check(theta > 0, "rope_theta", f"must be > 0, got {theta}")
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+    if rope_type in (None, "default"):
+        return inv_freq
+    check(rope_type == "llama3", "rope_scaling", f"unsupported rope_type {rope_type!r}")
+    assert scaling is not None
+    factor = float(scaling["factor"])
+    low = float(scaling["low_freq_factor"])
+    high = float(scaling["high_freq_factor"])
+    old_len = float(scaling["original_max_position_embeddings"])
+    low_wavelen, high_wavelen = old_len / low, old_len / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+def build_cos_sin_cache(inv_freq: torch.Tensor, max_positions: int, device: torch.device | str = "cpu",
+                        attention_scaling: float = 1.0) -> torch.Tensor:
+    """``[max_positions, 2 * len(inv_freq)]`` float32: cos half then sin half."""
+    t = torch.arange(max_positions, dtype=torch.int64).float()
+    freqs = torch.outer(t, inv_freq.float())
+    return (torch.cat([freqs.cos(), freqs.sin()], dim=-1) * attention_scaling).to(device)
+
+
+@triton.jit
+def _rotary_kernel(
+    pos_ptr, q_ptr, k_ptr, cache_ptr,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_cache,
+    HQ: tl.constexpr, HK: tl.constexpr, H_PAD: tl.constexpr, HALF: tl.constexpr, HALF_PAD: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    pos = tl.load(pos_ptr + t).to(tl.int64)
+    j = tl.arange(0, HALF_PAD)
+    jmask = j < HALF
+    cos = tl.load(cache_ptr + pos * stride_cache + j, mask=jmask, other=0.0)[None, :]
+    sin = tl.load(cache_ptr + pos * stride_cache + HALF + j, mask=jmask, other=0.0)[None, :]
+    h = tl.arange(0, H_PAD)
+
+    qmask = (h[:, None] < HQ) & jmask[None, :]
+    qp = q_ptr + t * stride_qt + h[:, None] * stride_qh + j[None, :]
+    x1 = tl.load(qp, mask=qmask, other=0.0)
+    x2 = tl.load(qp + HALF, mask=qmask, other=0.0)
+    a, b = x1.to(tl.float32), x2.to(tl.float32)
+    tl.store(qp, (a * cos - b * sin).to(x1.dtype), mask=qmask)
+    tl.store(qp + HALF, (b * cos + a * sin).to(x1.dtype), mask=qmask)
+
+    kmask = (h[:, None] < HK) & jmask[None, :]
+    kp = k_ptr + t * stride_kt + h[:, None] * stride_kh + j[None, :]
+    y1 = tl.load(kp, mask=kmask, other=0.0)
+    y2 = tl.load(kp + HALF, mask=kmask, other=0.0)
+    c, e = y1.to(tl.float32), y2.to(tl.float32)
+    tl.store(kp, (c * cos - e * sin).to(y1.dtype), mask=kmask)
+    tl.store(kp + HALF, (e * cos + c * sin).to(y1.dtype), mask=kmask)
+
+
+def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                     cos_sin_cache: torch.Tensor) -> None:
+    """Rotate ``q`` ``[T, Hq, D]`` and ``k`` ``[T, Hk, D]`` in place by their ``positions``."""
+    check_tensor("q", q, ndim=3, dtype=SUPPORTED_DTYPES)
+    check_tensor("k", k, ndim=3, dtype=q.dtype, device=q.device)
+    check_tensor("positions", positions, ndim=1, dtype=(torch.int64, torch.int32), device=q.device)
+    check_tensor("cos_sin_cache", cos_sin_cache, ndim=2, dtype=torch.float32, device=q.device)
+    t, hq, d = q.shape
+    check(k.shape[0] == t and k.shape[2] == d, "k", f"shape {tuple(k.shape)} does not match q {tuple(q.shape)}")
+    check(positions.shape[0] == t, "positions", f"length {positions.shape[0]} != tokens {t}")
+    check(cos_sin_cache.shape[1] == d, "cos_sin_cache", f"width {cos_sin_cache.shape[1]} != head_dim {d}")
+    if t == 0:
+        return
+    half = d // 2
+    hk = k.shape[1]
+    _rotary_kernel[(t,)](
+        positions, q, k, cos_sin_cache,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos_sin_cache.stride(0),
+        HQ=hq, HK=hk, H_PAD=next_pow2(max(hq, hk)), HALF=half, HALF_PAD=next_pow2(half),
+        num_warps=4,
+    )
+
+
+def rotary_embedding_ref(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                         cos_sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Plain-PyTorch reference (float32 math); returns rotated copies."""
+    half = q.shape[-1] // 2
+    cs = cos_sin_cache[positions.long()]
+    cos, sin = cs[:, None, :half], cs[:, None, half:]
+
+    def rot(x: torch.Tensor) -> torch.Tensor:
+        a, b = x[..., :half].float(), x[..., half:].float()
+        return torch.cat([a * cos - b * sin, b * cos + a * sin], dim=-1).to(x.dtype)
+
+    return rot(q), rot(k)

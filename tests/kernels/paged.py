@@ -1,0 +1,61 @@
+"""Random paged-attention batches for the kernel tests."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class PagedBatch:
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    kv_cache: torch.Tensor
+    slot_mapping: torch.Tensor
+    block_tables: torch.Tensor
+    seq_lens: torch.Tensor
+    query_start_loc: torch.Tensor
+    max_query_len: int
+
+
+def make_batch(gen: torch.Generator, seq_lens: list[int], q_lens: list[int], hq: int, hkv: int, d: int,
+               block_size: int, dtype: torch.dtype, extra_blocks: int = 3) -> PagedBatch:
+    """Sequences with random cached prefixes in shuffled physical blocks, plus new tokens."""
+    blocks_per_seq = [-(-s // block_size) for s in seq_lens]
+    num_blocks = sum(blocks_per_seq) + extra_blocks
+    perm = torch.randperm(num_blocks, generator=gen).tolist()
+    width = max(blocks_per_seq) + 1
+    tables = torch.zeros(len(seq_lens), width, dtype=torch.int32)
+    i = 0
+    for b, nb in enumerate(blocks_per_seq):
+        tables[b, :nb] = torch.tensor(perm[i:i + nb], dtype=torch.int32)
+        i += nb
+    cache = torch.randn(2, num_blocks, block_size, hkv, d, generator=gen).to(dtype)
+    total = sum(q_lens)
+    slots = []
+    for b, (s, ql) in enumerate(zip(seq_lens, q_lens)):
+        for p in range(s - ql, s):
+            slots.append(int(tables[b, p // block_size]) * block_size + p % block_size)
+    qsl = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32)
+    return PagedBatch(
+        q=torch.randn(total, hq, d, generator=gen).to(dtype),
+        k=torch.randn(total, hkv, d, generator=gen).to(dtype),
+        v=torch.randn(total, hkv, d, generator=gen).to(dtype),
+        kv_cache=cache,
+        slot_mapping=torch.tensor(slots, dtype=torch.int64),
+        block_tables=tables,
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        query_start_loc=qsl,
+        max_query_len=max(q_lens),
+    )
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    out, ref = out.double(), ref.double()
+    assert torch.isfinite(out).all(), "non-finite output"
+    return float((out - ref).norm() / ref.norm().clamp_min(1e-12))
+
+
+TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.5e-2}

@@ -1,0 +1,107 @@
+"""Paged decode / prefill attention and the KV write against their PyTorch references."""
+
+import pytest
+import torch
+
+from kvfleet.engine.kernels import (
+    _common,
+    paged_attention_ref,
+    paged_decode_attention,
+    prefill_attention,
+    reshape_and_cache,
+    reshape_and_cache_ref,
+)
+
+from .paged import TOL, make_batch, rel_err
+
+
+def test_interpreter_is_active() -> None:
+    # Guard: if the kernels were imported before TRITON_INTERPRET was set, nothing here runs on CPU.
+    assert _common.interpret_mode()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_reshape_and_cache_matches_reference(dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    batch = make_batch(gen, [5, 17, 3], [5, 2, 1], hq=4, hkv=2, d=16, block_size=4, dtype=dtype)
+    batch.slot_mapping[1] = -1  # a skipped (padding) token
+    got = batch.kv_cache.clone()
+    ref = batch.kv_cache.clone()
+    reshape_and_cache(batch.k, batch.v, got, batch.slot_mapping)
+    reshape_and_cache_ref(batch.k, batch.v, ref, batch.slot_mapping)
+    assert torch.equal(got, ref)
+    assert not torch.equal(got, batch.kv_cache)
+
+
+def test_reshape_and_cache_rejects_bad_shapes() -> None:
+    cache = torch.zeros(2, 4, 4, 2, 8)
+    k = torch.zeros(3, 2, 8)
+    with pytest.raises(ValueError, match="slot_mapping"):
+        reshape_and_cache(k, k, cache, torch.zeros(2, dtype=torch.int64))
+    with pytest.raises(ValueError, match="^k:"):
+        reshape_and_cache(torch.zeros(3, 3, 8), k, cache, torch.zeros(3, dtype=torch.int64))
+
+
+@pytest.mark.parametrize("dtype,hq,hkv,splits", [
+    (torch.float32, 4, 2, 1),
+    (torch.float32, 8, 2, 3),
+    (torch.bfloat16, 4, 1, 4),
+    (torch.float16, 2, 2, 2),
+])
+def test_paged_decode_matches_reference(dtype: torch.dtype, hq: int, hkv: int, splits: int) -> None:
+    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    seq_lens = torch.randint(1, 150, (4,), generator=gen).tolist()
+    batch = make_batch(gen, seq_lens, [1] * 4, hq=hq, hkv=hkv, d=32, block_size=16, dtype=dtype)
+    scale = 32 ** -0.5
+    out = torch.full_like(batch.q, float("nan"))  # poison: every row must be written
+    paged_decode_attention(batch.q, batch.kv_cache, batch.block_tables, batch.seq_lens,
+                           batch.query_start_loc, scale, out, num_splits=splits, block_n=32)
+    ref = paged_attention_ref(batch.q, batch.kv_cache, batch.block_tables, batch.seq_lens,
+                              batch.query_start_loc, scale)
+    assert rel_err(out, ref) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype,block_m", [(torch.float32, 16), (torch.bfloat16, 16), (torch.float32, 32)])
+def test_prefill_with_cached_prefix_matches_reference(dtype: torch.dtype, block_m: int) -> None:
+    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    # fresh prompt, chunk after a cached prefix, a single-token decode, a longer chunk
+    q_lens = [19, 7, 1, 40]
+    prefix = [0, 30, 25, 9]
+    seq_lens = [p + q for p, q in zip(prefix, q_lens)]
+    batch = make_batch(gen, seq_lens, q_lens, hq=4, hkv=2, d=16, block_size=8, dtype=dtype)
+    reshape_and_cache(batch.k, batch.v, batch.kv_cache, batch.slot_mapping)
+    scale = 0.3
+    out = torch.full_like(batch.q, float("nan"))
+    prefill_attention(batch.q, batch.kv_cache, batch.block_tables, batch.seq_lens, batch.query_start_loc,
+                      batch.max_query_len, scale, out, block_m=block_m, block_n=16)
+    ref = paged_attention_ref(batch.q, batch.kv_cache, batch.block_tables, batch.seq_lens,
+                              batch.query_start_loc, scale)
+    assert rel_err(out, ref) < TOL[dtype]
+
+
+def test_mixed_batch_split_between_kernels() -> None:
+    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    q_lens, seq_lens = [1, 12, 1], [40, 20, 70]
+    batch = make_batch(gen, seq_lens, q_lens, hq=4, hkv=2, d=16, block_size=8, dtype=torch.float32)
+    out = torch.full_like(batch.q, float("nan"))
+    args = (batch.q, batch.kv_cache, batch.block_tables, batch.seq_lens, batch.query_start_loc)
+    prefill_attention(*args, batch.max_query_len, 0.25, out, skip_decode=True)
+    assert torch.isnan(out[0]).all() and torch.isnan(out[13]).all()  # decode rows left alone
+    paged_decode_attention(*args, 0.25, out, num_splits=2, block_n=16)
+    ref = paged_attention_ref(*args, 0.25)
+    assert rel_err(out, ref) < 1e-5
+
+
+def test_attention_rejects_bad_metadata() -> None:
+    gen = torch.Generator().manual_seed(0)
+    batch = make_batch(gen, [10], [1], hq=4, hkv=2, d=16, block_size=8, dtype=torch.float32)
+    out = torch.empty_like(batch.q)
+    with pytest.raises(ValueError, match="query_start_loc"):
+        paged_decode_attention(batch.q, batch.kv_cache, batch.block_tables, batch.seq_lens,
+                               batch.query_start_loc[:1], 1.0, out)
+    with pytest.raises(ValueError, match="block_tables"):
+        prefill_attention(batch.q, batch.kv_cache, batch.block_tables.long(), batch.seq_lens,
+                          batch.query_start_loc, 1, 1.0, out)
+    with pytest.raises(ValueError, match="^q:"):
+        prefill_attention(batch.q[:, :3], batch.kv_cache, batch.block_tables, batch.seq_lens,
+                          batch.query_start_loc, 1, 1.0, torch.empty_like(batch.q[:, :3]))
