@@ -1,0 +1,165 @@
+"""Pure parts of the serving process: flags and env, keys, limits, error bodies, logprobs, metrics."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from types import SimpleNamespace
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvfleet.engine.bench.serve import RequestResult, load_jsonl, percentiles, summarize, tiny_workload
+from kvfleet.engine.outputs import Logprob
+from kvfleet.engine.server.args import add_serve_args, check_serve_args, engine_kwargs
+from kvfleet.engine.server.auth import KeyFileError, bearer_token, load_keys, parse_keys, tenant_for
+from kvfleet.engine.server.errors import describe_validation_errors, value_error_param
+from kvfleet.engine.server.limits import Admission, RequestError, admit, resolve_max_tokens, retry_after_seconds
+from kvfleet.engine.server.logprobs import chat_logprobs, completion_logprobs
+from kvfleet.engine.server.metrics import ServerMetrics, request_timings
+
+
+def parse(argv: list[str], env: dict[str, str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_serve_args(parser, env or {})
+    return parser.parse_args(argv)
+
+
+def test_flags_defaults_env_and_cli_precedence() -> None:
+    args = parse([])
+    assert (args.host, args.port, args.block_size, args.enable_prefix_caching) == ("0.0.0.0", 8000, 16, True)
+    env = {"KVFLEET_PORT": "9001", "KVFLEET_ENABLE_PREFIX_CACHING": "false", "KVFLEET_MODEL": "/m",
+           "KVFLEET_MAX_QUEUE_LEN": "5", "KVFLEET_DEVICE": "cpu"}
+    args = parse([], env)
+    assert (args.port, args.enable_prefix_caching, args.model, args.max_queue_len, args.device) == \
+        (9001, False, "/m", 5, "cpu")
+    args = parse(["--port", "9002", "--enable-prefix-caching", "other"], env)
+    assert (args.port, args.enable_prefix_caching, args.model) == (9002, True, "other")
+    kwargs = engine_kwargs(args)
+    assert kwargs["device"] == "cpu" and kwargs["enable_prefix_caching"] is True
+    assert "max_model_len" not in kwargs and "tensor_parallel_size" not in kwargs
+
+
+@pytest.mark.parametrize("env, needle", [({"KVFLEET_PORT": "eighty"}, "KVFLEET_PORT"),
+                                         ({"KVFLEET_ENFORCE_EAGER": "maybe"}, "KVFLEET_ENFORCE_EAGER"),
+                                         ({"KVFLEET_DEVICE": "tpu"}, "KVFLEET_DEVICE")])
+def test_bad_env_value_names_the_variable(env: dict[str, str], needle: str) -> None:
+    with pytest.raises(SystemExit, match=needle):
+        parse([], env)
+
+
+def test_cross_flag_checks() -> None:
+    with pytest.raises(ValueError, match="--api-key"):
+        check_serve_args(parse(["--api-key", "a", "--api-keys-file", "f"]))
+    with pytest.raises(ValueError, match="--max-queue-len"):
+        check_serve_args(parse(["--max-queue-len", "0"]))
+    check_serve_args(parse(["--max-queue-len", "3"]))
+
+
+def test_keys_yaml_json_and_lookup(tmp_path) -> None:
+    assert parse_keys("k1: team-a\nk2: team-b\n", "f") == {"k1": "team-a", "k2": "team-b"}
+    assert parse_keys(json.dumps({"k3": "team-c"}), "f") == {"k3": "team-c"}
+    with pytest.raises(KeyFileError, match="entry 2") as err:
+        parse_keys("good: a\nsecret-key: ''\n", "f")
+    assert "secret-key" not in str(err.value)  # keys never echoed
+    with pytest.raises(KeyFileError, match="mapping"):
+        parse_keys("- a\n- b\n", "f")
+    path = tmp_path / "keys.yaml"
+    path.write_text("sk-1: alpha\n")
+    keys = load_keys(None, str(path))
+    assert tenant_for(bearer_token("Bearer sk-1"), keys) == "alpha"
+    assert tenant_for(bearer_token("Bearer sk-2"), keys) is None
+    assert tenant_for(bearer_token("Basic sk-1"), keys) is None
+    assert load_keys("solo", None) == {"solo": "default"} and load_keys(None, None) is None
+
+
+def test_context_limits_and_admission() -> None:
+    assert resolve_max_tokens(None, 10, 64, "prompt", "max_tokens") == 54
+    assert resolve_max_tokens(5, 10, 64, "prompt", "max_tokens") == 5
+    with pytest.raises(RequestError) as err:
+        resolve_max_tokens(60, 10, 64, "prompt", "max_tokens")
+    assert err.value.param == "max_tokens" and "64" in err.value.message
+    with pytest.raises(RequestError) as err:
+        resolve_max_tokens(1, 64, 64, "messages", "max_tokens")
+    assert err.value.param == "messages"
+    assert admit(0, 5, 2) and admit(1, 1, 2) and not admit(2, 1, 2) and admit(100, 1, None)
+    adm = Admission()
+    t1, t2 = adm.ticket(), adm.ticket()
+    t1.started()
+    t1.release()
+    t1.release()
+    assert (adm.waiting, adm.inflight) == (1, 1)
+    t2.release()
+    assert (adm.waiting, adm.inflight) == (0, 0)
+    assert retry_after_seconds(10, 2) == 6 and retry_after_seconds(0, 2) == 1
+
+
+def test_validation_errors_name_the_field() -> None:
+    msg, param, code = describe_validation_errors([{"loc": ("body", "temprature"), "type": "extra_forbidden",
+                                                    "msg": "Extra inputs are not permitted"}])
+    assert param == "temprature" and "temprature" in msg and code == "unknown_field"
+    msg, param, _ = describe_validation_errors([{"loc": ("body", "messages", 0, "role"), "type": "literal_error",
+                                                 "msg": "Input should be 'user'"}])
+    assert param == "messages" and "messages[0].role" in msg
+    msg, param, _ = describe_validation_errors([{"loc": ("body",), "type": "value_error",
+                                                 "msg": "Value error, stream_options: only with stream"}])
+    assert param == "stream_options"
+    _, param, code = describe_validation_errors([{"loc": ("body", 5), "type": "json_invalid", "msg": "x"}])
+    assert code == "invalid_json" and param is None
+    assert value_error_param("top_k: must be -1", ["top_k", "n"]) == "top_k"
+    assert value_error_param("something else", ["top_k"]) is None
+
+
+def test_logprob_shapes() -> None:
+    decode = {5: "a", 6: "b", 7: "c"}.__getitem__
+    positions = [{5: Logprob(-0.1, 1, "a"), 6: Logprob(-2.5, 2, "b")}, {7: Logprob(float("-inf"), 3, "c"),
+                                                                       6: Logprob(-0.3, 1, "b")}]
+    legacy = completion_logprobs([5, 7], positions, 1, decode, text_offset=3)
+    assert legacy["tokens"] == ["a", "c"] and legacy["token_logprobs"] == [-0.1, -9999.0]
+    assert legacy["top_logprobs"] == [{"a": -0.1}, {"b": -0.3}] and legacy["text_offset"] == [3, 4]
+    chat = chat_logprobs([5], positions[:1], 2, decode)
+    assert chat[0]["token"] == "a" and [t["token"] for t in chat[0]["top_logprobs"]] == ["a", "b"]
+    assert chat[0]["bytes"] == [97]
+
+
+def test_metrics_names_labels_and_scrape_time_stats() -> None:
+    stats = {"num_waiting": 3, "num_running": 2, "kv_cache_usage": 0.25, "prefix_cache_queries": 10,
+             "prefix_cache_hits": 4, "num_preemptions": 1, "prompt_tokens": 30, "generation_tokens": 7}
+    live = {"s": None}
+    m = ServerMetrics("tiny", lambda: live["s"])
+    assert b"num_requests_waiting" not in m.render()  # nothing before the engine is up
+    live["s"] = stats
+    t = SimpleNamespace(arrival_time=1.0, first_scheduled_time=1.5, first_token_time=2.0, finished_time=4.0)
+    assert request_timings(t) == {"ttft": 1.0, "e2e": 3.0, "queue": 0.5}
+    m.observe_finished("alpha", "stop", t)
+    m.observe_itl(0.2, 2)
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for fam in text_string_to_metric_families(m.render().decode()) for s in fam.samples}
+    assert samples[("kvfleet:num_requests_waiting", (("model_name", "tiny"),))] == 3
+    assert samples[("kvfleet:kv_cache_usage_perc", (("model_name", "tiny"),))] == 0.25
+    assert samples[("kvfleet:prefix_cache_hits_total", (("model_name", "tiny"),))] == 4
+    assert samples[("kvfleet:generation_tokens_total", (("model_name", "tiny"),))] == 7
+    key = ("kvfleet:request_success_total", (("finished_reason", "stop"), ("model_name", "tiny"),
+                                              ("tenant", "alpha")))
+    assert samples[key] == 1
+    assert samples[("kvfleet:inter_token_latency_seconds_count", (("model_name", "tiny"),))] == 2
+    assert samples[("kvfleet:time_to_first_token_seconds_sum", (("model_name", "tiny"),))] == 1.0
+    live["s"] = dict(stats, num_waiting=0)
+    assert "kvfleet:num_requests_waiting{model_name=\"tiny\"} 0.0" in m.render().decode()
+
+
+def test_bench_stats_and_workloads(tmp_path) -> None:
+    p = percentiles([0.001 * i for i in range(1, 101)])
+    assert p["p50"] == pytest.approx(50.5) and p["p99"] == pytest.approx(99.01) and p["mean"] == pytest.approx(50.5)
+    results = [RequestResult(True, 4, 10, ttft=0.1, e2e=1.0, itl=[0.1] * 9), RequestResult(False, error="HTTP 429")]
+    s = summarize(results, 2.0)
+    assert (s["completed"], s["failed"], s["errors"]) == (1, 1, {"HTTP 429": 1})
+    assert s["output_throughput"] == 5.0 and s["tpot_ms"]["mean"] == pytest.approx(100.0)
+    assert tiny_workload(5, 1) == tiny_workload(5, 1) and len(tiny_workload(5, 1)) == 5
+    f = tmp_path / "w.jsonl"
+    f.write_text('{"prompt": [1, 2, 3], "output_len": 4}\n{"prompt": "hi", "max_tokens": 2}\n')
+    reqs = load_jsonl(f)
+    assert reqs[0].prompt_len == 3 and reqs[1].output_len == 2
+    f.write_text('{"prompt": [], "output_len": 4}\n')
+    with pytest.raises(ValueError, match="w.jsonl:1"):
+        load_jsonl(f)
