@@ -1,0 +1,77 @@
+"""The Deployment that runs the admitted replicas of one flavor, and the Service in front."""
+from __future__ import annotations
+
+from typing import Any, Mapping, Sequence
+
+from ..config import OperatorConfig
+from ..constants import ENGINE_PORT, LABEL_FLAVOR
+from ..spec import ModelDeploymentSpec
+from .meta import mdep_labels, owner_reference, selector_labels
+from .pod import build_pod_template
+
+
+def deployment_name(mdep_name: str, flavor: str) -> str:
+    """One Deployment per assigned flavor: each flavor has its own node selector."""
+    return f"{mdep_name}-{flavor}"
+
+
+def build_deployment(
+    mdep: Mapping[str, Any],
+    spec: ModelDeploymentSpec,
+    config: OperatorConfig,
+    flavor: str,
+    replicas: int,
+    node_labels: Mapping[str, str] | None = None,
+    tolerations: Sequence[Mapping[str, Any]] = (),
+) -> dict[str, Any]:
+    """A Deployment of `replicas` pods (= workloads admitted with `flavor`) on the flavor's nodes.
+
+    maxSurge 0: a rollout never runs more pods than admitted workloads, so the quota Kueue
+    granted is never exceeded, not even for a moment.
+    """
+    name = mdep["metadata"]["name"]
+    selector = {**selector_labels(name), LABEL_FLAVOR: flavor}
+    template = build_pod_template(name, spec, config, node_labels, tolerations, {LABEL_FLAVOR: flavor})
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {
+            "name": deployment_name(name, flavor),
+            "namespace": mdep["metadata"]["namespace"],
+            "labels": {**mdep_labels(name, "engine"), LABEL_FLAVOR: flavor},
+            "ownerReferences": [owner_reference(mdep)],
+        },
+        "spec": {
+            "replicas": replicas,
+            "selector": {"matchLabels": selector},
+            "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 0, "maxUnavailable": 1}},
+            "revisionHistoryLimit": 3,
+            "progressDeadlineSeconds": config.startup_timeout_seconds + 120,
+            "template": template,
+        },
+    }
+
+
+def build_service(mdep: Mapping[str, Any]) -> dict[str, Any]:
+    """The ClusterIP Service behind the endpoint; it selects the pods of every flavor."""
+    name = mdep["metadata"]["name"]
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {
+            "name": name,
+            "namespace": mdep["metadata"]["namespace"],
+            "labels": mdep_labels(name, "service"),
+            "ownerReferences": [owner_reference(mdep)],
+        },
+        "spec": {
+            "type": "ClusterIP",
+            "selector": selector_labels(name),
+            "ports": [{"name": "http", "port": ENGINE_PORT, "targetPort": "http", "protocol": "TCP"}],
+        },
+    }
+
+
+def endpoint_url(mdep_name: str, namespace: str, cluster_domain: str) -> str:
+    """The in-cluster OpenAI base URL of the Service."""
+    return f"http://{mdep_name}.{namespace}.svc.{cluster_domain}:{ENGINE_PORT}/v1"

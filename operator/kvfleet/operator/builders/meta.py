@@ -1,0 +1,34 @@
+"""Metadata helpers shared by the builders: labels and owner references."""
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+from ..constants import (LABEL_COMPONENT, LABEL_MANAGED_BY, LABEL_MDEP, LABEL_NAME, MANAGED_BY_VALUE)
+
+
+def owner_reference(owner: Mapping[str, Any], controller: bool = True) -> dict[str, Any]:
+    """An ownerReference to `owner` so the garbage collector removes what we made with it."""
+    meta = owner["metadata"]
+    return {
+        "apiVersion": owner["apiVersion"],
+        "kind": owner["kind"],
+        "name": meta["name"],
+        "uid": meta["uid"],
+        "controller": controller,
+        "blockOwnerDeletion": True,
+    }
+
+
+def mdep_labels(mdep_name: str, component: str) -> dict[str, str]:
+    """Labels of everything a ModelDeployment owns; `LABEL_MDEP` is what watches select on."""
+    return {
+        LABEL_NAME: "kvfleet-engine",
+        LABEL_COMPONENT: component,
+        LABEL_MANAGED_BY: MANAGED_BY_VALUE,
+        LABEL_MDEP: mdep_name,
+    }
+
+
+def selector_labels(mdep_name: str) -> dict[str, str]:
+    """The stable subset used in selectors (selectors of Deployments are immutable)."""
+    return {LABEL_NAME: "kvfleet-engine", LABEL_MDEP: mdep_name}

@@ -1,0 +1,36 @@
+"""Operator-wide settings (images, pod defaults), read once from the environment.
+
+The Helm chart sets these variables from its values; a local run uses the defaults.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Mapping
+
+
+@dataclass(frozen=True)
+class OperatorConfig:
+    kvfleet_image: str = "ghcr.io/kvfleet/kvfleet:0.1.0"
+    vllm_image: str = "vllm/vllm-openai:v0.26.0"
+    image_pull_policy: str = "IfNotPresent"
+    cluster_domain: str = "cluster.local"
+    # Seconds a model may take to load before the startup probe gives up (large models are slow).
+    startup_timeout_seconds: int = 1800
+    run_as_user: int = 1000
+    model_cache_path: str = "/models"
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> "OperatorConfig":
+        env = os.environ if env is None else env
+        base = cls()
+        return cls(
+            kvfleet_image=env.get("KVFLEET_ENGINE_IMAGE", base.kvfleet_image),
+            vllm_image=env.get("KVFLEET_VLLM_IMAGE", base.vllm_image),
+            image_pull_policy=env.get("KVFLEET_IMAGE_PULL_POLICY", base.image_pull_policy),
+            cluster_domain=env.get("KVFLEET_CLUSTER_DOMAIN", base.cluster_domain),
+            startup_timeout_seconds=int(env.get("KVFLEET_STARTUP_TIMEOUT_SECONDS",
+                                                base.startup_timeout_seconds)),
+            run_as_user=int(env.get("KVFLEET_RUN_AS_USER", base.run_as_user)),
+            model_cache_path=env.get("KVFLEET_MODEL_CACHE_PATH", base.model_cache_path),
+        )

@@ -1,0 +1,107 @@
+"""kopf handlers: thin edges that call the reconcilers, serialised per object.
+
+ModelDeployments are reconciled on create/update/resume, on any event of a Workload or
+Deployment they own, and by a slow timer as a safety net. Tenants on create/update/resume
+and by a timer that refreshes their GPU usage.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any, Callable
+
+import kopf
+
+from . import metrics
+from .config import OperatorConfig
+from .constants import (GROUP, KUEUE_GROUP, KUEUE_VERSION, LABEL_MANAGED_BY, LABEL_MDEP, MANAGED_BY_VALUE,
+                        MDEP_PLURAL, TENANT_PLURAL, VERSION)
+from .kube import Kube, KubeError
+from .reconcile import reconcile_model_deployment
+from .reconcile_tenant import reconcile_tenant
+
+log = logging.getLogger("kvfleet.operator.handlers")
+
+_state_lock = threading.Lock()
+_locks: dict[str, threading.Lock] = {}
+_kube: Kube | None = None
+_config: OperatorConfig | None = None
+
+
+def kube() -> Kube:
+    global _kube
+    with _state_lock:
+        if _kube is None:
+            _kube = Kube.from_kubeconfig()
+        return _kube
+
+
+def config() -> OperatorConfig:
+    global _config
+    with _state_lock:
+        if _config is None:
+            _config = OperatorConfig.from_env()
+        return _config
+
+
+def _lock(key: str) -> threading.Lock:
+    with _state_lock:
+        return _locks.setdefault(key, threading.Lock())
+
+
+def _guarded(kind: str, key: str, fn: Callable[[], Any]) -> Any:
+    """One reconcile per object at a time; API errors become kopf retries."""
+    with _lock(key), metrics.timed(kind):
+        try:
+            return fn()
+        except KubeError as exc:
+            # 409: someone changed it under us; others: the apiserver is busy or restarting.
+            raise kopf.TemporaryError(f"{kind} {key}: {exc}", delay=1 if exc.status == 409 else 5) from exc
+
+
+def reconcile_now(namespace: str, name: str) -> Any:
+    """Reconcile one ModelDeployment now (the autoscaler calls this after a decision)."""
+    return _guarded("ModelDeployment", f"{namespace}/{name}",
+                    lambda: reconcile_model_deployment(kube(), config(), namespace, name))
+
+
+@kopf.on.create(GROUP, VERSION, MDEP_PLURAL)
+@kopf.on.update(GROUP, VERSION, MDEP_PLURAL)
+@kopf.on.resume(GROUP, VERSION, MDEP_PLURAL)
+def mdep_changed(namespace: str, name: str, **_: Any) -> None:
+    reconcile_now(namespace, name)
+
+
+@kopf.on.delete(GROUP, VERSION, MDEP_PLURAL, optional=True)
+def mdep_deleted(namespace: str, name: str, **_: Any) -> None:
+    # Owner references let the garbage collector remove workloads, Deployments and the Service.
+    log.info("deleted", extra={"mdep": f"{namespace}/{name}"})
+
+
+@kopf.timer(GROUP, VERSION, MDEP_PLURAL, interval=30, initial_delay=30)
+def mdep_resync(namespace: str, name: str, **_: Any) -> None:
+    reconcile_now(namespace, name)
+
+
+@kopf.on.event(KUEUE_GROUP, KUEUE_VERSION, "workloads",
+               labels={LABEL_MANAGED_BY: MANAGED_BY_VALUE, LABEL_MDEP: kopf.PRESENT})
+def owned_workload_event(namespace: str, labels: dict[str, str], **_: Any) -> None:
+    reconcile_now(namespace, labels[LABEL_MDEP])
+
+
+@kopf.on.event("apps", "v1", "deployments",
+               labels={LABEL_MANAGED_BY: MANAGED_BY_VALUE, LABEL_MDEP: kopf.PRESENT})
+def owned_deployment_event(namespace: str, labels: dict[str, str], **_: Any) -> None:
+    reconcile_now(namespace, labels[LABEL_MDEP])
+
+
+@kopf.on.create(GROUP, VERSION, TENANT_PLURAL)
+@kopf.on.update(GROUP, VERSION, TENANT_PLURAL)
+@kopf.on.resume(GROUP, VERSION, TENANT_PLURAL)
+def tenant_changed(name: str, **_: Any) -> None:
+    _guarded("Tenant", name, lambda: reconcile_tenant(kube(), name))
+
+
+@kopf.timer(GROUP, VERSION, TENANT_PLURAL, interval=10, initial_delay=5)
+def tenant_usage(name: str, **_: Any) -> None:
+    _guarded("Tenant", name, lambda: reconcile_tenant(kube(), name))

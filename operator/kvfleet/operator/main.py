@@ -1,0 +1,81 @@
+"""The operator process: `kopf run -m kvfleet.operator.main`, `python -m kvfleet.operator`
+or `kvfleet operator`. Health (kopf liveness) and metrics listen on 127.0.0.1 by default."""
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import os
+from typing import Any, Sequence
+
+import kopf
+
+from . import handlers as _handlers  # noqa: F401  (registers the handlers)
+from . import metrics
+from .constants import GROUP
+
+log = logging.getLogger("kvfleet.operator")
+
+
+def _load_optional(module: str) -> None:
+    """Plug in the autoscaler's handlers when that part is installed."""
+    try:
+        importlib.import_module(module)
+    except ModuleNotFoundError as exc:
+        if exc.name != module:
+            raise
+
+
+_load_optional("kvfleet.operator.autoscaler.handlers")
+
+
+@kopf.on.startup()
+def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
+    # Progress in annotations only: the status schema belongs to the CRD, not to kopf.
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+        prefix=GROUP, key="last-handled-configuration")
+    settings.posting.level = logging.WARNING  # our own Events say what matters
+    settings.peering.name = os.environ.get("KVFLEET_PEERING_NAME", "kvfleet")
+    settings.peering.lifetime = int(os.environ.get("KVFLEET_PEERING_LIFETIME", "30"))
+    settings.peering.stealth = True
+    settings.execution.max_workers = int(os.environ.get("KVFLEET_MAX_WORKERS", "8"))
+    settings.watching.server_timeout = 300
+    port = int(os.environ.get("KVFLEET_METRICS_PORT", "0"))
+    if port:
+        metrics.serve(port, os.environ.get("KVFLEET_METRICS_ADDR", "127.0.0.1"))
+
+
+@kopf.on.probe(id="reconciles")
+def probe_reconciles(**_: Any) -> float:
+    """Reconciliations so far (shown by the liveness endpoint)."""
+    return sum(sample.value for family in metrics.RECONCILES.collect() for sample in family.samples
+               if sample.name.endswith("_total"))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="kvfleet operator", description="Run the kvfleet operator.")
+    parser.add_argument("--kubeconfig", help="kubeconfig file (default: in-cluster, then $KUBECONFIG)")
+    parser.add_argument("--liveness", default="http://127.0.0.1:8080/healthz",
+                        help="kopf liveness endpoint URL")
+    parser.add_argument("--metrics-port", type=int, default=int(os.environ.get("KVFLEET_METRICS_PORT", "8090")),
+                        help="Prometheus metrics port (0: off)")
+    parser.add_argument("--metrics-addr", default=os.environ.get("KVFLEET_METRICS_ADDR", "127.0.0.1"))
+    parser.add_argument("--peering", default=os.environ.get("KVFLEET_PEERING_NAME", "kvfleet"),
+                        help="kopf peering name (one active operator per peering)")
+    parser.add_argument("--standalone", action="store_true", help="no peering")
+    parser.add_argument("--log-level", default="INFO")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    if args.kubeconfig:
+        os.environ["KUBECONFIG"] = args.kubeconfig
+    os.environ["KVFLEET_METRICS_PORT"] = str(args.metrics_port)
+    os.environ["KVFLEET_METRICS_ADDR"] = args.metrics_addr
+    os.environ["KVFLEET_PEERING_NAME"] = args.peering
+    kopf.run(clusterwide=True, liveness_endpoint=args.liveness or None, standalone=args.standalone or None,
+             peering_name=args.peering)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,133 @@
+"""Reconcile one ModelDeployment: read what is, plan purely, write what must change.
+
+All API I/O of a ModelDeployment's reconciliation is in this module; every decision is
+made by the pure functions it calls (spec, builders, plan, status).
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from typing import Any, Mapping
+
+from .builders import build_deployment, build_service, build_workload, workload_hash
+from .builders.deployment import endpoint_url
+from .builders.meta import selector_labels
+from .builders.tenant import local_queue_name
+from .builders.workload import workload_pod_template
+from .config import OperatorConfig
+from .constants import (API_VERSION, KUEUE_API_VERSION, LABEL_FLAVOR, LABEL_MDEP, LABEL_TENANT,
+                        MDEP_PLURAL)
+from .errors import SpecError
+from .events import build_event
+from .kube import Kube
+from .kueue_state import observe_workload
+from .plan import WorkloadPlan, frozen_plan, plan_deployment_replicas, plan_workloads
+from .scaling import desired_replicas_for
+from .spec import ModelDeploymentSpec, parse_model_deployment
+from .status import Observation, compute_status, status_changed, transition_events
+
+log = logging.getLogger("kvfleet.operator.reconcile")
+
+
+def utcnow() -> str:
+    return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+@dataclass(frozen=True)
+class Resolved:
+    queue_name: str
+    priority: tuple[str, int] | None
+    flavors: dict[str, dict[str, Any]]  # ResourceFlavor name -> spec
+
+
+def resolve(kube: Kube, namespace: str, spec: ModelDeploymentSpec) -> Resolved:
+    """Look up what the spec refers to; a missing reference is a SpecError with its reason."""
+    flavors = {f["metadata"]["name"]: f.get("spec") or {}
+               for f in kube.list(KUEUE_API_VERSION, "resourceflavors")}
+    if spec.gpu_flavor and spec.gpu_flavor not in flavors:
+        raise SpecError("spec.resources.gpuFlavor", f"ResourceFlavor {spec.gpu_flavor!r} does not exist",
+                        "FlavorNotFound")
+    queue = spec.queue_name
+    if queue is None:
+        ns = kube.get("v1", "namespaces", namespace) or {}
+        tenant = ((ns.get("metadata") or {}).get("labels") or {}).get(LABEL_TENANT)
+        if not tenant:
+            raise SpecError("spec.queueName", f"namespace {namespace!r} belongs to no Tenant; set "
+                            "spec.queueName or add the namespace to a Tenant", "NotATenantNamespace")
+        queue = local_queue_name(tenant)
+    if kube.get(KUEUE_API_VERSION, "localqueues", queue, namespace) is None:
+        raise SpecError("spec.queueName", f"LocalQueue {queue!r} does not exist in {namespace!r}",
+                        "QueueNotFound")
+    priority = None
+    if spec.priority_class_name:
+        wpc = kube.get(KUEUE_API_VERSION, "workloadpriorityclasses", spec.priority_class_name)
+        if wpc is None:
+            raise SpecError("spec.priorityClassName", f"WorkloadPriorityClass {spec.priority_class_name!r} "
+                            "does not exist", "PriorityClassNotFound")
+        priority = (spec.priority_class_name, int(wpc.get("value", 0)))
+    return Resolved(queue, priority, flavors)
+
+
+def _flavor_placement(flavor_spec: Mapping[str, Any]) -> tuple[dict[str, str], list[dict[str, Any]]]:
+    return dict(flavor_spec.get("nodeLabels") or {}), list(flavor_spec.get("tolerations") or [])
+
+
+def reconcile_model_deployment(kube: Kube, config: OperatorConfig, namespace: str, name: str) -> dict | None:
+    """Converge one ModelDeployment; returns the status written (or None if it is gone)."""
+    mdep = kube.get(API_VERSION, MDEP_PLURAL, name, namespace)
+    if mdep is None or mdep["metadata"].get("deletionTimestamp"):
+        return None  # the garbage collector removes what it owned
+    old_status = mdep.get("status") or {}
+    selector = ",".join(f"{k}={v}" for k, v in selector_labels(name).items())
+    workloads = kube.list(KUEUE_API_VERSION, "workloads", namespace, f"{LABEL_MDEP}={name}")
+    deployments = kube.list("apps/v1", "deployments", namespace, f"{LABEL_MDEP}={name}")
+    observed = [observe_workload(w) for w in workloads]
+    problem: SpecError | None = None
+    desired = 0
+    plan: WorkloadPlan
+    try:
+        spec = parse_model_deployment(mdep.get("spec") or {})
+        desired = desired_replicas_for(spec, old_status.get("autoscaler"))
+        resolved = resolve(kube, namespace, spec)
+    except SpecError as exc:
+        problem = exc
+        plan = frozen_plan(desired, observed)
+    else:
+        pinned = resolved.flavors.get(spec.gpu_flavor, {}).get("nodeLabels") if spec.gpu_flavor else None
+        template = workload_pod_template(spec, config, pinned)
+        spec_hash = workload_hash(template, resolved.queue_name, resolved.priority)
+        plan = plan_workloads(desired, observed, spec_hash)
+        kube.apply(build_service(mdep))
+        existing = [d["metadata"].get("labels", {}).get(LABEL_FLAVOR) for d in deployments]
+        for flavor, replicas in plan_deployment_replicas(plan.admitted_by_flavor,
+                                                         [f for f in existing if f]).items():
+            labels, tolerations = _flavor_placement(resolved.flavors.get(flavor, {}))
+            kube.apply(build_deployment(mdep, spec, config, flavor, replicas, labels, tolerations))
+        # Pods go first (above), then the quota: a freed GPU is never still in use by us.
+        for wl_name in plan.delete:
+            kube.delete(KUEUE_API_VERSION, "workloads", wl_name, namespace)
+        for ordinal in plan.create:
+            kube.apply(build_workload(mdep, spec, config, ordinal, resolved.queue_name, resolved.priority,
+                                      pinned))
+        if plan.create or plan.delete:
+            log.info("workloads", extra={"mdep": f"{namespace}/{name}", "desired": desired,
+                                         "created": list(plan.create), "deleted": list(plan.delete)})
+    obs = Observation(
+        generation=int(mdep["metadata"].get("generation", 0)),
+        desired=desired,
+        plan=plan,
+        pod_replicas=sum(int((d.get("status") or {}).get("replicas", 0)) for d in deployments),
+        ready_replicas=sum(int((d.get("status") or {}).get("readyReplicas", 0)) for d in deployments),
+        endpoint=endpoint_url(name, namespace, config.cluster_domain),
+        selector=selector,
+        problem=problem,
+    )
+    now = utcnow()
+    new_status = compute_status(obs, old_status, now)
+    if status_changed(old_status, new_status):
+        kube.merge_patch(mdep, {"status": new_status}, subresource="status")
+        for event_type, reason, message in transition_events(old_status.get("conditions") or [],
+                                                             new_status["conditions"]):
+            kube.create(build_event(mdep, event_type, reason, message, now))
+    return new_status

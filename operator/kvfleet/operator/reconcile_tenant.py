@@ -1,0 +1,73 @@
+"""Reconcile one Tenant: namespaces, ClusterQueue, and per namespace LocalQueue, NetworkPolicy
+and RBAC; clean up namespaces it no longer lists; report GPU usage per flavor."""
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from .builders import (build_cluster_queue, build_local_queue, build_namespace, build_network_policy,
+                       build_rbac)
+from .constants import API_VERSION, KUEUE_API_VERSION, LABEL_TENANT, TENANT_PLURAL
+from .errors import SpecError
+from .events import build_event
+from .kube import PLURALS, Kube
+from .reconcile import utcnow
+from .spec import parse_tenant
+from .tenant_status import compute_tenant_status
+
+log = logging.getLogger("kvfleet.operator.tenant")
+
+# (apiVersion, plural) of the per-namespace objects a Tenant owns, for clean-up.
+NAMESPACED_OWNED = (
+    (KUEUE_API_VERSION, "localqueues"),
+    ("networking.k8s.io/v1", "networkpolicies"),
+    ("rbac.authorization.k8s.io/v1", "rolebindings"),
+    ("rbac.authorization.k8s.io/v1", "roles"),
+)
+
+
+def _cleanup(kube: Kube, tenant_name: str, wanted: dict[str, set[tuple[str, str]]]) -> None:
+    """Delete what we made in namespaces (or for a group) the Tenant no longer lists."""
+    selector = f"{LABEL_TENANT}={tenant_name}"
+    for api_version, plural in NAMESPACED_OWNED:
+        for obj in kube.list(api_version, plural, None, selector):
+            meta = obj["metadata"]
+            if (plural, meta["name"]) not in wanted.get(meta["namespace"], set()):
+                kube.delete(api_version, plural, meta["name"], meta["namespace"])
+    for ns in kube.list("v1", "namespaces", None, selector):
+        if ns["metadata"]["name"] not in wanted:
+            # Applying the namespace without our labels drops them (we own only those fields).
+            kube.apply({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns["metadata"]["name"]}})
+
+
+def reconcile_tenant(kube: Kube, name: str) -> dict[str, Any] | None:
+    tenant = kube.get(API_VERSION, TENANT_PLURAL, name)
+    if tenant is None or tenant["metadata"].get("deletionTimestamp"):
+        return None
+    now = utcnow()
+    old_status = tenant.get("status") or {}
+    try:
+        spec = parse_tenant(tenant.get("spec") or {})
+    except SpecError as exc:
+        status = compute_tenant_status(tenant, None, exc.message, [], now)
+    else:
+        kube.apply(build_cluster_queue(tenant, spec))
+        wanted: dict[str, set[tuple[str, str]]] = {}
+        for ns in spec.namespaces:
+            objs = [build_namespace(name, ns), build_local_queue(tenant, ns), build_network_policy(tenant, ns),
+                    *build_rbac(tenant, spec, ns)]
+            for obj in objs:
+                kube.apply(obj)
+            wanted[ns] = {(PLURALS[o["kind"]], o["metadata"]["name"]) for o in objs[1:]}
+        _cleanup(kube, name, wanted)
+        workloads = [w for ns in spec.namespaces for w in kube.list(KUEUE_API_VERSION, "workloads", ns)]
+        status = compute_tenant_status(tenant, spec, None, workloads, now)
+    if {k: old_status.get(k) for k in status} != status:
+        kube.merge_patch(tenant, {"status": status}, subresource="status")
+        old_ready = next((c for c in old_status.get("conditions") or [] if c["type"] == "Ready"), {})
+        ready = status["conditions"][0]
+        if (old_ready.get("status"), old_ready.get("reason")) != (ready["status"], ready["reason"]):
+            kind = "Normal" if ready["status"] == "True" else "Warning"
+            kube.create(build_event(tenant, kind, ready["reason"], ready["message"], now))
+    return status
+

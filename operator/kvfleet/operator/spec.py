@@ -1,0 +1,211 @@
+"""Typed views of the ModelDeployment and Tenant specs, with the CRD's defaults applied.
+
+The apiserver already applies the schema defaults and rejects bad values; parsing them again
+here keeps the pure builders usable on plain dicts (unit tests, `helm template` checks) and
+turns anything still wrong into a SpecError naming the field.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from .errors import SpecError
+
+ENGINE_KINDS = ("kvfleet", "vllm")
+_DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    kind: str  # "hub", "pvc" or "file"
+    uri: str
+    claim: str | None = None
+    path: str | None = None
+
+
+@dataclass(frozen=True)
+class Autoscaling:
+    enabled: bool = False
+    min_replicas: int = 1
+    max_replicas: int = 1
+    target_queue_depth: int = 4
+    scale_down_delay_seconds: int = 300
+
+
+@dataclass(frozen=True)
+class ModelDeploymentSpec:
+    source: ModelSource
+    served_name: str
+    engine_kind: str = "kvfleet"
+    image: str | None = None
+    tensor_parallel_size: int = 1
+    max_model_len: int | None = None
+    gpu_memory_utilization: float = 0.9
+    max_num_seqs: int | None = None
+    extra_args: tuple[str, ...] = ()
+    env: tuple[dict[str, Any], ...] = ()
+    gpu_flavor: str | None = None
+    cpu: str = "4"
+    memory: str = "32Gi"
+    shm_size: str = "8Gi"
+    replicas: int = 1
+    autoscaling: Autoscaling = field(default_factory=Autoscaling)
+    queue_name: str | None = None
+    priority_class_name: str | None = None
+    api_key_secret: str | None = None
+    api_key_secret_key: str = "api-key"
+
+
+def parse_model_source(uri: str) -> ModelSource:
+    """`org/name` (hub id), `pvc://claim/path/in/claim` or `file:///absolute/path` on a node cache."""
+    if not uri:
+        raise SpecError("spec.model.source", "must not be empty")
+    if uri.startswith("pvc://"):
+        claim, _, path = uri[len("pvc://"):].partition("/")
+        if not _DNS_LABEL.match(claim):
+            raise SpecError("spec.model.source", f"pvc claim name {claim!r} is not a DNS label")
+        return ModelSource("pvc", uri, claim=claim, path=path.strip("/"))
+    if uri.startswith("file://"):
+        path = uri[len("file://"):]
+        if not path.startswith("/"):
+            raise SpecError("spec.model.source", "file:// sources need an absolute path (file:///...)")
+        return ModelSource("file", uri, path=path)
+    if "://" in uri:
+        raise SpecError("spec.model.source", f"unknown scheme in {uri!r} (hub id, pvc:// or file://)")
+    return ModelSource("hub", uri)
+
+
+def _int(value: Any, field_name: str, minimum: int = 0) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise SpecError(field_name, f"must be an integer, got {value!r}")
+    if value < minimum:
+        raise SpecError(field_name, f"must be >= {minimum}, got {value}")
+    return value
+
+
+def _quantity(value: Any, field_name: str) -> str:
+    if isinstance(value, bool) or not isinstance(value, (int, str)) or str(value) == "":
+        raise SpecError(field_name, f"must be a quantity like '4' or '32Gi', got {value!r}")
+    return str(value)
+
+
+def parse_model_deployment(spec: Mapping[str, Any]) -> ModelDeploymentSpec:
+    """Parse `ModelDeployment.spec` (a plain dict) into a typed spec; raises SpecError."""
+    model = spec.get("model") or {}
+    source = parse_model_source(str(model.get("source", "")))
+    engine = spec.get("engine") or {}
+    resources = spec.get("resources") or {}
+    auto = spec.get("autoscaling") or {}
+    kind = engine.get("kind", "kvfleet")
+    if kind not in ENGINE_KINDS:
+        raise SpecError("spec.engine.kind", f"must be one of {ENGINE_KINDS}, got {kind!r}")
+    gmu = engine.get("gpuMemoryUtilization", 0.9)
+    if isinstance(gmu, bool) or not isinstance(gmu, (int, float)) or not 0 < gmu <= 1:
+        raise SpecError("spec.engine.gpuMemoryUtilization", f"must be in (0, 1], got {gmu!r}")
+    autoscaling = Autoscaling(
+        enabled=bool(auto.get("enabled", False)),
+        min_replicas=_int(auto.get("minReplicas", 1), "spec.autoscaling.minReplicas"),
+        max_replicas=_int(auto.get("maxReplicas", max(1, auto.get("minReplicas", 1))),
+                          "spec.autoscaling.maxReplicas", 1),
+        target_queue_depth=_int(auto.get("targetQueueDepth", 4), "spec.autoscaling.targetQueueDepth", 1),
+        scale_down_delay_seconds=_int(auto.get("scaleDownDelaySeconds", 300),
+                                      "spec.autoscaling.scaleDownDelaySeconds"),
+    )
+    if autoscaling.min_replicas > autoscaling.max_replicas:
+        raise SpecError("spec.autoscaling.minReplicas", "must be <= spec.autoscaling.maxReplicas")
+    flavor = resources.get("gpuFlavor")
+    if flavor is not None and not _DNS_LABEL.match(str(flavor)):
+        raise SpecError("spec.resources.gpuFlavor", f"{flavor!r} is not a valid ResourceFlavor name")
+    key_ref = spec.get("apiKeySecretRef") or {}
+    served = model.get("servedName") or source.uri.rstrip("/").rsplit("/", 1)[-1]
+    max_len = engine.get("maxModelLen")
+    max_seqs = engine.get("maxNumSeqs")
+    return ModelDeploymentSpec(
+        source=source,
+        served_name=str(served),
+        engine_kind=kind,
+        image=engine.get("image") or None,
+        tensor_parallel_size=_int(engine.get("tensorParallelSize", 1), "spec.engine.tensorParallelSize", 1),
+        max_model_len=None if max_len is None else _int(max_len, "spec.engine.maxModelLen", 1),
+        gpu_memory_utilization=float(gmu),
+        max_num_seqs=None if max_seqs is None else _int(max_seqs, "spec.engine.maxNumSeqs", 1),
+        extra_args=tuple(str(a) for a in engine.get("extraArgs") or ()),
+        env=tuple(dict(e) for e in engine.get("env") or ()),
+        gpu_flavor=flavor,
+        cpu=_quantity(resources.get("cpu", "4"), "spec.resources.cpu"),
+        memory=_quantity(resources.get("memory", "32Gi"), "spec.resources.memory"),
+        shm_size=_quantity(resources.get("shmSize", "8Gi"), "spec.resources.shmSize"),
+        replicas=_int(spec.get("replicas", 1), "spec.replicas"),
+        autoscaling=autoscaling,
+        queue_name=spec.get("queueName") or None,
+        priority_class_name=spec.get("priorityClassName") or None,
+        api_key_secret=key_ref.get("name") or None,
+        api_key_secret_key=key_ref.get("key", "api-key"),
+    )
+
+
+@dataclass(frozen=True)
+class FlavorQuota:
+    flavor: str
+    nominal: int
+    borrowing_limit: int | None = None
+    lending_limit: int | None = None
+    cpu: str = "1000"
+    memory: str = "10Ti"
+
+
+@dataclass(frozen=True)
+class TenantSpec:
+    namespaces: tuple[str, ...]
+    quotas: tuple[FlavorQuota, ...]
+    group: str | None = None
+    cohort: str | None = None
+    fair_sharing_weight: str = "1"
+    reclaim_within_cohort: str = "Never"
+    within_cluster_queue: str = "Never"
+
+
+def parse_tenant(spec: Mapping[str, Any]) -> TenantSpec:
+    """Parse `Tenant.spec` into a typed spec; raises SpecError naming the field."""
+    namespaces = tuple(spec.get("namespaces") or ())
+    if not namespaces:
+        raise SpecError("spec.namespaces", "needs at least one namespace")
+    for ns in namespaces:
+        if not _DNS_LABEL.match(ns):
+            raise SpecError("spec.namespaces", f"{ns!r} is not a valid namespace name")
+    cohort = spec.get("cohort") or None
+    quotas = []
+    seen: set[str] = set()
+    for i, q in enumerate(spec.get("quotas") or ()):
+        where = f"spec.quotas[{i}]"
+        flavor = q.get("flavor", "")
+        if not _DNS_LABEL.match(flavor):
+            raise SpecError(f"{where}.flavor", f"{flavor!r} is not a valid ResourceFlavor name")
+        if flavor in seen:
+            raise SpecError(f"{where}.flavor", f"flavor {flavor!r} listed twice")
+        seen.add(flavor)
+        nominal = _int(q.get("nominal"), f"{where}.nominal")
+        borrow = q.get("borrowingLimit")
+        lend = q.get("lendingLimit")
+        if borrow is not None:
+            _int(borrow, f"{where}.borrowingLimit")
+            if cohort is None:
+                raise SpecError(f"{where}.borrowingLimit", "needs spec.cohort (borrowing is within a cohort)")
+        if lend is not None and _int(lend, f"{where}.lendingLimit") > nominal:
+            raise SpecError(f"{where}.lendingLimit", "must be <= nominal")
+        quotas.append(FlavorQuota(flavor, nominal, borrow, lend,
+                                  _quantity(q.get("cpu", "1000"), f"{where}.cpu"),
+                                  _quantity(q.get("memory", "10Ti"), f"{where}.memory")))
+    if not quotas:
+        raise SpecError("spec.quotas", "needs at least one flavor quota")
+    preemption = spec.get("preemption") or {}
+    return TenantSpec(
+        namespaces=namespaces,
+        quotas=tuple(quotas),
+        group=spec.get("group") or None,
+        cohort=cohort,
+        fair_sharing_weight=_quantity(spec.get("fairSharingWeight", "1"), "spec.fairSharingWeight"),
+        reclaim_within_cohort=preemption.get("reclaimWithinCohort", "Never"),
+        within_cluster_queue=preemption.get("withinClusterQueue", "Never"),
+    )

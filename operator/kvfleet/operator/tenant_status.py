@@ -1,0 +1,49 @@
+"""Tenant status: GPUs in use and pending per flavor, from the Workloads in its namespaces."""
+from __future__ import annotations
+
+from typing import Any, Mapping, Sequence
+
+from .constants import LABEL_FLAVOR
+from .kueue_state import observe_workload
+from .spec import TenantSpec
+from .status import set_condition
+
+ANY_FLAVOR = "*"
+
+
+def gpu_usage(workloads: Sequence[Mapping[str, Any]], spec: TenantSpec) -> list[dict[str, Any]]:
+    """Per flavor: GPUs of admitted workloads (by assigned flavor) and of pending ones.
+
+    A pending workload has no flavor yet: it counts under the flavor it is pinned to
+    (the kvfleet flavor label) or under `*` when any flavor would do.
+    """
+    usage: dict[str, dict[str, int]] = {q.flavor: {"inUse": 0, "pending": 0} for q in spec.quotas}
+    for wl in workloads:
+        w = observe_workload(wl)
+        if w.terminating or w.gpus == 0:
+            continue
+        if w.running_allowed:
+            usage.setdefault(w.flavor or ANY_FLAVOR, {"inUse": 0, "pending": 0})["inUse"] += w.gpus
+        elif not w.evicted:
+            pinned = ((wl.get("metadata") or {}).get("labels") or {}).get(LABEL_FLAVOR) or ANY_FLAVOR
+            usage.setdefault(pinned, {"inUse": 0, "pending": 0})["pending"] += w.gpus
+    nominal = {q.flavor: q.nominal for q in spec.quotas}
+    return [{"flavor": f, "nominal": nominal.get(f, 0), **u} for f, u in sorted(usage.items())]
+
+
+def compute_tenant_status(tenant: Mapping[str, Any], spec: TenantSpec | None, problem: str | None,
+                          workloads: Sequence[Mapping[str, Any]], now: str) -> dict[str, Any]:
+    old = (tenant.get("status") or {}).get("conditions") or ()
+    generation = int((tenant.get("metadata") or {}).get("generation", 0))
+    if spec is None or problem:
+        ready = set_condition(old, "Ready", False, "InvalidSpec", problem or "invalid spec", generation, now)
+        return {"conditions": [ready], "observedGeneration": generation, "gpus": []}
+    ready = set_condition(old, "Ready", True, "Reconciled",
+                          f"ClusterQueue and {len(spec.namespaces)} namespace(s) configured", generation, now)
+    return {
+        "conditions": [ready],
+        "observedGeneration": generation,
+        "clusterQueue": tenant["metadata"]["name"],
+        "namespaces": list(spec.namespaces),
+        "gpus": gpu_usage(workloads, spec),
+    }
