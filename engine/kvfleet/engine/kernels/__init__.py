@@ -8,11 +8,22 @@ from .paged_decode import choose_num_splits, paged_attention_ref, paged_decode_a
 from .prefill_attention import prefill_attention
 from .reshape_and_cache import reshape_and_cache, reshape_and_cache_ref
 from .rms_norm import fused_add_rms_norm, rms_norm, rms_norm_ref
-from .rotary import build_cos_sin_cache, rope_inv_freq, rotary_embedding, rotary_embedding_ref
+from .rotary import apply_rotary_cos_sin, build_cos_sin_cache, rope_inv_freq, rotary_embedding, rotary_embedding_ref
 
 __all__ = [
-    "build_cos_sin_cache", "choose_num_splits", "fused_add_rms_norm", "paged_attention_ref",
+    "apply_rotary_cos_sin", "build_cos_sin_cache", "choose_num_splits", "fused_add_rms_norm", "paged_attention_ref",
     "paged_decode_attention", "prefill_attention", "reshape_and_cache", "reshape_and_cache_ref",
     "rms_norm", "rms_norm_ref", "rope_inv_freq", "rotary_embedding", "rotary_embedding_ref",
     "silu_and_mul", "silu_mul", "silu_mul_ref",
 ]
+
+
+def _register_attention_backend() -> None:
+    # Imported lazily by kvfleet.engine.attention.get_attention_backend; preferred on CUDA.
+    from kvfleet.engine.attention import register_attention_backend
+    from kvfleet.engine.attention.triton_backend import triton_paged_attention
+
+    register_attention_backend("triton", triton_paged_attention, device_types=("cuda",), priority=10)
+
+
+_register_attention_backend()

@@ -50,16 +50,20 @@ def build_cos_sin_cache(inv_freq: torch.Tensor, max_positions: int, device: torc
 
 @triton.jit
 def _rotary_kernel(
-    pos_ptr, q_ptr, k_ptr, cache_ptr,
-    stride_qt, stride_qh, stride_kt, stride_kh, stride_cache,
+    pos_ptr, q_ptr, k_ptr, cos_ptr, sin_ptr,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_cos, stride_sin,
     HQ: tl.constexpr, HK: tl.constexpr, H_PAD: tl.constexpr, HALF: tl.constexpr, HALF_PAD: tl.constexpr,
+    USE_POSITIONS: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
-    pos = tl.load(pos_ptr + t).to(tl.int64)
+    if USE_POSITIONS:
+        r = tl.load(pos_ptr + t).to(tl.int64)
+    else:
+        r = t
     j = tl.arange(0, HALF_PAD)
     jmask = j < HALF
-    cos = tl.load(cache_ptr + pos * stride_cache + j, mask=jmask, other=0.0)[None, :]
-    sin = tl.load(cache_ptr + pos * stride_cache + HALF + j, mask=jmask, other=0.0)[None, :]
+    cos = tl.load(cos_ptr + r * stride_cos + j, mask=jmask, other=0.0).to(tl.float32)[None, :]
+    sin = tl.load(sin_ptr + r * stride_sin + j, mask=jmask, other=0.0).to(tl.float32)[None, :]
     h = tl.arange(0, H_PAD)
 
     qmask = (h[:, None] < HQ) & jmask[None, :]
@@ -79,27 +83,50 @@ def _rotary_kernel(
     tl.store(kp + HALF, (e * cos + c * sin).to(y1.dtype), mask=kmask)
 
 
+def _check_qk(q: torch.Tensor, k: torch.Tensor) -> None:
+    check_tensor("q", q, ndim=3, dtype=SUPPORTED_DTYPES)
+    check_tensor("k", k, ndim=3, dtype=q.dtype, device=q.device)
+    check(k.shape[0] == q.shape[0] and k.shape[2] == q.shape[2], "k",
+          f"shape {tuple(k.shape)} does not match q {tuple(q.shape)}")
+    check(q.shape[2] % 2 == 0, "q", f"head_dim {q.shape[2]} must be even")
+
+
+def _launch(positions: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor,
+            cos: torch.Tensor, sin: torch.Tensor) -> None:
+    t, hq, d = q.shape
+    if t == 0:
+        return
+    hk = k.shape[1]
+    half = d // 2
+    _rotary_kernel[(t,)](
+        positions if positions is not None else q, q, k, cos, sin,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos.stride(0), sin.stride(0),
+        HQ=hq, HK=hk, H_PAD=next_pow2(max(hq, hk)), HALF=half, HALF_PAD=next_pow2(half),
+        USE_POSITIONS=positions is not None, num_warps=4,
+    )
+
+
 def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                      cos_sin_cache: torch.Tensor) -> None:
     """Rotate ``q`` ``[T, Hq, D]`` and ``k`` ``[T, Hk, D]`` in place by their ``positions``."""
-    check_tensor("q", q, ndim=3, dtype=SUPPORTED_DTYPES)
-    check_tensor("k", k, ndim=3, dtype=q.dtype, device=q.device)
+    _check_qk(q, k)
     check_tensor("positions", positions, ndim=1, dtype=(torch.int64, torch.int32), device=q.device)
     check_tensor("cos_sin_cache", cos_sin_cache, ndim=2, dtype=torch.float32, device=q.device)
-    t, hq, d = q.shape
-    check(k.shape[0] == t and k.shape[2] == d, "k", f"shape {tuple(k.shape)} does not match q {tuple(q.shape)}")
-    check(positions.shape[0] == t, "positions", f"length {positions.shape[0]} != tokens {t}")
+    d = q.shape[2]
+    check(positions.shape[0] == q.shape[0], "positions", f"length {positions.shape[0]} != tokens {q.shape[0]}")
     check(cos_sin_cache.shape[1] == d, "cos_sin_cache", f"width {cos_sin_cache.shape[1]} != head_dim {d}")
-    if t == 0:
-        return
-    half = d // 2
-    hk = k.shape[1]
-    _rotary_kernel[(t,)](
-        positions, q, k, cos_sin_cache,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos_sin_cache.stride(0),
-        HQ=hq, HK=hk, H_PAD=next_pow2(max(hq, hk)), HALF=half, HALF_PAD=next_pow2(half),
-        num_warps=4,
-    )
+    _launch(positions, q, k, cos_sin_cache, cos_sin_cache[:, d // 2:])
+
+
+def apply_rotary_cos_sin(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """Rotate in place with per-token ``cos``/``sin`` ``[T, D]`` in Hugging Face's layout
+    (both halves equal, as ``cat(freqs, freqs).cos()``), any float dtype."""
+    _check_qk(q, k)
+    t, _, d = q.shape
+    for name, x in (("cos", cos), ("sin", sin)):
+        check_tensor(name, x, ndim=2, device=q.device)
+        check(x.shape[0] == t and x.shape[1] in (d, d // 2), name, f"shape {tuple(x.shape)} != ({t}, {d})")
+    _launch(None, q, k, cos, sin)
 
 
 def rotary_embedding_ref(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,

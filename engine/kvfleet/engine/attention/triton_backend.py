@@ -1,0 +1,66 @@
+"""The Triton attention op: same signature as ``torch_paged_attention``.
+
+Writes the step's K/V into the paged cache, then runs the prefill kernel for the
+sequences with more than one new token and the (split-K) decode kernel for the
+single-token ones, each kernel skipping the other's sequences. A pure decode
+step (``max_query_len == 1``) launches only the decode kernel and reads no host
+lists, so it can be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from kvfleet.engine.attention.metadata import AttentionMetadata
+from kvfleet.engine.kernels.paged_decode import choose_num_splits, paged_decode_attention
+from kvfleet.engine.kernels.prefill_attention import prefill_attention
+from kvfleet.engine.kernels.reshape_and_cache import reshape_and_cache
+
+
+@functools.lru_cache(maxsize=8)
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4  # interpreter: keep the split count small
+
+
+def _has_decode_rows(md: AttentionMetadata) -> bool:
+    """Whether a mixed step has single-token sequences (computed once per step, cached on it)."""
+    cached = getattr(md, "_kvfleet_has_decode", None)
+    if cached is None:
+        qsl = md.query_start_loc_cpu
+        cached = any(qsl[i + 1] - qsl[i] == 1 for i in range(len(qsl) - 1))
+        md._kvfleet_has_decode = cached  # type: ignore[attr-defined]
+    return cached
+
+
+def triton_paged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_cache: torch.Tensor,
+    attn_metadata: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq, D]; writes k/v into kv_cache first."""
+    md = attn_metadata
+    if k.dtype != kv_cache.dtype:
+        k, v = k.to(kv_cache.dtype), v.to(kv_cache.dtype)
+    reshape_and_cache(k, v, kv_cache, md.slot_mapping)
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    batch = md.seq_lens.shape[0]
+    if md.max_query_len <= 1:
+        splits = choose_num_splits(batch, kv_cache.shape[3], md.max_seq_len, _num_sms(q.device))
+        return paged_decode_attention(q, kv_cache, md.block_tables, md.seq_lens, md.query_start_loc,
+                                      scale, out, num_splits=splits)
+    mixed = _has_decode_rows(md)
+    prefill_attention(q, kv_cache, md.block_tables, md.seq_lens, md.query_start_loc, md.max_query_len,
+                      scale, out, skip_decode=mixed)
+    if mixed:
+        # decode rows of a mixed step: enough programs already come from the batch, no split
+        paged_decode_attention(q, kv_cache, md.block_tables, md.seq_lens, md.query_start_loc, scale, out)
+    return out
