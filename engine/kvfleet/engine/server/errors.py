@@ -75,6 +75,8 @@ def describe_validation_errors(errors: Sequence[Mapping[str, Any]]) -> tuple[str
             "invalid_json"
     if not loc and kind == "missing":
         return "Request body is required (a JSON object)", None, "missing_body"
+    if not loc and kind in ("model_attributes_type", "dict_type", "model_type"):
+        return "The request body must be a JSON object (Content-Type: application/json)", None, "invalid_body"
     msg = str(first.get("msg", "invalid value"))
     if not loc and kind == "value_error":
         # model validators write "field: reason"; lift the field into `param`.
