@@ -11,7 +11,7 @@ import enum
 import itertools
 import time
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 _SEQ_COUNTER = itertools.count()
 
@@ -52,6 +52,10 @@ class Request:
     compute_limit: Optional[int] = None
     # Beam search: the engine picks tokens from the logprobs; the scheduler never appends.
     external_tokens: bool = False
+    # For the model runner (opaque to the core): how to sample this sequence.
+    sampling_params: Any = None
+    seed: Optional[int] = None       # per-sequence seed (a group's seed + sample index)
+    num_logprobs: int = 0            # top-k logprobs wanted per sampled token
 
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
@@ -117,6 +121,7 @@ class Request:
             arrival_time=self.arrival_time, cache_salt=self.cache_salt, group_id=self.group_id,
             index=index, compute_limit=self.compute_limit, external_tokens=self.external_tokens,
             output_token_ids=list(self.output_token_ids),
+            sampling_params=self.sampling_params, seed=self.seed, num_logprobs=self.num_logprobs,
         )
         child.num_computed_tokens = self.num_computed_tokens
         child.status = self.status

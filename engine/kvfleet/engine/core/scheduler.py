@@ -118,12 +118,18 @@ class Scheduler:
         self.requests.pop(req.request_id, None)
 
     def fork(self, parent: Request, child_id: str, index: int) -> Request:
-        """A new running sequence sharing `parent`'s blocks (copy-on-write later)."""
-        assert parent.status == RequestStatus.RUNNING and child_id not in self.requests
+        """A new sequence copying `parent`'s tokens. A running parent shares its blocks
+        (copy-on-write later); a preempted one's child waits and recomputes."""
+        assert not parent.is_finished and child_id not in self.requests
         child = parent.fork(child_id, index)
-        self.kv.fork(parent, child)
         self.requests[child_id] = child
-        self.running.insert(self.running.index(parent) + 1, child)
+        if parent.status == RequestStatus.RUNNING:
+            self.kv.fork(parent, child)
+            self.running.insert(self.running.index(parent) + 1, child)
+        else:
+            child.num_computed_tokens = 0
+            child.status = RequestStatus.WAITING
+            self._enqueue(child)
         return child
 
     # --- scheduling ----------------------------------------------------------------

@@ -1,0 +1,55 @@
+"""Checks of a request before it reaches the scheduler (pure: numbers in, ValueError out)."""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Union
+
+PromptType = Union[str, list[int], dict[str, Any]]
+
+
+def split_prompt(prompt: PromptType) -> tuple[Optional[str], Optional[list[int]]]:
+    """(text, token ids): exactly one of them is set."""
+    if isinstance(prompt, str):
+        return prompt, None
+    if isinstance(prompt, dict):
+        if "prompt_token_ids" in prompt:
+            return prompt.get("prompt"), _as_ids(prompt["prompt_token_ids"])
+        if "prompt" in prompt and isinstance(prompt["prompt"], str):
+            return prompt["prompt"], None
+        raise ValueError("prompt: a dict prompt needs 'prompt_token_ids' (list of ints) or 'prompt' (str)")
+    if isinstance(prompt, (list, tuple)):
+        return None, _as_ids(prompt)
+    raise ValueError(f"prompt: must be a string, a list of token ids or a dict, got {type(prompt).__name__}")
+
+
+def _as_ids(ids: Any) -> list[int]:
+    if not isinstance(ids, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+        raise ValueError("prompt_token_ids: must be a list of ints")
+    return list(ids)
+
+
+def check_prompt(token_ids: list[int], vocab_size: int, max_model_len: int, max_tokens: Optional[int],
+                 kv_capacity_tokens: int, num_sequences: int = 1) -> int:
+    """Validate a tokenized prompt; returns the resolved max_tokens (room left when not given)."""
+    n = len(token_ids)
+    if n == 0:
+        raise ValueError("prompt: must not be empty (0 tokens)")
+    bad = next((t for t in token_ids if t < 0 or t >= vocab_size), None)
+    if bad is not None:
+        raise ValueError(f"prompt_token_ids: token id {bad} is outside the vocabulary [0, {vocab_size})")
+    if n > max_model_len:
+        raise ValueError(f"prompt: {n} tokens exceed max_model_len={max_model_len}")
+    if max_tokens is None:
+        max_tokens = max_model_len - n
+        if max_tokens < 1:
+            raise ValueError(f"prompt: {n} tokens leave no room to generate within max_model_len={max_model_len}")
+    elif n + max_tokens > max_model_len:
+        raise ValueError(f"max_tokens: prompt ({n} tokens) + max_tokens ({max_tokens}) = {n + max_tokens} "
+                         f"exceeds max_model_len={max_model_len}")
+    if n + max_tokens > kv_capacity_tokens:
+        raise ValueError(f"max_tokens: prompt ({n} tokens) + max_tokens ({max_tokens}) can never fit the KV cache "
+                         f"({kv_capacity_tokens} tokens); raise num_kv_blocks or lower max_tokens")
+    if num_sequences > 1 and num_sequences * (n + max_tokens) > kv_capacity_tokens:
+        raise ValueError(f"best_of: {num_sequences} beams of up to {n + max_tokens} tokens can never fit the KV "
+                         f"cache ({kv_capacity_tokens} tokens) together")
+    return max_tokens

@@ -1,0 +1,252 @@
+"""`LLMEngine`: one `step()` = schedule -> run the model -> update -> outputs.
+
+It turns user requests into sequences (forking for `n`/`best_of`/beam search),
+applies what the scheduler cannot see (stop strings, beam choices), and builds the
+`RequestOutput`s. `LLM` and `AsyncLLM` sit on it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Optional
+
+import torch
+
+from kvfleet.engine.config import EngineConfig
+from kvfleet.engine.core.beam_search import Beam, BeamSearchState
+from kvfleet.engine.core.inputs import PromptType, check_prompt, split_prompt
+from kvfleet.engine.core.kv_cache_manager import KVCacheManager
+from kvfleet.engine.core.request import Request, RequestStatus
+from kvfleet.engine.core.request_group import RequestGroup
+from kvfleet.engine.core.scheduler import ModelRunnerOutput, RequestUpdate, Scheduler, SchedulerOutput
+from kvfleet.engine.model_config import ModelConfig
+from kvfleet.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from kvfleet.engine.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        from kvfleet.engine.model_runner import ModelRunner
+        from kvfleet.engine.tokenizer import load_tokenizer
+
+        self.config = config.validate()
+        self.device = resolve_device(config.device)
+        torch.manual_seed(config.seed)
+        self.model_config = ModelConfig.from_pretrained(str(config.model), config.max_model_len, config.dtype,
+                                                        self.device)
+        try:
+            self.tokenizer: Any = load_tokenizer(config.tokenizer or str(config.model))
+        except Exception as e:  # dummy-weight benchmark configs may have no tokenizer
+            if config.load_format != "dummy":
+                raise
+            logger.info("no tokenizer for %s (%s); prompts must be token ids", config.model, e)
+            self.tokenizer = None
+        max_len = self.model_config.max_model_len
+        budget = config.resolve_batched_tokens(max_len)
+        self.runner = ModelRunner(self.model_config, config, self.device, budget)
+        num_blocks = self.runner.determine_num_blocks()
+        self.runner.init_kv_cache(num_blocks)
+        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.kv, config.max_num_seqs, budget, max_len, config.enable_chunked_prefill)
+        eos = set(self.model_config.eos_token_ids)
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            eos.add(int(self.tokenizer.eos_token_id))
+        self.eos_token_ids = frozenset(eos)
+        self.groups: dict[str, RequestGroup] = {}
+        self.prompt_tokens = 0
+        self.generation_tokens = 0
+
+    # --- requests ------------------------------------------------------------------
+    def tokenize(self, prompt: PromptType) -> tuple[Optional[str], list[int]]:
+        text, ids = split_prompt(prompt)
+        if ids is None:
+            if self.tokenizer is None:
+                raise ValueError("prompt: this model has no tokenizer; pass prompt_token_ids")
+            ids = self.tokenizer.encode(text) if text else []
+        return text, ids
+
+    def add_request(self, request_id: str, prompt: PromptType, params: Optional[SamplingParams] = None,
+                    priority: int = 0, arrival_time: Optional[float] = None,
+                    cache_salt: Optional[str] = None) -> None:
+        """Validate and queue a request; bad input raises ValueError naming the field."""
+        if request_id in self.groups:
+            raise ValueError(f"request_id: {request_id!r} is already running")
+        params = (params or SamplingParams()).clone()
+        params.validate(self.model_config.vocab_size)
+        text, ids = self.tokenize(prompt)
+        kv_tokens = self.kv.num_blocks * self.config.block_size
+        beams = params.beam_width if params.use_beam_search else 1
+        max_tokens = check_prompt(ids, self.model_config.vocab_size, self.model_config.max_model_len,
+                                  params.max_tokens, kv_tokens, beams)
+        stop_ids = set(params.stop_token_ids or [])
+        if not params.ignore_eos:
+            stop_ids |= self.eos_token_ids
+        now = arrival_time if arrival_time is not None else time.monotonic()
+        group = RequestGroup(request_id, text, ids, params, self.tokenizer, RequestMetrics(arrival_time=now))
+        samples = params.num_samples
+        base = dict(max_tokens=max_tokens, min_tokens=params.min_tokens, stop_token_ids=frozenset(stop_ids),
+                    priority=priority, arrival_time=now, cache_salt=cache_salt, group_id=request_id,
+                    sampling_params=params, num_logprobs=params.logprobs or 0)
+        seqs: list[Request] = []
+        if params.use_beam_search:
+            seq = Request(f"{request_id}#0", ids, **{**base, "max_tokens": max_tokens + 1,
+                                                     "stop_token_ids": frozenset()},
+                          external_tokens=True)
+            group.beam = BeamSearchState(params.beam_width, max_tokens, frozenset(stop_ids),
+                                         params.length_penalty, params.early_stopping)
+            seq.num_logprobs = max(seq.num_logprobs, group.beam.num_candidates)
+            group.beam_live = [Beam(seq.request_id, [], 0.0)]
+            seqs.append(seq)
+        elif samples > 1 and len(ids) > 1:
+            # One parent computes all but the last prompt token, then forks (shared blocks).
+            seqs.append(Request(f"{request_id}#0", ids, compute_limit=len(ids) - 1, **base))
+        else:
+            seqs = [Request(f"{request_id}#{i}", ids, index=i, **base) for i in range(samples)]
+        for seq in seqs:
+            if params.seed is not None:
+                seq.seed = params.seed + seq.index
+            if samples > params.n:
+                seq.num_logprobs = max(seq.num_logprobs, 1)   # best_of ranks by cumulative logprob
+            group.add_seq(seq)
+        self.groups[request_id] = group
+        for seq in seqs:
+            self.scheduler.add_request(seq)
+        self.prompt_tokens += len(ids)
+
+    def abort_request(self, request_ids: list[str]) -> list[RequestOutput]:
+        """End requests now (their blocks are freed at once); returns their final outputs."""
+        outs = []
+        for rid in request_ids:
+            group = self.groups.pop(rid, None)
+            if group is None:
+                continue
+            seq_ids = [st.seq.request_id for st in group.seqs.values()]
+            self.scheduler.finish_requests(seq_ids, RequestStatus.FINISHED_ABORTED)
+            self.runner.release(seq_ids)
+            group.aborted = True
+            outs.append(group.make_output())
+        return outs
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.groups)
+
+    # --- the step ------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        sched = self.scheduler.schedule()
+        if sched.is_empty:
+            return []
+        now = time.monotonic()
+        for s in sched.scheduled:
+            g = self.groups.get(s.request.group_id or "")
+            if g is not None and g.metrics.first_scheduled_time is None:
+                g.metrics.first_scheduled_time = now
+                g.num_cached_tokens = max(0, s.request.num_cached_tokens)
+        result = self.runner.execute(sched)
+        updates = self.scheduler.update_from_output(sched, result)
+        touched: dict[str, RequestGroup] = {}
+        for rid, entries in result.prompt_logprobs.items():
+            g = self._group_of(rid)
+            if g is not None:
+                g.add_prompt_logprobs(entries)
+        for upd in updates:
+            g = self._group_of(upd.request.request_id)
+            if g is None:
+                continue
+            self._apply(g, upd, result)
+            touched[g.request_id] = g
+        outs = []
+        for g in touched.values():
+            out = g.make_output()
+            if g.finished:
+                self.groups.pop(g.request_id, None)
+            if out.outputs or out.finished:
+                outs.append(out)
+        return outs
+
+    def _group_of(self, seq_id: str) -> Optional[RequestGroup]:
+        return self.groups.get(seq_id.rsplit("#", 1)[0])
+
+    def _apply(self, g: RequestGroup, upd: RequestUpdate, result: ModelRunnerOutput) -> None:
+        req = upd.request
+        if upd.new_token_id is None:
+            if req.external_tokens:
+                g.beam_pending[req.request_id] = list(zip(*result.logprobs[req.request_id][2:4]))
+                self._maybe_beam_step(g)
+            elif req.compute_limit is not None:
+                self._fork_samples(g, req)
+            return
+        self.generation_tokens += 1
+        st = g.seqs[req.index]
+        stop = g.record_token(st, upd.new_token_id, result.logprobs.get(req.request_id))
+        if stop is not None and not req.is_finished:
+            self.scheduler.finish_requests([req.request_id], RequestStatus.FINISHED_STOPPED)
+            req.stop_reason = stop
+        if req.is_finished:
+            st.finish_reason = req.status.finish_reason
+            st.stop_reason = req.stop_reason
+            self.runner.release([req.request_id])
+
+    def _fork_samples(self, g: RequestGroup, parent: Request) -> None:
+        parent.compute_limit = None
+        for i in range(1, g.params.num_samples):
+            child = self.scheduler.fork(parent, f"{g.request_id}#{i}", i)
+            child.compute_limit = None
+            if g.params.seed is not None:
+                child.seed = g.params.seed + i
+            g.add_seq(child)
+
+    def _maybe_beam_step(self, g: RequestGroup) -> None:
+        assert g.beam is not None
+        if any(b.key not in g.beam_pending for b in g.beam_live):
+            return
+        step = g.beam.step(g.beam_live, g.beam_pending)
+        g.beam_pending.clear()
+        seqs = {st.seq.request_id: st.seq for st in g.seqs.values()}
+        if step.done:
+            self.scheduler.finish_requests(list(seqs), RequestStatus.FINISHED_STOPPED)
+            self.runner.release(list(seqs))
+            g.beam_result = [self._beam_output(g, i, h) for i, h in enumerate(g.beam.best(g.params.n))]
+            return
+        used: set[str] = set()
+        plan: list[tuple[Request, int, Beam]] = []
+        old = {b.key: b for b in g.beam_live}
+        for parent_key, tok, score in step.next_beams:
+            parent = seqs[parent_key]
+            if parent_key in used:
+                g.fork_counter += 1
+                seq = self.scheduler.fork(parent, f"{g.request_id}#b{g.fork_counter}", g.fork_counter)
+            else:
+                used.add(parent_key)
+                seq = parent
+            plan.append((seq, tok, Beam(seq.request_id, old[parent_key].tokens + [tok], score)))
+        dropped = [k for k in seqs if k not in used]
+        self.scheduler.finish_requests(dropped, RequestStatus.FINISHED_STOPPED)
+        self.runner.release(dropped)
+        g.seqs = {}
+        for seq, tok, _ in plan:
+            self.scheduler.append_token(seq, tok)
+            g.add_seq(seq)
+        g.beam_live = [b for _, _, b in plan]
+
+    def _beam_output(self, g: RequestGroup, index: int, hyp: Any) -> CompletionOutput:
+        text = self.tokenizer.decode(hyp.tokens, skip_special_tokens=g.params.skip_special_tokens) \
+            if self.tokenizer is not None else ""
+        reason = "stop" if hyp.tokens and hyp.tokens[-1] in g.beam.eos_token_ids else "length"  # type: ignore[union-attr]
+        return CompletionOutput(index=index, text=text, token_ids=list(hyp.tokens),
+                                cumulative_logprob=hyp.cum_logprob, finish_reason=reason)
+
+    # --- stats ---------------------------------------------------------------------
+    def stats(self) -> dict[str, Any]:
+        out = self.scheduler.stats()
+        out["prompt_tokens"] = self.prompt_tokens
+        out["generation_tokens"] = self.generation_tokens
+        return out

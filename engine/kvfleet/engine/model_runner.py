@@ -1,0 +1,254 @@
+"""The only part of the engine that touches the device.
+
+From a `SchedulerOutput` it builds the flat step tensors (token ids, positions, slot
+mapping, block tables, query_start_loc, seq_lens), does the copy-on-write block
+copies, runs the model, and samples every sequence that finished its tokens in one
+batched pass. It also sizes the KV cache (GPU: from `gpu_memory_utilization` after
+profiling a forward at the full token budget; CPU: `num_kv_blocks` or a byte budget).
+
+CUDA graphs hook in at `_forward`: set `self.graph_runner` to an object with
+`can_run(num_tokens: int, attn_metadata) -> bool` and
+`run(input_ids, positions, kv_caches, attn_metadata) -> hidden`; it is used for the
+batches it accepts (decode-only, typically) unless `enforce_eager`.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any, Optional
+
+import torch
+
+from kvfleet.engine.attention.metadata import AttentionMetadata, build_attention_metadata
+from kvfleet.engine.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
+from kvfleet.engine.core.scheduler import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from kvfleet.engine.model_config import ModelConfig
+from kvfleet.engine.sampler import Sampler, SamplingBatch, gather_logprobs
+
+logger = logging.getLogger(__name__)
+
+
+def kv_block_bytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    elem = torch.empty((), dtype=dtype).element_size()
+    return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * elem
+
+
+class ModelRunner:
+    def __init__(self, model_config: ModelConfig, engine_config: EngineConfig,
+                 device: torch.device, max_num_batched_tokens: int) -> None:
+        from kvfleet.engine.model_loader import load_model
+
+        self.model_config = model_config
+        self.engine_config = engine_config
+        self.device = device
+        self.dtype = model_config.dtype
+        self.block_size = engine_config.block_size
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.model = load_model(model_config, engine_config, device, self.dtype)
+        self.sampler = Sampler()
+        self.kv_caches: list[torch.Tensor] = []
+        self.graph_runner: Optional[Any] = None
+        self._generators: dict[str, torch.Generator] = {}
+
+    # --- KV cache ------------------------------------------------------------------
+    def determine_num_blocks(self) -> int:
+        cfg, ec = self.model_config, self.engine_config
+        per_block = kv_block_bytes(cfg, self.block_size, self.dtype)
+        if ec.num_kv_blocks is not None:
+            return int(ec.num_kv_blocks)
+        if ec.kv_cache_memory_bytes is not None:
+            return max(1, int(ec.kv_cache_memory_bytes) // per_block)
+        if self.device.type != "cuda":
+            # Never more than every sequence at full length needs.
+            cap = ec.max_num_seqs * math.ceil(cfg.max_model_len / self.block_size)
+            return max(1, min(DEFAULT_CPU_KV_CACHE_BYTES // per_block, cap))
+        return self._profile_cuda_blocks(per_block)
+
+    def _profile_cuda_blocks(self, per_block: int) -> int:
+        torch.cuda.synchronize(self.device)
+        free, total = torch.cuda.mem_get_info(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        baseline = torch.cuda.memory_allocated(self.device)
+        non_torch = max(0, (total - free) - torch.cuda.memory_reserved(self.device))
+        # A forward at the full token budget, as sequences of at most max_model_len tokens.
+        tokens = self.max_num_batched_tokens
+        seq_len = min(tokens, self.model_config.max_model_len)
+        lens = [seq_len] * (tokens // seq_len) + ([tokens % seq_len] if tokens % seq_len else [])
+        nblk = sum(math.ceil(n / self.block_size) for n in lens)
+        self._allocate_kv(nblk)
+        tables, nxt = [], 0
+        for n in lens:
+            k = math.ceil(n / self.block_size)
+            tables.append(list(range(nxt, nxt + k)))
+            nxt += k
+        md = build_attention_metadata(lens, lens, tables, self.block_size, self.device)
+        ids = torch.zeros(tokens, dtype=torch.long, device=self.device)
+        pos = torch.cat([torch.arange(n, device=self.device) for n in lens])
+        with torch.inference_mode():
+            hidden = self.model(ids, pos, self.kv_caches, md)
+            self.model.compute_logits(hidden[md.query_start_loc[1:] - 1])
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device)
+        self.kv_caches = []
+        del hidden
+        torch.cuda.empty_cache()
+        budget = total * self.engine_config.gpu_memory_utilization - peak - non_torch
+        num_blocks = int(budget // per_block)
+        if num_blocks < 1:
+            raise ValueError(
+                f"gpu_memory_utilization: {self.engine_config.gpu_memory_utilization} leaves no memory for the KV "
+                f"cache (model and activations peak at {peak / 2**30:.2f} GiB of {total / 2**30:.2f} GiB)")
+        logger.info("profiled forward of %d tokens: peak %.2f GiB (weights %.2f GiB)",
+                    tokens, peak / 2**30, baseline / 2**30)
+        return num_blocks
+
+    def _allocate_kv(self, num_blocks: int) -> None:
+        cfg = self.model_config
+        shape = (2, num_blocks, self.block_size, cfg.num_kv_heads, cfg.head_dim)
+        self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(cfg.num_layers)]
+
+    def init_kv_cache(self, num_blocks: int) -> None:
+        self._allocate_kv(num_blocks)
+        gib = num_blocks * kv_block_bytes(self.model_config, self.block_size, self.dtype) / 2**30
+        concurrency = num_blocks * self.block_size / self.model_config.max_model_len
+        logger.info("KV cache: %d blocks of %d tokens (%.2f GiB); max concurrency %.2fx at max_model_len=%d",
+                    num_blocks, self.block_size, gib, concurrency, self.model_config.max_model_len)
+
+    # --- one step ------------------------------------------------------------------
+    def release(self, request_ids: list[str]) -> None:
+        for rid in request_ids:
+            self._generators.pop(rid, None)
+
+    def _copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        src = torch.tensor([p[0] for p in pairs], dtype=torch.long, device=self.device)
+        dst = torch.tensor([p[1] for p in pairs], dtype=torch.long, device=self.device)
+        for cache in self.kv_caches:
+            cache[:, dst] = cache[:, src]
+
+    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
+        gr = self.graph_runner
+        if gr is not None and not self.engine_config.enforce_eager and gr.can_run(input_ids.shape[0], md):
+            return gr.run(input_ids, positions, self.kv_caches, md)
+        return self.model(input_ids, positions, self.kv_caches, md)
+
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        if sched.copy_pairs:
+            self._copy_blocks(sched.copy_pairs)
+        out = ModelRunnerOutput()
+        if not sched.scheduled:
+            return out
+        ids: list[int] = []
+        pos: list[int] = []
+        for s in sched.scheduled:
+            ids.extend(s.token_ids)
+            pos.extend(range(s.start, s.start + s.num_new_tokens))
+        md = build_attention_metadata([s.num_new_tokens for s in sched.scheduled],
+                                      [s.start + s.num_new_tokens for s in sched.scheduled],
+                                      [s.block_ids for s in sched.scheduled], self.block_size, self.device)
+        input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
+        positions = torch.tensor(pos, dtype=torch.long, device=self.device)
+        hidden = self._forward(input_ids, positions, md)
+        qsl = md.query_start_loc_cpu
+        sample_rows = [(i, s) for i, s in enumerate(sched.scheduled) if s.needs_sample]
+        plp_rows = self._prompt_logprob_rows(sched.scheduled, qsl)
+        plp_k = max((s.request.sampling_params.prompt_logprobs for s in sched.scheduled
+                     if s.request.sampling_params is not None
+                     and s.request.sampling_params.prompt_logprobs is not None), default=0)
+        idx = [qsl[i + 1] - 1 for i, _ in sample_rows] + [r for _, _, r, _ in plp_rows]
+        if not idx:
+            return out
+        logits = self.model.compute_logits(hidden[torch.tensor(idx, device=self.device)])
+        if sample_rows:
+            reqs = [s for _, s in sample_rows]
+            batch = self._sampling_batch(reqs, logits.shape[-1])
+            res = self.sampler(logits[:len(reqs)], batch)
+            self._collect(reqs, res, out)
+        if plp_rows:
+            self._collect_prompt_logprobs(plp_rows, logits[len(sample_rows):], plp_k, out)
+        return out
+
+    # --- sampling inputs / outputs -------------------------------------------------
+    def _sampling_batch(self, reqs: list[ScheduledRequest], vocab: int) -> SamplingBatch:
+        dev = self.device
+        params = [s.request.sampling_params for s in reqs]
+        temps = [0.0 if s.request.external_tokens else float(p.temperature) for s, p in zip(reqs, params)]
+        gens: dict[int, torch.Generator] = {}
+        for row, s in enumerate(reqs):
+            seed = s.request.seed
+            if seed is None or temps[row] < 1e-5:
+                continue
+            gen = self._generators.get(s.request_id)
+            if gen is None:
+                gen = torch.Generator(device=dev).manual_seed(int(seed))
+                self._generators[s.request_id] = gen
+            gens[row] = gen
+
+        def opt(values: list[float], neutral: float) -> Optional[torch.Tensor]:
+            if all(v == neutral for v in values):
+                return None
+            return torch.tensor(values, dtype=torch.float32, device=dev)
+
+        def padded(lists: list[list[int]]) -> torch.Tensor:
+            width = max(1, max(len(x) for x in lists))
+            return torch.tensor([x + [vocab] * (width - len(x)) for x in lists], dtype=torch.long, device=dev)
+
+        top_k = [vocab if p.top_k in (-1, None) else min(int(p.top_k), vocab) for p in params]
+        rep = opt([float(p.repetition_penalty) for p in params], 1.0)
+        freq = opt([float(p.frequency_penalty) for p in params], 0.0)
+        pres = opt([float(p.presence_penalty) for p in params], 0.0)
+        min_mask = None
+        banned = [(row, s.request.stop_token_ids) for row, s in enumerate(reqs)
+                  if len(s.request.output_token_ids) < s.request.min_tokens and s.request.stop_token_ids]
+        if banned:
+            min_mask = torch.zeros(len(reqs), vocab, dtype=torch.bool, device=dev)
+            for row, toks in banned:
+                min_mask[row, [t for t in toks if t < vocab]] = True
+        return SamplingBatch(
+            temperature=torch.tensor(temps, dtype=torch.float32, device=dev),
+            top_k=None if all(k == vocab for k in top_k) else torch.tensor(top_k, dtype=torch.long, device=dev),
+            top_p=opt([float(p.top_p) for p in params], 1.0),
+            min_p=opt([float(p.min_p) for p in params], 0.0),
+            presence_penalty=pres, frequency_penalty=freq, repetition_penalty=rep,
+            prompt_tokens=padded([s.request.prompt_token_ids for s in reqs]) if rep is not None else None,
+            output_tokens=(padded([s.request.output_token_ids for s in reqs])
+                           if rep is not None or freq is not None or pres is not None else None),
+            min_tokens_mask=min_mask, generators=gens,
+            max_num_logprobs=max(s.request.num_logprobs for s in reqs),
+            all_greedy=all(t < 1e-5 for t in temps),
+        )
+
+    @staticmethod
+    def _collect(reqs: list[ScheduledRequest], res: Any, out: ModelRunnerOutput) -> None:
+        sampled = res.sampled.tolist()
+        if res.sampled_logprob is not None:
+            lps, ranks = res.sampled_logprob.tolist(), res.sampled_rank.tolist()
+            top_ids, top_lps = res.top_ids.tolist(), res.top_logprobs.tolist()
+        for row, s in enumerate(reqs):
+            out.sampled_token_ids[s.request_id] = sampled[row]
+            k = s.request.num_logprobs
+            if res.sampled_logprob is not None and (k > 0 or s.request.sampling_params.logprobs is not None):
+                out.logprobs[s.request_id] = (lps[row], ranks[row], top_ids[row][:k], top_lps[row][:k])
+
+    @staticmethod
+    def _prompt_logprob_rows(scheduled: list[ScheduledRequest], qsl: list[int]) -> list[tuple[str, int, int, int]]:
+        """(request id, position of the predicted prompt token, hidden row, its token id)."""
+        rows = []
+        for i, s in enumerate(scheduled):
+            req = s.request
+            if req.sampling_params is None or req.sampling_params.prompt_logprobs is None:
+                continue
+            for p in range(s.start, min(s.start + s.num_new_tokens, req.num_prompt_tokens - 1)):
+                rows.append((s.request_id, p + 1, qsl[i] + (p - s.start), req.prompt_token_ids[p + 1]))
+        return rows
+
+    @staticmethod
+    def _collect_prompt_logprobs(rows: list[tuple[str, int, int, int]], logits: torch.Tensor, k: int,
+                                 out: ModelRunnerOutput) -> None:
+        targets = torch.tensor([t for _, _, _, t in rows], device=logits.device)
+        k = min(k, logits.shape[-1])
+        chosen, rank, top_ids, top_lp = gather_logprobs(logits.float().log_softmax(-1), targets, k)
+        chosen_l, rank_l, ids_l, lp_l = chosen.tolist(), rank.tolist(), top_ids.tolist(), top_lp.tolist()
+        for j, (rid, p, _, t) in enumerate(rows):
+            out.prompt_logprobs.setdefault(rid, []).append((p, t, chosen_l[j], rank_l[j], ids_l[j], lp_l[j]))

@@ -1,0 +1,129 @@
+"""Batched sampling on the device: one pass for the whole batch.
+
+Order (as vLLM): raw log-probabilities for the logprobs outputs; min_tokens masks
+the stop tokens; repetition, frequency and presence penalties; greedy rows take the
+argmax; random rows divide by the temperature, apply top-k, top-p and min-p and
+draw with the exponential race `argmax(p / q)`, `q ~ Exp(1)`. A seeded row draws its
+`q` from its own `torch.Generator`, so its tokens do not depend on the rest of the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+_NEG_INF = float("-inf")
+
+
+@dataclass
+class SamplingBatch:
+    """Per-row sampling parameters of one step, on the device."""
+
+    temperature: torch.Tensor                 # float [B]; 0 = greedy
+    top_k: Optional[torch.Tensor]             # long [B] (vocab size = off), None if no row uses it
+    top_p: Optional[torch.Tensor]             # float [B], None if no row uses it
+    min_p: Optional[torch.Tensor]             # float [B], None if no row uses it
+    presence_penalty: Optional[torch.Tensor]  # float [B]
+    frequency_penalty: Optional[torch.Tensor]  # float [B]
+    repetition_penalty: Optional[torch.Tensor]  # float [B]
+    prompt_tokens: Optional[torch.Tensor]     # long [B, Lp], padded with vocab_size
+    output_tokens: Optional[torch.Tensor]     # long [B, Lo], padded with vocab_size
+    min_tokens_mask: Optional[torch.Tensor]   # bool [B, V]: stop tokens banned (min_tokens not reached)
+    generators: dict[int, torch.Generator]    # row -> its seeded generator
+    max_num_logprobs: int                     # 0 = no logprobs wanted
+    all_greedy: bool
+
+
+@dataclass
+class SamplerOutput:
+    sampled: torch.Tensor                     # long [B]
+    sampled_logprob: Optional[torch.Tensor]   # float [B]
+    sampled_rank: Optional[torch.Tensor]      # long [B], 1 = most likely
+    top_ids: Optional[torch.Tensor]           # long [B, K]
+    top_logprobs: Optional[torch.Tensor]      # float [B, K]
+
+
+def _token_mask(tokens: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Counts [B, V] of padded token lists (pad = vocab_size)."""
+    counts = torch.zeros(tokens.shape[0], vocab_size + 1, dtype=torch.float32, device=tokens.device)
+    counts.scatter_add_(1, tokens, torch.ones_like(tokens, dtype=torch.float32))
+    return counts[:, :vocab_size]
+
+
+def apply_penalties(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
+    vocab = logits.shape[-1]
+    out_counts = _token_mask(b.output_tokens, vocab) if b.output_tokens is not None else None
+    if b.repetition_penalty is not None:
+        seen = out_counts > 0 if out_counts is not None else torch.zeros_like(logits, dtype=torch.bool)
+        if b.prompt_tokens is not None:
+            seen = seen | (_token_mask(b.prompt_tokens, vocab) > 0)
+        pen = b.repetition_penalty.unsqueeze(1)
+        penalized = torch.where(logits > 0, logits / pen, logits * pen)
+        logits = torch.where(seen, penalized, logits)
+    if out_counts is not None:
+        if b.frequency_penalty is not None:
+            logits = logits - b.frequency_penalty.unsqueeze(1) * out_counts
+        if b.presence_penalty is not None:
+            logits = logits - b.presence_penalty.unsqueeze(1) * (out_counts > 0).float()
+    return logits
+
+
+def apply_top_k_top_p_min_p(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
+    if b.top_k is not None or b.top_p is not None:
+        sorted_logits, order = logits.sort(dim=-1, descending=False)
+        vocab = logits.shape[-1]
+        if b.top_k is not None:
+            kth = sorted_logits.gather(1, (vocab - b.top_k).clamp(min=0).unsqueeze(1))
+            sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, _NEG_INF)
+        if b.top_p is not None:
+            cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+            drop = cum <= (1.0 - b.top_p).unsqueeze(1)
+            drop[:, -1] = False   # always keep the most likely token
+            sorted_logits = sorted_logits.masked_fill(drop, _NEG_INF)
+        logits = torch.empty_like(logits).scatter_(1, order, sorted_logits)
+    if b.min_p is not None:
+        probs = logits.softmax(dim=-1)
+        threshold = probs.max(dim=-1, keepdim=True).values * b.min_p.unsqueeze(1)
+        logits = logits.masked_fill(probs < threshold, _NEG_INF)
+    return logits
+
+
+def random_sample(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
+    q = torch.empty_like(probs)
+    if len(generators) < probs.shape[0]:
+        q.exponential_()
+    for row, gen in generators.items():
+        q[row].exponential_(generator=gen)
+    return probs.div_(q).argmax(dim=-1)
+
+
+class Sampler:
+    def __call__(self, logits: torch.Tensor, b: SamplingBatch) -> SamplerOutput:
+        logits = logits.float()
+        raw_logprobs = logits.log_softmax(dim=-1) if b.max_num_logprobs > 0 else None
+        if b.min_tokens_mask is not None:
+            logits = logits.masked_fill(b.min_tokens_mask, _NEG_INF)
+        if b.repetition_penalty is not None or b.frequency_penalty is not None or b.presence_penalty is not None:
+            logits = apply_penalties(logits, b)
+        greedy = logits.argmax(dim=-1)
+        if b.all_greedy:
+            sampled = greedy
+        else:
+            temp = torch.where(b.temperature < 1e-5, torch.ones_like(b.temperature), b.temperature)
+            scaled = apply_top_k_top_p_min_p(logits / temp.unsqueeze(1), b)
+            rand = random_sample(scaled.softmax(dim=-1), b.generators)
+            sampled = torch.where(b.temperature < 1e-5, greedy, rand)
+        if raw_logprobs is None:
+            return SamplerOutput(sampled, None, None, None, None)
+        return SamplerOutput(sampled, *gather_logprobs(raw_logprobs, sampled, b.max_num_logprobs))
+
+
+def gather_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor, k: int
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(logprob of token_ids, their rank, top-k ids, top-k logprobs) per row."""
+    chosen = logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1)
+    rank = (logprobs > chosen.unsqueeze(1)).sum(dim=-1) + 1
+    top_lp, top_ids = logprobs.topk(k, dim=-1) if k > 0 else (logprobs[:, :0], token_ids[:, None][:, :0])
+    return chosen, rank, top_ids, top_lp
