@@ -11,6 +11,9 @@ import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# One intra-op thread: on a small shared CI box, torch's default of one OpenMP thread per core
+# spins against the other test processes and tiny-model steps run ~15x slower (measured).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 # Triton kernels run in Triton's CPU interpreter where there is no GPU. Triton decides when a kernel
 # module is imported, so this must be set before any test imports kvfleet.engine.kernels.
 if not Path("/dev/nvidiactl").exists():

@@ -43,6 +43,23 @@ def _progress(total: int, desc: str, quiet: bool | None) -> Any:
     return tqdm(total=total, desc=desc, unit="tensor", file=sys.stderr, disable=disable, leave=False)
 
 
+def as_model_config(config: Any, device: str | torch.device) -> ModelConfig:
+    """Accept our ModelConfig or the engine's `kvfleet.engine.config.ModelConfig` (duck-typed:
+    hf_config, model, model_dir, gguf_file, max_model_len, dtype) and return ours."""
+    if isinstance(config, ModelConfig):
+        return config
+    try:
+        hf, model, folder = config.hf_config, config.model, Path(config.model_dir)
+    except AttributeError as exc:
+        raise ValueError(f"model_config: {type(config).__name__} is not a model config ({exc})") from None
+    ours = ModelConfig.from_hf_config(
+        hf, str(model), folder, getattr(config, "gguf_file", None), None, getattr(config, "dtype", "auto"), device
+    )
+    if getattr(config, "max_model_len", None):
+        ours.max_model_len = int(config.max_model_len)
+    return ours
+
+
 def resolve_load_format(cfg: ModelConfig, load_format: str) -> str:
     """Pure decision: which loader reads this model."""
     if load_format not in LOAD_FORMATS:
@@ -108,6 +125,7 @@ def load_model(
         load_format = getattr(engine_config, "load_format", None) or "auto"
     seed = getattr(engine_config, "seed", seed) if engine_config is not None else seed
     device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
+    model_config = as_model_config(model_config, device)
     target = parse_dtype(dtype) or model_config.dtype
     fmt = resolve_load_format(model_config, load_format)
     cls = get_model_class(model_config.architecture)
