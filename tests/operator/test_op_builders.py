@@ -1,0 +1,122 @@
+"""Builders: the pod template, workload, Deployment and Service as plain dicts."""
+from __future__ import annotations
+
+from op_factories import make_mdep
+
+from kvfleet.operator.builders import (build_deployment, build_engine_args, build_pod_template, build_service,
+                                       build_workload, workload_hash)
+from kvfleet.operator.builders.workload import workload_pod_template
+from kvfleet.operator.config import OperatorConfig
+from kvfleet.operator.constants import LABEL_FLAVOR, LABEL_MDEP, LABEL_ORDINAL, LABEL_WORKLOAD_HASH
+from kvfleet.operator.spec import parse_model_deployment
+
+
+def _spec(**over):
+    base = {"model": {"source": "org/m", "servedName": "m"}, "engine": {"tensorParallelSize": 2}}
+    base.update(over)
+    return parse_model_deployment(base)
+
+
+def test_kvfleet_args_and_env(op_config: OperatorConfig) -> None:
+    spec = _spec(engine={"tensorParallelSize": 2, "maxModelLen": 4096, "maxNumSeqs": 64,
+                         "extraArgs": ["--enforce-eager"]}, apiKeySecretRef={"name": "keys"})
+    command, args = build_engine_args(spec, op_config)
+    assert command == ["kvfleet", "serve"]
+    assert args[0] == "org/m"
+    flags = dict(zip(args[1::2], args[2::2]))
+    assert flags["--tensor-parallel-size"] == "2" and flags["--max-model-len"] == "4096"
+    assert flags["--served-model-name"] == "m" and flags["--port"] == "8000"
+    assert "--api-keys-file" in args and args[-1] == "--enforce-eager"
+
+
+def test_vllm_gets_vllm_serve_and_key_env(op_config: OperatorConfig) -> None:
+    spec = _spec(engine={"kind": "vllm"}, apiKeySecretRef={"name": "keys", "key": "k"})
+    tpl = build_pod_template("llama", spec, op_config)
+    c = tpl["spec"]["containers"][0]
+    assert c["command"] == ["vllm", "serve"] and c["image"] == op_config.vllm_image
+    env = {e["name"]: e for e in c["env"]}
+    assert env["VLLM_API_KEY"]["valueFrom"]["secretKeyRef"] == {"name": "keys", "key": "k"}
+    assert "--api-keys-file" not in c["args"]
+
+
+def test_pod_template_security_probes_volumes(op_config: OperatorConfig) -> None:
+    spec = _spec(model={"source": "pvc://models/llama"})
+    tpl = build_pod_template("llama", spec, op_config, {"gpu": "h200"}, [{"key": "t", "operator": "Exists"}])
+    pod = tpl["spec"]
+    c = pod["containers"][0]
+    assert c["resources"]["requests"]["nvidia.com/gpu"] == "2" == c["resources"]["limits"]["nvidia.com/gpu"]
+    assert c["securityContext"]["allowPrivilegeEscalation"] is False
+    assert c["securityContext"]["capabilities"]["drop"] == ["ALL"]
+    assert pod["securityContext"]["runAsNonRoot"] is True and pod["automountServiceAccountToken"] is False
+    assert c["startupProbe"]["httpGet"]["path"] == "/health"
+    startup_budget = c["startupProbe"]["periodSeconds"] * c["startupProbe"]["failureThreshold"]
+    assert startup_budget >= op_config.startup_timeout_seconds
+    assert c["readinessProbe"]["httpGet"]["path"] == "/health"
+    vols = {v["name"]: v for v in pod["volumes"]}
+    assert vols["dshm"]["emptyDir"]["medium"] == "Memory"
+    assert vols["model"]["persistentVolumeClaim"]["claimName"] == "models"
+    assert c["args"][0] == "/models/models/llama"
+    assert pod["nodeSelector"] == {"gpu": "h200"}
+    assert {"key": "t", "operator": "Exists"} in pod["tolerations"]
+    assert tpl["metadata"]["annotations"]["prometheus.io/scrape"] == "true"
+    env = {e["name"] for e in c["env"]}
+    assert {"KVFLEET_MODEL_DEPLOYMENT", "KVFLEET_POD_NAME", "KVFLEET_NAMESPACE"} <= env
+
+
+def test_file_source_is_a_read_only_host_path(op_config: OperatorConfig) -> None:
+    tpl = build_pod_template("x", _spec(model={"source": "file:///cache/m"}), op_config)
+    vols = {v["name"]: v for v in tpl["spec"]["volumes"]}
+    assert vols["model"]["hostPath"]["path"] == "/cache/m"
+    mount = next(m for m in tpl["spec"]["containers"][0]["volumeMounts"] if m["name"] == "model")
+    assert mount["readOnly"] is True
+
+
+def test_workload_one_pod_with_requests_queue_priority(op_config: OperatorConfig) -> None:
+    mdep = make_mdep()
+    spec = _spec(resources={"gpuFlavor": "h200", "cpu": "8", "memory": "64Gi"})
+    wl = build_workload(mdep, spec, op_config, 2, "team-a", ("high", 1000), {"gpu": "h200"})
+    assert wl["apiVersion"] == "kueue.x-k8s.io/v1beta2" and wl["metadata"]["name"] == "llama-2"
+    assert wl["spec"]["queueName"] == "team-a"
+    assert wl["spec"]["priorityClassRef"] == {"group": "kueue.x-k8s.io", "kind": "WorkloadPriorityClass",
+                                              "name": "high"}
+    assert wl["spec"]["priority"] == 1000
+    (ps,) = wl["spec"]["podSets"]
+    assert ps["count"] == 1
+    assert ps["template"]["spec"]["containers"][0]["resources"]["requests"] == {
+        "cpu": "8", "memory": "64Gi", "nvidia.com/gpu": "2"}
+    assert ps["template"]["spec"]["nodeSelector"] == {"gpu": "h200"}
+    labels = wl["metadata"]["labels"]
+    assert labels[LABEL_MDEP] == "llama" and labels[LABEL_ORDINAL] == "2" and labels[LABEL_FLAVOR] == "h200"
+    owner = wl["metadata"]["ownerReferences"][0]
+    assert owner["uid"] == "uid-1234" and owner["controller"] is True
+
+
+def test_workload_hash_tracks_immutable_parts(op_config: OperatorConfig) -> None:
+    t1 = workload_pod_template(_spec(), op_config, None)
+    t2 = workload_pod_template(_spec(engine={"tensorParallelSize": 4}), op_config, None)
+    assert workload_hash(t1, "q", None) == workload_hash(t1, "q", None)
+    assert workload_hash(t1, "q", None) != workload_hash(t2, "q", None)
+    assert workload_hash(t1, "q", None) != workload_hash(t1, "other", None)
+    assert workload_hash(t1, "q", None) != workload_hash(t1, "q", ("p", 1))
+    wl = build_workload(make_mdep(), _spec(), op_config, 0, "q")
+    assert wl["metadata"]["labels"][LABEL_WORKLOAD_HASH] == workload_hash(t1, "q", None)
+    assert "priorityClassRef" not in wl["spec"]
+
+
+def test_deployment_never_surges_and_selects_its_flavor(op_config: OperatorConfig) -> None:
+    mdep = make_mdep()
+    dep = build_deployment(mdep, _spec(), op_config, "h200", 3, {"gpu": "h200"})
+    assert dep["metadata"]["name"] == "llama-h200" and dep["spec"]["replicas"] == 3
+    assert dep["spec"]["strategy"]["rollingUpdate"] == {"maxSurge": 0, "maxUnavailable": 1}
+    sel = dep["spec"]["selector"]["matchLabels"]
+    assert sel[LABEL_FLAVOR] == "h200"
+    assert sel.items() <= dep["spec"]["template"]["metadata"]["labels"].items()
+    assert dep["spec"]["template"]["spec"]["nodeSelector"] == {"gpu": "h200"}
+
+
+def test_service_selects_every_flavor(op_config: OperatorConfig) -> None:
+    svc = build_service(make_mdep())
+    dep = build_deployment(make_mdep(), _spec(), op_config, "l40s", 1)
+    assert svc["spec"]["selector"].items() <= dep["spec"]["template"]["metadata"]["labels"].items()
+    assert LABEL_FLAVOR not in svc["spec"]["selector"]
+    assert svc["spec"]["ports"][0]["port"] == 8000

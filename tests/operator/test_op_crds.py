@@ -1,0 +1,55 @@
+"""The CRDs in crds/ (the one source) and the chart's copy of them."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+CRDS = ROOT / "crds"
+
+
+def load(name: str) -> dict:
+    return yaml.safe_load((CRDS / name).read_text())
+
+
+def test_model_deployment_crd() -> None:
+    crd = load("serving.kvfleet.dev_modeldeployments.yaml")
+    assert crd["spec"]["group"] == "serving.kvfleet.dev" and crd["spec"]["scope"] == "Namespaced"
+    assert "mdep" in crd["spec"]["names"]["shortNames"]
+    (v,) = crd["spec"]["versions"]
+    assert v["name"] == "v1alpha1" and v["storage"] and v["served"]
+    assert v["subresources"]["scale"] == {"specReplicasPath": ".spec.replicas",
+                                          "statusReplicasPath": ".status.replicas",
+                                          "labelSelectorPath": ".status.selector"}
+    assert "status" in v["subresources"]
+    cols = {c["name"] for c in v["additionalPrinterColumns"]}
+    assert {"Engine", "Desired", "Admitted", "Ready", "Age"} <= cols
+    spec = v["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]
+    assert spec["replicas"]["minimum"] == 0
+    assert spec["engine"]["properties"]["kind"]["enum"] == ["kvfleet", "vllm"]
+    assert spec["engine"]["properties"]["gpuMemoryUtilization"]["x-kubernetes-validations"]
+    assert "minReplicas <= " in spec["autoscaling"]["x-kubernetes-validations"][0]["rule"]
+    status = v["schema"]["openAPIV3Schema"]["properties"]["status"]["properties"]
+    assert status["autoscaler"]["x-kubernetes-preserve-unknown-fields"] is True
+    for key in ("conditions", "replicas", "admittedReplicas", "readyReplicas", "desiredReplicas", "endpoint",
+                "observedGeneration"):
+        assert key in status
+
+
+def test_tenant_crd() -> None:
+    crd = load("serving.kvfleet.dev_tenants.yaml")
+    assert crd["spec"]["scope"] == "Cluster"
+    schema = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
+    assert schema["properties"]["quotas"]["x-kubernetes-list-map-keys"] == ["flavor"]
+    quota = schema["properties"]["quotas"]["items"]["properties"]
+    assert {"nominal", "borrowingLimit", "lendingLimit"} <= quota.keys()
+    assert any("cohort" in r["rule"] for r in schema["x-kubernetes-validations"])
+
+
+def test_chart_carries_the_same_crds() -> None:
+    chart_crds = ROOT / "charts" / "kvfleet" / "crds"
+    ours = sorted(p.name for p in CRDS.glob("*.yaml"))
+    assert ours and sorted(p.name for p in chart_crds.glob("*.yaml")) == ours
+    for name in ours:
+        assert (chart_crds / name).read_bytes() == (CRDS / name).read_bytes(), name

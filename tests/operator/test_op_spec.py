@@ -1,0 +1,70 @@
+"""Spec parsing: defaults like the CRD's, errors naming the field."""
+from __future__ import annotations
+
+import pytest
+
+from kvfleet.operator.errors import SpecError
+from kvfleet.operator.spec import parse_model_deployment, parse_model_source, parse_tenant
+
+
+def test_defaults_match_the_crd() -> None:
+    spec = parse_model_deployment({"model": {"source": "HuggingFaceTB/SmolLM2-135M-Instruct"}})
+    assert spec.engine_kind == "kvfleet"
+    assert spec.tensor_parallel_size == 1
+    assert spec.gpu_memory_utilization == 0.9
+    assert spec.replicas == 1
+    assert spec.served_name == "SmolLM2-135M-Instruct"
+    assert (spec.cpu, spec.memory, spec.shm_size) == ("4", "32Gi", "8Gi")
+    assert spec.autoscaling.enabled is False
+
+
+@pytest.mark.parametrize("uri, kind, claim, path", [
+    ("org/model", "hub", None, None),
+    ("pvc://models/llama/8b", "pvc", "models", "llama/8b"),
+    ("pvc://models", "pvc", "models", ""),
+    ("file:///var/cache/models/x", "file", None, "/var/cache/models/x"),
+])
+def test_model_sources(uri: str, kind: str, claim: str | None, path: str | None) -> None:
+    src = parse_model_source(uri)
+    assert (src.kind, src.claim, src.path) == (kind, claim, path)
+
+
+@pytest.mark.parametrize("uri, field", [
+    ("", "spec.model.source"), ("s3://bucket/x", "spec.model.source"),
+    ("file://relative", "spec.model.source"), ("pvc://Bad_Claim/x", "spec.model.source"),
+])
+def test_bad_sources_name_the_field(uri: str, field: str) -> None:
+    with pytest.raises(SpecError) as err:
+        parse_model_source(uri)
+    assert err.value.field == field
+
+
+@pytest.mark.parametrize("patch, field", [
+    ({"replicas": -1}, "spec.replicas"),
+    ({"engine": {"kind": "tgi"}}, "spec.engine.kind"),
+    ({"engine": {"gpuMemoryUtilization": 0}}, "spec.engine.gpuMemoryUtilization"),
+    ({"engine": {"gpuMemoryUtilization": 1.5}}, "spec.engine.gpuMemoryUtilization"),
+    ({"engine": {"tensorParallelSize": 0}}, "spec.engine.tensorParallelSize"),
+    ({"autoscaling": {"enabled": True, "minReplicas": 3, "maxReplicas": 2}}, "spec.autoscaling.minReplicas"),
+    ({"resources": {"gpuFlavor": "H200!"}}, "spec.resources.gpuFlavor"),
+])
+def test_invalid_model_deployment(patch: dict, field: str) -> None:
+    with pytest.raises(SpecError) as err:
+        parse_model_deployment({"model": {"source": "a/b"}, **patch})
+    assert err.value.field == field
+    assert field in str(err.value)
+
+
+def test_tenant_parsing_and_errors() -> None:
+    t = parse_tenant({"namespaces": ["a", "b"], "cohort": "c",
+                      "quotas": [{"flavor": "h200", "nominal": 4, "borrowingLimit": 2, "lendingLimit": 1}]})
+    assert t.namespaces == ("a", "b") and t.quotas[0].nominal == 4 and t.quotas[0].borrowing_limit == 2
+    with pytest.raises(SpecError, match=r"spec.quotas\[0\].borrowingLimit"):
+        parse_tenant({"namespaces": ["a"], "quotas": [{"flavor": "h200", "nominal": 4, "borrowingLimit": 2}]})
+    with pytest.raises(SpecError, match=r"spec.quotas\[0\].lendingLimit"):
+        parse_tenant({"namespaces": ["a"], "quotas": [{"flavor": "h200", "nominal": 1, "lendingLimit": 2}]})
+    with pytest.raises(SpecError, match=r"spec.quotas\[1\].flavor"):
+        parse_tenant({"namespaces": ["a"], "quotas": [{"flavor": "h200", "nominal": 1},
+                                                      {"flavor": "h200", "nominal": 1}]})
+    with pytest.raises(SpecError, match="spec.namespaces"):
+        parse_tenant({"namespaces": [], "quotas": [{"flavor": "h200", "nominal": 1}]})

@@ -1,0 +1,82 @@
+"""Tenant builders (ClusterQueue, LocalQueue, NetworkPolicy, RBAC) and usage status."""
+from __future__ import annotations
+
+from op_factories import make_workload
+
+from kvfleet.operator.builders import (build_cluster_queue, build_local_queue, build_namespace,
+                                       build_network_policy, build_rbac)
+from kvfleet.operator.constants import LABEL_FLAVOR, LABEL_TENANT
+from kvfleet.operator.spec import parse_tenant
+from kvfleet.operator.tenant_status import compute_tenant_status, gpu_usage
+
+TENANT = {"apiVersion": "serving.kvfleet.dev/v1alpha1", "kind": "Tenant",
+          "metadata": {"name": "team-a", "uid": "t-uid", "generation": 2}}
+SPEC = parse_tenant({"namespaces": ["team-a", "team-a-dev"], "group": "team-a-devs", "cohort": "gpus",
+                     "fairSharingWeight": "2",
+                     "quotas": [{"flavor": "h200", "nominal": 4, "borrowingLimit": 2, "lendingLimit": 1},
+                                {"flavor": "l40s", "nominal": 2}]})
+
+
+def test_cluster_queue() -> None:
+    cq = build_cluster_queue(TENANT, SPEC)
+    assert cq["apiVersion"] == "kueue.x-k8s.io/v1beta2" and cq["metadata"]["name"] == "team-a"
+    spec = cq["spec"]
+    assert spec["cohortName"] == "gpus" and spec["fairSharing"] == {"weight": "2"}
+    assert spec["namespaceSelector"] == {"matchLabels": {LABEL_TENANT: "team-a"}}
+    (group,) = spec["resourceGroups"]
+    assert group["coveredResources"] == ["cpu", "memory", "nvidia.com/gpu"]
+    h200 = next(f for f in group["flavors"] if f["name"] == "h200")
+    gpu = next(r for r in h200["resources"] if r["name"] == "nvidia.com/gpu")
+    assert gpu == {"name": "nvidia.com/gpu", "nominalQuota": 4, "borrowingLimit": 2, "lendingLimit": 1}
+    # Kueue's rule: every flavor lists every covered resource, in order.
+    for f in group["flavors"]:
+        assert [r["name"] for r in f["resources"]] == group["coveredResources"]
+    assert cq["metadata"]["ownerReferences"][0]["uid"] == "t-uid"
+
+
+def test_no_cohort_means_no_cohort_name() -> None:
+    spec = parse_tenant({"namespaces": ["x"], "quotas": [{"flavor": "h200", "nominal": 1}]})
+    assert "cohortName" not in build_cluster_queue(TENANT, spec)["spec"]
+
+
+def test_namespace_queue_policy_rbac() -> None:
+    ns = build_namespace("team-a", "team-a-dev")
+    assert ns["metadata"]["labels"][LABEL_TENANT] == "team-a" and "ownerReferences" not in ns["metadata"]
+    lq = build_local_queue(TENANT, "team-a-dev")
+    assert lq["spec"] == {"clusterQueue": "team-a"} and lq["metadata"]["namespace"] == "team-a-dev"
+    np = build_network_policy(TENANT, "team-a-dev")
+    peers = np["spec"]["ingress"][0]["from"]
+    assert {"namespaceSelector": {"matchLabels": {LABEL_TENANT: "team-a"}}} in peers
+    assert np["spec"]["podSelector"] == {} and np["spec"]["policyTypes"] == ["Ingress"]
+    role, binding = build_rbac(TENANT, SPEC, "team-a-dev")
+    assert role["kind"] == "Role" and role["metadata"]["namespace"] == "team-a-dev"
+    resources = {r for rule in role["rules"] for r in rule["resources"]}
+    assert resources == {"modeldeployments", "modeldeployments/scale", "modeldeployments/status"}
+    assert binding["subjects"] == [{"apiGroup": "rbac.authorization.k8s.io", "kind": "Group",
+                                    "name": "team-a-devs"}]
+    assert binding["roleRef"]["kind"] == "Role"
+
+
+def test_no_group_no_binding() -> None:
+    spec = parse_tenant({"namespaces": ["x"], "quotas": [{"flavor": "h200", "nominal": 1}]})
+    assert [o["kind"] for o in build_rbac(TENANT, spec, "x")] == ["Role"]
+
+
+def test_gpu_usage_per_flavor() -> None:
+    pinned = make_workload(3, pending_message="wait", gpus=2)
+    pinned["metadata"]["labels"][LABEL_FLAVOR] = "l40s"
+    wls = [make_workload(0, admitted=True, flavor="h200", gpus=2),
+           make_workload(1, admitted=True, flavor="h200", gpus=2),
+           make_workload(2, pending_message="wait", gpus=4),
+           pinned,
+           make_workload(4, admitted=True, flavor="h200", gpus=8, terminating=True)]
+    usage = {u["flavor"]: u for u in gpu_usage(wls, SPEC)}
+    assert usage["h200"] == {"flavor": "h200", "nominal": 4, "inUse": 4, "pending": 0}
+    assert usage["l40s"]["pending"] == 2 and usage["*"]["pending"] == 4
+
+
+def test_tenant_status_ready_and_invalid() -> None:
+    st = compute_tenant_status(TENANT, SPEC, None, [], "T")
+    assert st["conditions"][0]["status"] == "True" and st["clusterQueue"] == "team-a"
+    bad = compute_tenant_status(TENANT, None, "spec.quotas: needs at least one flavor quota", [], "T")
+    assert bad["conditions"][0]["reason"] == "InvalidSpec" and "spec.quotas" in bad["conditions"][0]["message"]
