@@ -1,0 +1,144 @@
+"""CUDA graphs for decode steps.
+
+At start, one graph of the model's forward is captured per padded batch size
+(1, 2, 4, 8, then every 16 up to ``max_num_seqs``), largest first, all in one
+memory pool, reading static input buffers. A decode step of ``n`` sequences
+copies its inputs into the buffers of the smallest bucket ``>= n`` (padding rows:
+slot -1 so nothing is written, context length 0 so nothing is read) and replays
+that graph: one launch instead of hundreds of kernel launches from Python.
+Mixed or prefill steps, and batches beyond the largest bucket, run eagerly.
+
+The model runner calls it through its ``graph_runner`` hook:
+``can_run(num_tokens, attn_metadata)`` and ``run(input_ids, positions, kv_caches, attn_metadata)``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import torch
+
+from kvfleet.engine.attention.metadata import AttentionMetadata
+
+logger = logging.getLogger(__name__)
+
+
+def graph_batch_sizes(max_batch: int) -> list[int]:
+    """Padded batch sizes to capture: 1, 2, 4, 8, 16, 32, 48, ... up to ``max_batch`` (always included)."""
+    if max_batch < 1:
+        raise ValueError(f"max_batch: must be >= 1, got {max_batch}")
+    sizes = [s for s in (1, 2, 4, 8) if s <= max_batch]
+    sizes += list(range(16, max_batch + 1, 16))
+    if sizes[-1] != max_batch:
+        sizes.append(max_batch)
+    return sorted(set(sizes))
+
+
+def pick_bucket(sizes: list[int], n: int) -> int | None:
+    """Smallest captured size that holds ``n`` sequences, or None when ``n`` is too large."""
+    for s in sizes:
+        if s >= n:
+            return s
+    return None
+
+
+class CudaGraphRunner:
+    """Captured decode forwards of ``model`` over ``kv_caches``, one per padded batch size."""
+
+    def __init__(self, model: Any, kv_caches: list[torch.Tensor], max_batch: int, max_model_len: int,
+                 block_size: int, device: torch.device) -> None:
+        if device.type != "cuda":
+            raise ValueError(f"device: CUDA graphs need a CUDA device, got {device}")
+        self.model = model
+        self.kv_caches = kv_caches
+        self.sizes = graph_batch_sizes(max_batch)
+        self.max_model_len = max_model_len
+        self.max_blocks = -(-max_model_len // block_size)
+        self.device = device
+        n = self.sizes[-1]
+        self.input_ids = torch.zeros(n, dtype=torch.long, device=device)
+        self.positions = torch.zeros(n, dtype=torch.long, device=device)
+        self.slot_mapping = torch.full((n,), -1, dtype=torch.int64, device=device)
+        self.seq_lens = torch.zeros(n, dtype=torch.int32, device=device)
+        self.block_tables = torch.zeros(n, self.max_blocks, dtype=torch.int32, device=device)
+        # one token per sequence: query_start_loc is 0..n, never changes
+        self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+        self.pool: Any = None
+
+    def _metadata(self, bs: int) -> AttentionMetadata:
+        # max_seq_len = max_model_len fixes the decode kernel's split count for every replay
+        return AttentionMetadata(
+            slot_mapping=self.slot_mapping[:bs], query_start_loc=self.query_start_loc[:bs + 1],
+            seq_lens=self.seq_lens[:bs], block_tables=self.block_tables[:bs],
+            max_query_len=1, max_seq_len=self.max_model_len,
+            query_start_loc_cpu=list(range(bs + 1)), seq_lens_cpu=[1] * bs,
+        )
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        start = time.monotonic()
+        free_before = torch.cuda.mem_get_info(self.device)[0]
+        # Padding state during capture: every row writes nothing and reads one cached token.
+        self.slot_mapping.fill_(-1)
+        self.seq_lens.fill_(1)
+        stream = torch.cuda.Stream(self.device)
+        for bs in reversed(self.sizes):
+            md = self._metadata(bs)
+            args = (self.input_ids[:bs], self.positions[:bs], self.kv_caches, md)
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(stream):
+                for _ in range(2):  # compile Triton kernels and let allocators settle outside the graph
+                    self.model(*args)
+            torch.cuda.current_stream(self.device).wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                out = self.model(*args)
+            if self.pool is None:
+                self.pool = graph.pool()
+            self.graphs[bs] = graph
+            self.outputs[bs] = out
+        self.seq_lens.zero_()
+        torch.cuda.synchronize(self.device)
+        used = free_before - torch.cuda.mem_get_info(self.device)[0]
+        logger.info("captured %d decode CUDA graphs (batch %d..%d) in %.1fs, %.0f MiB",
+                    len(self.graphs), self.sizes[0], self.sizes[-1], time.monotonic() - start, used / 2**20)
+
+    def can_run(self, num_tokens: int, attn_metadata: AttentionMetadata) -> bool:
+        md = attn_metadata
+        return (bool(self.graphs) and md.max_query_len == 1 and num_tokens == md.num_seqs
+                and num_tokens <= self.sizes[-1] and md.block_tables.shape[1] <= self.max_blocks
+                and md.max_seq_len <= self.max_model_len)
+
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
+            attn_metadata: AttentionMetadata) -> torch.Tensor:
+        n = input_ids.shape[0]
+        bs = pick_bucket(self.sizes, n)
+        if bs is None or kv_caches is not self.kv_caches and any(
+                a.data_ptr() != b.data_ptr() for a, b in zip(kv_caches, self.kv_caches)):
+            raise ValueError("attn_metadata: batch not capturable (check can_run first) or KV cache replaced")
+        md = attn_metadata
+        width = md.block_tables.shape[1]
+        self.input_ids[:n].copy_(input_ids, non_blocking=True)
+        self.positions[:n].copy_(positions, non_blocking=True)
+        self.slot_mapping[:n].copy_(md.slot_mapping, non_blocking=True)
+        self.seq_lens[:n].copy_(md.seq_lens, non_blocking=True)
+        self.block_tables[:n, :width].copy_(md.block_tables, non_blocking=True)
+        if bs > n:
+            self.slot_mapping[n:bs].fill_(-1)
+            self.seq_lens[n:bs].zero_()
+        self.graphs[bs].replay()
+        return self.outputs[bs][:n]
+
+
+def build_graph_runner(model: Any, kv_caches: list[torch.Tensor], max_num_seqs: int, max_model_len: int,
+                       block_size: int, device: torch.device) -> CudaGraphRunner | None:
+    """Capture decode graphs on CUDA; None elsewhere (the runner then stays eager)."""
+    if device.type != "cuda":
+        return None
+    runner = CudaGraphRunner(model, kv_caches, max_num_seqs, max_model_len, block_size, device)
+    runner.capture()
+    return runner
