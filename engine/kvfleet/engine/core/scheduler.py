@@ -235,7 +235,7 @@ class Scheduler:
 
     def _check_stop(self, req: Request, tok: int) -> None:
         num_out = len(req.output_token_ids)
-        if tok in req.stop_token_ids and num_out > req.min_tokens:
+        if tok in req.stop_token_ids and num_out >= req.min_tokens:
             req.status, req.stop_reason = RequestStatus.FINISHED_STOPPED, tok
         elif num_out >= req.max_tokens or req.num_tokens >= self.max_model_len:
             req.status = RequestStatus.FINISHED_LENGTH

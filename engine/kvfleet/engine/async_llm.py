@@ -1,0 +1,184 @@
+"""`AsyncLLM`: the engine for the HTTP server.
+
+The step loop runs on a background thread; the event loop never waits for the
+model. Requests are validated on the caller's side (bad input raises ValueError
+from `generate` before its first yield), then handed to the loop through a command
+queue that is drained between steps. Each request streams its cumulative
+`RequestOutput`s through its own asyncio queue. An exception in a step fails the
+requests of that step (their iterators raise it) and the loop goes on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import queue
+import threading
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Callable, Optional
+
+from kvfleet.engine.config import EngineConfig
+from kvfleet.engine.core.inputs import PromptType
+from kvfleet.engine.llm_engine import LLMEngine
+from kvfleet.engine.outputs import RequestOutput
+from kvfleet.engine.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+
+    def put(self, item: Any) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:   # the caller's loop is closed: nobody is listening
+            pass
+
+
+class AsyncLLM:
+    def __init__(self, model: str, **kwargs: Any) -> None:
+        self.engine = LLMEngine(EngineConfig(model=str(model), **kwargs))
+        self._streams: dict[str, _Stream] = {}
+        self._commands: queue.Queue[Callable[[], None]] = queue.Queue()
+        self._stop = threading.Event()
+        self._ids = itertools.count()
+        self._thread = threading.Thread(target=self._run, name="kvfleet-engine", daemon=True)
+        self._thread.start()
+
+    # --- what the server reads -----------------------------------------------------
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    @property
+    def model_config(self) -> Any:
+        return self.engine.model_config
+
+    def stats(self) -> dict[str, Any]:
+        return self.engine.stats()
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread.is_alive()
+
+    # --- requests ------------------------------------------------------------------
+    async def generate(self, prompt: PromptType, sampling_params: Optional[SamplingParams] = None,
+                       request_id: Optional[str] = None, priority: int = 0,
+                       cache_salt: Optional[str] = None) -> AsyncIterator[RequestOutput]:
+        if not self.is_running:
+            raise RuntimeError("engine: the step loop is not running (shut down?)")
+        rid = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if rid in self._streams:
+            raise ValueError(f"request_id: {rid!r} is already running")
+        # Validate here (the caller sees the ValueError); the loop thread re-checks cheaply.
+        params = (sampling_params or SamplingParams()).clone()
+        params.validate(self.engine.model_config.vocab_size)
+        _, ids = self.engine.tokenize(prompt)
+        from kvfleet.engine.core.inputs import check_prompt
+
+        check_prompt(ids, self.engine.model_config.vocab_size, self.engine.model_config.max_model_len,
+                     params.max_tokens, self.engine.kv.num_blocks * self.engine.config.block_size,
+                     params.beam_width if params.use_beam_search else 1)
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        self._streams[rid] = stream
+        text = prompt if isinstance(prompt, str) else (prompt.get("prompt") if isinstance(prompt, dict) else None)
+        self._commands.put(lambda: self._add(rid, {"prompt": text, "prompt_token_ids": ids}, params, priority,
+                                             cache_salt))
+        finished = False
+        try:
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            self._streams.pop(rid, None)
+            if not finished:
+                self._commands.put(lambda: self._abort_now(rid))
+
+    def _add(self, rid: str, prompt: dict, params: SamplingParams, priority: int, salt: Optional[str]) -> None:
+        stream = self._streams.get(rid)
+        if stream is None:
+            return   # cancelled before it started
+        try:
+            self.engine.add_request(rid, prompt, params, priority=priority, cache_salt=salt)
+        except Exception as e:   # noqa: BLE001 - delivered to the caller
+            self._streams.pop(rid, None)
+            stream.put(e)
+
+    def _abort_now(self, rid: str) -> None:
+        for out in self.engine.abort_request([rid]):
+            stream = self._streams.pop(rid, None)
+            if stream is not None:
+                stream.put(out)
+
+    async def abort(self, request_id: str) -> None:
+        """Abort a request; returns once its KV blocks are freed."""
+        loop = asyncio.get_running_loop()
+        done = loop.create_future()
+
+        def run() -> None:
+            try:
+                self._abort_now(request_id)
+            finally:
+                loop.call_soon_threadsafe(lambda: done.done() or done.set_result(None))
+
+        self._commands.put(run)
+        await done
+
+    async def shutdown(self) -> None:
+        self._stop.set()
+        self._commands.put(lambda: None)
+        await asyncio.get_running_loop().run_in_executor(None, self._thread.join, 30)
+
+    # --- the loop thread -----------------------------------------------------------
+    def _drain(self, block: bool) -> None:
+        try:
+            cmd = self._commands.get(timeout=0.5) if block else self._commands.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            try:
+                cmd()
+            except Exception:   # noqa: BLE001
+                logger.exception("engine command failed")
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._drain(block=not self.engine.has_unfinished_requests())
+            if not self.engine.has_unfinished_requests():
+                continue
+            try:
+                outs = self.engine.step()
+            except Exception as e:   # noqa: BLE001 - fail the step's requests, keep serving
+                logger.exception("engine step failed; failing its requests")
+                self._fail_all_running(e)
+                continue
+            for out in outs:
+                stream = self._streams.get(out.request_id)
+                if stream is not None:
+                    stream.put(out)
+        for rid in list(self._streams):
+            self._streams.pop(rid).put(RuntimeError("engine: shut down"))
+
+    def _fail_all_running(self, err: Exception) -> None:
+        rids = list(self.engine.groups)
+        self.engine.abort_request(rids)
+        for rid in rids:
+            stream = self._streams.pop(rid, None)
+            if stream is not None:
+                stream.put(RuntimeError(f"engine: step failed: {err}"))
+
+
+AsyncLLMEngine = AsyncLLM

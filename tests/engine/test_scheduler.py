@@ -1,0 +1,172 @@
+"""The scheduler driven with hand-built model outputs: exact block ids, budgets, preemption, priority."""
+
+from __future__ import annotations
+
+from kvfleet.engine.core.kv_cache_manager import KVCacheManager
+from kvfleet.engine.core.request import Request, RequestStatus
+from kvfleet.engine.core.scheduler import ModelRunnerOutput, Scheduler, SchedulerOutput
+
+BS = 4
+EOS = 0
+
+
+def make_sched(num_blocks: int = 16, budget: int = 64, max_seqs: int = 8, chunked: bool = True,
+               caching: bool = True) -> Scheduler:
+    kv = KVCacheManager(num_blocks, BS, caching)
+    return Scheduler(kv, max_seqs, budget, max_model_len=64, enable_chunked_prefill=chunked)
+
+
+def req(rid: str, n: int, max_tokens: int = 8, priority: int = 0, arrival: float = 0.0,
+        first: int = 1) -> Request:
+    return Request(rid, list(range(first, first + n)), max_tokens=max_tokens, stop_token_ids=frozenset({EOS}),
+                   priority=priority, arrival_time=arrival)
+
+
+def run_step(s: Scheduler, token: int = 7) -> tuple[SchedulerOutput, list]:
+    out = s.schedule()
+    result = ModelRunnerOutput({x.request_id: token for x in out.scheduled if x.needs_sample})
+    return out, s.update_from_output(out, result)
+
+
+def test_prefill_then_decode_with_exact_blocks() -> None:
+    s = make_sched()
+    a, b = req("a", 6), req("b", 3, first=50)
+    s.add_request(a)
+    s.add_request(b)
+    out, _ = run_step(s)
+    assert [(x.request_id, x.start, x.num_new_tokens, x.block_ids) for x in out.scheduled] == [
+        ("a", 0, 6, [0, 1]), ("b", 0, 3, [2])]
+    assert all(x.needs_sample for x in out.scheduled)
+    assert a.output_token_ids == [7] and b.output_token_ids == [7]
+    out, _ = run_step(s)   # decodes: a writes position 6 (block 1), b position 3 (block 2)
+    assert [(x.request_id, x.start, x.num_new_tokens, x.block_ids) for x in out.scheduled] == [
+        ("a", 6, 1, [0, 1]), ("b", 3, 1, [2])]
+    out, _ = run_step(s)   # a: position 7 still block 1; b: position 4 needs a new block
+    assert [x.block_ids for x in out.scheduled] == [[0, 1], [2, 3]]
+    s.kv.check_invariants()
+
+
+def test_chunked_prefill_respects_budget_and_decodes_go_first() -> None:
+    s = make_sched(budget=8)
+    a = req("a", 3)
+    s.add_request(a)
+    run_step(s)                       # a prefilled, now decoding
+    long = req("long", 20, first=30)
+    s.add_request(long)
+    chunks = []
+    while not long.is_prefill_done:
+        out, _ = run_step(s)
+        assert out.num_batched_tokens <= 8
+        assert out.scheduled[0].request_id == "a" and out.scheduled[0].num_new_tokens == 1
+        chunks.append([(x.start, x.num_new_tokens) for x in out.scheduled if x.request_id == "long"][0])
+    assert chunks == [(0, 7), (7, 7), (14, 6)]
+    assert long.output_token_ids == [7]
+
+
+def test_without_chunking_a_prompt_waits_for_a_whole_budget() -> None:
+    s = make_sched(budget=10, chunked=False)
+    s.add_request(req("a", 6))
+    s.add_request(req("b", 6, first=20))
+    out, _ = run_step(s)
+    assert [x.request_id for x in out.scheduled] == ["a"]      # b does not fit the rest of the budget
+    out, _ = run_step(s)
+    assert [(x.request_id, x.num_new_tokens) for x in out.scheduled] == [("a", 1), ("b", 6)]
+
+
+def test_max_num_seqs_limits_running() -> None:
+    s = make_sched(max_seqs=2)
+    for i in range(3):
+        s.add_request(req(f"r{i}", 2, first=10 * i + 1))
+    out, _ = run_step(s)
+    assert [x.request_id for x in out.scheduled] == ["r0", "r1"] and len(s.waiting) == 1
+
+
+def test_preemption_frees_latest_arrival_and_recomputes() -> None:
+    s = make_sched(num_blocks=4, budget=64, caching=False)
+    a, b = req("a", 4, max_tokens=8, arrival=1.0), req("b", 4, max_tokens=8, first=20, arrival=2.0)
+    s.add_request(a)
+    s.add_request(b)
+    run_step(s)                       # a: [0], b: [1]; both decoding
+    run_step(s)                       # position 4: a gets [0, 2], b gets [1, 3]
+    assert s.kv.get_block_ids(a) == [0, 2] and s.kv.get_block_ids(b) == [1, 3]
+    for _ in range(3):
+        run_step(s)                   # positions 5..7 fit
+    out, _ = run_step(s)              # position 8: no block left -> b (latest) is preempted
+    assert out.preempted_req_ids == ["b"] and s.num_preemptions == 1
+    assert [x.request_id for x in out.scheduled] == ["a"] and s.kv.get_block_ids(a) == [0, 2, 3]   # b freed tail first
+    assert b.status == RequestStatus.PREEMPTED and b.num_computed_tokens == 0 and s.waiting == [b]
+    while not a.is_finished:
+        run_step(s)
+    assert len(a.output_token_ids) == 8 and a.status == RequestStatus.FINISHED_LENGTH
+    out, _ = run_step(s)              # b comes back: recomputes its prompt and outputs so far
+    assert out.scheduled[0].request_id == "b" and out.scheduled[0].start == 0
+    assert out.scheduled[0].num_new_tokens == 4 + 5      # prompt + the 5 tokens it had
+    while s.has_unfinished():
+        run_step(s)
+    assert len(b.output_token_ids) == 8
+    assert s.kv.pool.num_used_blocks == 0
+    s.kv.check_invariants()
+
+
+def test_priority_orders_waiting_and_picks_victims() -> None:
+    s = make_sched(max_seqs=1)
+    s.add_request(req("low", 2, priority=5, arrival=0.0))
+    s.add_request(req("high", 2, priority=-1, arrival=1.0, first=10))
+    out, _ = run_step(s)
+    assert [x.request_id for x in out.scheduled] == ["high"]
+
+
+def test_stop_token_min_tokens_and_max_tokens() -> None:
+    s = make_sched()
+    a = Request("a", [1, 2], max_tokens=5, min_tokens=2, stop_token_ids=frozenset({EOS}))
+    s.add_request(a)
+    run_step(s, token=EOS)            # below min_tokens: eos does not stop
+    assert not a.is_finished
+    _, ups = run_step(s, token=EOS)
+    assert a.status == RequestStatus.FINISHED_STOPPED and a.stop_reason == EOS and ups[0].finished
+    b = Request("b", [3], max_tokens=2)
+    s.add_request(b)
+    run_step(s)
+    run_step(s)
+    assert b.status == RequestStatus.FINISHED_LENGTH and b.output_token_ids == [7, 7]
+    assert s.kv.pool.num_used_blocks == 0
+
+
+def test_prefix_cache_hit_skips_computed_blocks() -> None:
+    s = make_sched()
+    a = req("a", 9, max_tokens=1)
+    s.add_request(a)
+    run_step(s)                       # a finishes after one token; its 2 full blocks stay cached
+    assert a.is_finished and s.kv.pool.num_cached_free_blocks == 2
+    b = req("b", 10, max_tokens=1)    # same first 9 tokens
+    s.add_request(b)
+    out, _ = run_step(s)
+    x = out.scheduled[0]
+    assert (x.start, x.num_new_tokens, x.block_ids[:2]) == (8, 2, [0, 1])
+    assert b.num_cached_tokens == 8 and s.kv.prefix_cache_hits == 8
+
+
+def test_fork_shares_blocks_then_copy_on_write() -> None:
+    s = make_sched(caching=False)
+    p = Request("p#0", [1, 2, 3, 4, 5, 6], max_tokens=4, compute_limit=5)
+    s.add_request(p)
+    _, ups = run_step(s)
+    assert ups[0].new_token_id is None and p.num_computed_tokens == 5     # ready to fork
+    p.compute_limit = None
+    c = s.fork(p, "p#1", 1)
+    c.compute_limit = None
+    assert s.kv.get_block_ids(c) == s.kv.get_block_ids(p) == [0, 1]
+    out, _ = run_step(s)              # both write position 5 in shared block 1: one copy
+    assert out.copy_pairs == [(1, 2)]
+    assert [x.block_ids for x in out.scheduled] == [[0, 2], [0, 1]]   # the first writer copies
+    s.kv.check_invariants()
+
+
+def test_abort_frees_at_once() -> None:
+    s = make_sched()
+    a = req("a", 10)
+    s.add_request(a)
+    run_step(s)
+    assert s.kv.pool.num_used_blocks == 3
+    s.finish_requests(["a"], RequestStatus.FINISHED_ABORTED)
+    assert s.kv.pool.num_used_blocks == 0 and not s.has_unfinished()
