@@ -59,6 +59,11 @@ SERVE_FLAGS: tuple[Flag, ...] = (
     Flag("--max-num-seqs", "Most sequences batched in one step.", type=int, metavar="N"),
     Flag("--max-num-batched-tokens", "Token budget of one step (chunked prefill).", type=int, metavar="N"),
     Flag("--block-size", "Tokens per KV-cache block.", type=int, default=16),
+    Flag("--num-gpu-blocks-override", "Fix the number of KV-cache blocks instead of sizing from memory.", type=int,
+         metavar="N"),
+    Flag("--kv-cache-memory-bytes", "Bytes of KV cache (instead of --gpu-memory-utilization; on CPU the "
+         "default is 256 MiB).", type=int, metavar="BYTES"),
+    Flag("--enable-chunked-prefill", "Split long prompts over several steps.", boolean=True, default=True),
     Flag("--enable-prefix-caching", "Reuse KV blocks of shared prompt prefixes.", boolean=True, default=True),
     Flag("--enforce-eager", "Never capture CUDA graphs.", boolean=True, default=False),
     Flag("--seed", "Engine random seed.", type=int, default=0),
@@ -120,7 +125,8 @@ def check_serve_args(args: argparse.Namespace) -> None:
     for name in ("port", "tensor_parallel_size", "block_size"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
-    for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "max_queue_len"):
+    for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "max_queue_len",
+                 "num_gpu_blocks_override", "kv_cache_memory_bytes"):
         value = getattr(args, name)
         if value is not None and value < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
@@ -132,12 +138,15 @@ def check_serve_args(args: argparse.Namespace) -> None:
 
 _ENGINE_KWARGS = ("tokenizer", "device", "dtype", "max_model_len",
                   "gpu_memory_utilization", "max_num_seqs", "max_num_batched_tokens", "block_size",
-                  "enable_prefix_caching", "enforce_eager", "seed", "load_format")
+                  "enable_prefix_caching", "enable_chunked_prefill", "enforce_eager", "seed", "load_format",
+                  "kv_cache_memory_bytes")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """The `AsyncLLM(model, **kwargs)` arguments; unset optional flags are left to the engine."""
     kwargs = {k: getattr(args, k) for k in _ENGINE_KWARGS if getattr(args, k) is not None}
+    if args.num_gpu_blocks_override is not None:
+        kwargs["num_kv_blocks"] = args.num_gpu_blocks_override
     if args.tensor_parallel_size != 1:  # only passed when asked for: the single-GPU engine has no such knob
         kwargs["tensor_parallel_size"] = args.tensor_parallel_size
     return kwargs

@@ -50,8 +50,8 @@ async def create_completion(state: ServerState, req: CompletionRequest, request:
     texts = [text if text is not None else state.tokenizer.decode(ids) for text, ids in prompts]
     tickets = take_tickets(state, len(prompts), tenant)
     request_id = new_request_id("cmpl")
-    streams = [stream_request(state, tickets[i], ids, params[i], f"{request_id}-{i}", tenant)
-               for i, (_, ids) in enumerate(prompts)]
+    streams = [stream_request(state, tickets[i], ids, params[i], f"{request_id}-{i}", tenant, text)
+               for i, (text, ids) in enumerate(prompts)]
     created = int(time.time())
     if req.stream:
         body = _stream(state, req, streams, texts, request_id, model, created)

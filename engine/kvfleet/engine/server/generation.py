@@ -22,8 +22,8 @@ from kvfleet.engine.server.state import ServerState, logger
 
 T = TypeVar("T")
 
-REQUEST_FIELDS = ("prompt", "messages", "n", "temperature", "top_p", "top_k", "min_p", "max_tokens",
-                  "max_completion_tokens", "stop", "stop_token_ids", "seed", "presence_penalty",
+REQUEST_FIELDS = ("prompt", "prompt_token_ids", "messages", "n", "temperature", "top_p", "top_k", "min_p",
+                  "max_tokens", "max_completion_tokens", "stop", "stop_token_ids", "seed", "presence_penalty",
                   "frequency_penalty", "repetition_penalty", "logprobs", "top_logprobs", "min_tokens",
                   "prompt_logprobs", "best_of")
 
@@ -42,7 +42,7 @@ def finish_reason_of(out: Any) -> str:
 
 
 async def stream_request(state: ServerState, ticket: Ticket, prompt_ids: list[int], params: Any,
-                         request_id: str, tenant: str) -> AsyncIterator[Any]:
+                         request_id: str, tenant: str, prompt_text: str | None = None) -> AsyncIterator[Any]:
     """`engine.generate` with bookkeeping: queue count until the first output, ITL, finish metrics."""
     engine = state.engine
     finished, rejected = False, False
@@ -50,7 +50,8 @@ async def stream_request(state: ServerState, ticket: Ticket, prompt_ids: list[in
     prev_tokens, last_time = 0, None
     try:
         try:
-            async for out in engine.generate({"prompt_token_ids": prompt_ids}, params, request_id):
+            async for out in engine.generate({"prompt": prompt_text, "prompt_token_ids": prompt_ids}, params,
+                                             request_id):
                 now = time.monotonic()
                 ticket.started()
                 tokens = max((len(o.token_ids) for o in out.outputs), default=0)
@@ -66,7 +67,8 @@ async def stream_request(state: ServerState, ticket: Ticket, prompt_ids: list[in
                 raise
             rejected = True
             message = str(exc)
-            raise APIError(400, message, value_error_param(message, REQUEST_FIELDS), "invalid_value") from None
+            param = value_error_param(message, REQUEST_FIELDS)
+            raise APIError(400, message, "prompt" if param == "prompt_token_ids" else param, "invalid_value") from None
     finally:
         ticket.release()
         if not rejected:
