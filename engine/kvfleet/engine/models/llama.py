@@ -128,7 +128,7 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head.compute_logits(hidden)
 
     def load_weights(self, weights: Iterable[tuple[str, Any]]) -> set[str]:
-        """Copy HF-named checkpoint tensors (or lazy slices) in; returns the parameter names loaded."""
+        """Copy HF-named checkpoint tensors (or lazy slices) in; returns the checkpoint names loaded."""
         params = dict(self.named_parameters(remove_duplicate=False))
         loaded: set[str] = set()
         for name, tensor in weights:
@@ -136,7 +136,7 @@ class LlamaForCausalLM(nn.Module):
                 continue
             if name == "lm_head.weight" and self.config.tie_word_embeddings:
                 continue  # tied: the embedding is the head
-            shard_id = None
+            hf_name, shard_id = name, None
             for fragment, (fused, sid) in _STACKED.items():
                 if fragment in name:
                     name, shard_id = name.replace(fragment, fused), sid
@@ -146,12 +146,15 @@ class LlamaForCausalLM(nn.Module):
             param = params[name]
             loader = getattr(param, "weight_loader", default_weight_loader)
             loader(param, tensor, shard_id)
-            loaded.add(name)
+            loaded.add(hf_name)
         return loaded
 
     def expected_weights(self) -> set[str]:
-        """Parameter names a full checkpoint must provide."""
-        names = {n for n, _ in self.named_parameters()}
+        """Checkpoint (HF) tensor names a full checkpoint must provide: fused parameters need every part."""
+        names: set[str] = set()
+        for name, _ in self.named_parameters():
+            parts = [name.replace(fused, frag) for frag, (fused, _) in _STACKED.items() if fused in name]
+            names.update(parts or [name])
         if self.config.tie_word_embeddings:
             names.discard("lm_head.weight")
         return names
