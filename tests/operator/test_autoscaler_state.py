@@ -86,3 +86,21 @@ def test_gauges_record_and_forget() -> None:
     assert "kvfleet_operator_ready_replicas{" not in text  # unknown stays absent, not zero
     gauges.forget("team-a", "chat")
     assert 'namespace="team-a"' not in generate_latest(registry).decode()
+
+
+def test_settings_from_env() -> None:
+    import pytest
+
+    from kvfleet.operator.autoscaler.handlers import AutoscalerSettings
+
+    assert AutoscalerSettings.from_env({}) == AutoscalerSettings(15.0, "scrape", "")
+    assert AutoscalerSettings.from_env({"KVFLEET_AUTOSCALE_INTERVAL": "2"}).interval == 2.0
+    chart = {"KVFLEET_AUTOSCALER_INTERVAL_SECONDS": "5", "KVFLEET_AUTOSCALER_METRICS_SOURCE": "prometheus",
+             "KVFLEET_AUTOSCALER_PROMETHEUS_URL": "http://127.0.0.1:9090"}
+    assert AutoscalerSettings.from_env(chart) == AutoscalerSettings(5.0, "prometheus", "http://127.0.0.1:9090")
+    for env, field in [({"KVFLEET_AUTOSCALE_INTERVAL": "0"}, "INTERVAL"),
+                       ({"KVFLEET_AUTOSCALE_INTERVAL": "soon"}, "INTERVAL"),
+                       ({"KVFLEET_AUTOSCALER_METRICS_SOURCE": "statsd"}, "METRICS_SOURCE"),
+                       ({"KVFLEET_AUTOSCALER_METRICS_SOURCE": "prometheus"}, "PROMETHEUS_URL")]:
+        with pytest.raises(ValueError, match=field):
+            AutoscalerSettings.from_env(env)
