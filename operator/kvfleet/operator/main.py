@@ -32,6 +32,7 @@ _load_optional("kvfleet.operator.autoscaler.handlers")
 @kopf.on.startup()
 def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     # Progress in annotations only: the status schema belongs to the CRD, not to kopf.
+    settings.persistence.finalizer = f"{GROUP}/kopf-finalizer"
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
         prefix=GROUP, key="last-handled-configuration")
