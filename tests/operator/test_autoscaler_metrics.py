@@ -151,3 +151,23 @@ def test_prometheus_off_loopback_is_refused_without_contact(
     loads = asyncio.run(query_prometheus("http://10.0.0.9:9090", "ns", ["a", "b"]))
     assert [(p.pod, p.known) for p in loads] == [("a", False), ("b", False)]
     assert all("refusing" in p.error for p in loads)
+
+
+def test_parse_real_server_metrics_output() -> None:
+    """The exact text `kvfleet serve` renders at /metrics (its own metrics module)."""
+    from kvfleet.engine.server.metrics import ServerMetrics
+
+    stats = {"num_waiting": 5, "num_running": 2, "kv_cache_usage": 0.5, "prompt_tokens": 100}
+    server = ServerMetrics("tiny-llama", lambda: stats)
+    server.observe_rejected("default", "queue_full")
+    server.observe_itl(0.02, 3)
+    assert parse_load(server.render().decode()) == (5.0, 2.0)
+    stats.update(num_waiting=0, num_running=0)
+    assert parse_load(server.render().decode()) == (0.0, 0.0)
+
+
+def test_engine_still_loading_is_unknown() -> None:
+    from kvfleet.engine.server.metrics import ServerMetrics
+
+    with pytest.raises(MetricsError, match="missing"):
+        parse_load(ServerMetrics("tiny-llama", lambda: None).render().decode())
