@@ -52,6 +52,8 @@ def _load_optional_backends() -> None:
         import kvfleet.engine.kernels  # noqa: F401
     except ImportError:
         pass
+    except Exception as exc:  # a broken optional backend must not take the torch path down
+        logger.warning("attention kernels unavailable: %s", exc)
 
 
 def get_attention_backend(device: str | torch.device, name: str | None = None) -> AttentionFn:
