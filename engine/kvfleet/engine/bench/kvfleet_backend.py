@@ -1,0 +1,201 @@
+"""The kvfleet side of the throughput benchmark: drive ``LLMEngine.step()`` over a workload.
+
+Besides the wall time it samples the KV pool every step (peak blocks in use, and
+the slots allocated but empty at that peak) and times each part of a step
+(schedule, input preparation, forward, sampling, update) separately for decode
+and mixed steps, to show where a step's time goes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import time
+from collections import defaultdict
+from typing import Any, Callable
+
+from kvfleet.engine.bench.stats import kv_fragmentation, percentiles, request_latencies
+from kvfleet.engine.bench.workloads import BenchRequest
+
+logger = logging.getLogger(__name__)
+
+
+def default_max_model_len(reqs: list[BenchRequest], multiple: int = 256) -> int:
+    longest = max(len(r.prompt_token_ids) + r.max_tokens for r in reqs)
+    return -(-longest // multiple) * multiple
+
+
+class StepTimers:
+    """Wraps the engine's step parts with timers (a CUDA sync around the forward, so it is GPU time)."""
+
+    def __init__(self, engine: Any, cuda: bool) -> None:
+        import torch
+
+        self.totals: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+        self.kind = "decode"
+        self._cur: dict[str, float] = {}
+        sync: Callable[[], None] = torch.cuda.synchronize if cuda else (lambda: None)
+        sched, runner = engine.scheduler, engine.runner
+
+        def timed(name: str, fn: Callable[..., Any], synced: bool = False) -> Callable[..., Any]:
+            def wrapper(*a: Any, **kw: Any) -> Any:
+                if synced:
+                    sync()
+                t = time.perf_counter()
+                res = fn(*a, **kw)
+                if synced:
+                    sync()
+                self._cur[name] = self._cur.get(name, 0.0) + time.perf_counter() - t
+                return res
+            return wrapper
+
+        orig_schedule = sched.schedule
+
+        def schedule(*a: Any, **kw: Any) -> Any:
+            t = time.perf_counter()
+            out = orig_schedule(*a, **kw)
+            self._cur["schedule"] = time.perf_counter() - t
+            steps = out.scheduled
+            self.kind = "decode" if steps and all(s.num_new_tokens == 1 for s in steps) else "mixed"
+            self.batch = len(steps)
+            return out
+
+        sched.schedule = schedule
+        runner.execute = timed("execute", runner.execute)
+        runner._forward = timed("forward", runner._forward, synced=True)
+        runner.sampler = _TimedCallable(runner.sampler, self._cur, sync)
+        sched.update_from_output = timed("update", sched.update_from_output)
+        self.batch = 0
+
+    def end_step(self, step_s: float) -> None:
+        if not self._cur:
+            return
+        tot = self.totals[self.kind]
+        tot["steps"] += 1
+        tot["step"] += step_s
+        tot["batch_sum"] += self.batch
+        for k, v in self._cur.items():
+            tot[k] += v
+        self._cur.clear()
+
+    def report(self) -> dict[str, dict[str, float]]:
+        """Per kind of step: count, mean batch, and mean milliseconds of each part."""
+        out = {}
+        for kind, tot in self.totals.items():
+            n = max(1.0, tot["steps"])
+            fwd, smp = tot.get("forward", 0.0), tot.get("sample", 0.0)
+            prep = tot.get("execute", 0.0) - fwd - smp
+            rest = tot["step"] - tot.get("schedule", 0.0) - tot.get("execute", 0.0) - tot.get("update", 0.0)
+            out[kind] = {"steps": int(tot["steps"]), "mean_batch": tot["batch_sum"] / n,
+                         "step_ms": 1e3 * tot["step"] / n, "schedule_ms": 1e3 * tot.get("schedule", 0.0) / n,
+                         "prepare_ms": 1e3 * prep / n, "forward_ms": 1e3 * fwd / n, "sample_ms": 1e3 * smp / n,
+                         "update_ms": 1e3 * tot.get("update", 0.0) / n, "outputs_ms": 1e3 * rest / n}
+        return out
+
+
+class _TimedCallable:
+    def __init__(self, fn: Any, cur: dict[str, float], sync: Callable[[], None]) -> None:
+        self.fn, self.cur, self.sync = fn, cur, sync
+
+    def __call__(self, *a: Any, **kw: Any) -> Any:
+        t = time.perf_counter()
+        res = self.fn(*a, **kw)
+        self.sync()
+        self.cur["sample"] = self.cur.get("sample", 0.0) + time.perf_counter() - t
+        return res
+
+
+def _params(n: int) -> Any:
+    from kvfleet.engine.sampling_params import SamplingParams
+
+    return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+
+
+def _drain(engine: Any, on_step: Callable[[list[Any], float], None] | None = None) -> list[Any]:
+    done = []
+    while engine.has_unfinished_requests():
+        t = time.perf_counter()
+        outs = engine.step()
+        dt = time.perf_counter() - t
+        done.extend(o for o in outs if o.finished)
+        if on_step is not None:
+            on_step(outs, dt)
+    return done
+
+
+def run_kvfleet(args: argparse.Namespace, reqs: list[BenchRequest], warm: list[BenchRequest]) -> dict[str, Any]:
+    import torch
+
+    from kvfleet.engine.config import EngineConfig
+    from kvfleet.engine.llm_engine import LLMEngine
+
+    max_len = args.max_model_len or default_max_model_len(reqs)
+    cfg = EngineConfig(model=str(args.model), dtype=args.dtype, device=args.device, load_format=args.load_format,
+                       max_model_len=max_len, max_num_seqs=args.max_num_seqs,
+                       max_num_batched_tokens=args.max_num_batched_tokens,
+                       gpu_memory_utilization=args.gpu_memory_utilization, num_kv_blocks=args.num_kv_blocks,
+                       enable_prefix_caching=not args.no_prefix_caching, enforce_eager=args.enforce_eager)
+    t = time.monotonic()
+    engine = LLMEngine(cfg)
+    init_s = time.monotonic() - t
+    cuda = engine.device.type == "cuda"
+    for i, r in enumerate(warm):
+        engine.add_request(f"warm{i}", {"prompt_token_ids": r.prompt_token_ids}, _params(r.max_tokens))
+    _drain(engine)
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    timers = StepTimers(engine, cuda)
+    block_size = cfg.block_size
+    peak: dict[str, Any] = {"kv_blocks_used": -1}
+
+    def on_step(outs: list[Any], dt: float) -> None:
+        timers.end_step(dt)
+        st = engine.stats()
+        if st["kv_blocks_used"] > peak["kv_blocks_used"]:
+            running = engine.scheduler.running
+            tokens = sum(r.num_computed_tokens for r in running)
+            peak.update(kv_blocks_used=st["kv_blocks_used"], kv_cache_usage=st["kv_cache_usage"],
+                        num_running=len(running), tokens_in_kv=tokens,
+                        **kv_fragmentation(st["kv_blocks_used"], block_size, tokens, len(running)))
+
+    t0 = time.monotonic()
+    for i, r in enumerate(reqs):
+        engine.add_request(f"r{i}", {"prompt_token_ids": r.prompt_token_ids}, _params(r.max_tokens), arrival_time=t0)
+    done = _drain(engine, on_step)
+    if cuda:
+        torch.cuda.synchronize()
+    wall = time.monotonic() - t0
+    by_id = {o.request_id: o for o in done}
+    ttft, tpot, short = [], [], 0
+    for i, r in enumerate(reqs):
+        o = by_id.get(f"r{i}")
+        if o is None:
+            raise RuntimeError(f"request r{i} did not finish")
+        n = len(o.outputs[0].token_ids)
+        short += int(n != r.max_tokens)
+        m = o.metrics
+        a, b = request_latencies(m.arrival_time, m.first_token_time, m.finished_time, n)
+        ttft.append(a)
+        tpot.append(b)
+    stats = engine.stats()
+    res: dict[str, Any] = {
+        "wall_s": wall, "init_s": init_s, "max_model_len": max_len,
+        "requests_with_wrong_length": short,
+        "ttft_ms": _ms(percentiles(ttft)), "tpot_ms": _ms(percentiles(tpot)),
+        "kv_blocks_total": stats["kv_blocks_total"], "kv_block_size": block_size,
+        "kv_peak": peak, "num_preemptions": stats["num_preemptions"],
+        "prefix_cache_hits": stats["prefix_cache_hits"],
+        "step_breakdown_ms": timers.report(),
+        "cuda_graphs": getattr(engine.runner, "graph_runner", None) is not None,
+    }
+    if cuda:
+        res["peak_gpu_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
+        res["peak_gpu_reserved_gib"] = torch.cuda.max_memory_reserved() / 2**30
+        free, total = torch.cuda.mem_get_info()
+        res["gpu_mem_used_gib"] = (total - free) / 2**30
+    return res
+
+
+def _ms(p: dict[str, float] | None) -> dict[str, float] | None:
+    return None if p is None else {k: 1e3 * v for k, v in p.items()}
