@@ -1,0 +1,65 @@
+"""Scenario: a Tenant and a ModelDeployment -> Kueue admits each replica's workload -> the Deployment's
+pods run on GPU nodes of the assigned flavor -> Available, with endpoint, Service and tenant objects."""
+from __future__ import annotations
+
+from typing import Any
+
+from operator_fixtures import (API, KUEUE, crds, engine_pods, flavors, kube, mdep_status,  # noqa: F401
+                               model_deployment, operator, suffix, tenants, workloads)
+
+from kvfleet.operator.kube import Kube
+from kvfleet.operator.testing import OperatorProcess, condition, wait_for
+
+
+def test_admitted_replicas_run_on_the_flavors_nodes(kube: Kube, tenants: Any, flavors: dict[str, str],
+                                                     operator: OperatorProcess) -> None:
+    tenant, ns = tenants.create("acme", [{"flavor": flavors["h200"], "nominal": 4}], group="acme-devs")
+    kube.apply(model_deployment("chat", ns, flavors["h200"], replicas=2, tp=2))
+
+    mdep = wait_for("chat Available", lambda: (m := kube.get(API, "modeldeployments", "chat", ns))
+                    and (condition(m, "Available") or {}).get("status") == "True"
+                    and m["status"].get("readyReplicas") == 2 and m, timeout=90)
+    st = mdep["status"]
+    assert condition(mdep, "Admitted")["status"] == "True", st
+    assert condition(mdep, "QuotaExceeded")["status"] == "False"
+    assert (st["desiredReplicas"], st["admittedReplicas"]) == (2, 2)
+    assert st["endpoint"] == f"http://chat.{ns}.svc.cluster.local:8000/v1"
+    assert st["observedGeneration"] == mdep["metadata"]["generation"]
+
+    # One Kueue workload per replica, each admitted with the h200 flavor, owned by the ModelDeployment.
+    wls = workloads(kube, ns, "chat")
+    assert sorted(w["metadata"]["name"] for w in wls) == ["chat-0", "chat-1"]
+    for wl in wls:
+        assert wl["status"]["admission"]["clusterQueue"] == tenant
+        (psa,) = wl["status"]["admission"]["podSetAssignments"]
+        assert psa["flavors"]["nvidia.com/gpu"] == flavors["h200"]
+        assert wl["metadata"]["ownerReferences"][0]["uid"] == mdep["metadata"]["uid"]
+
+    # Pods: Running on H200 nodes, 2 GPUs each; the Deployment asks for exactly the admitted count.
+    pods = engine_pods(kube, ns, "chat")
+    assert len(pods) == 2
+    for pod in pods:
+        assert pod["status"]["phase"] == "Running"
+        node = kube.get("v1", "nodes", pod["spec"]["nodeName"])
+        assert node["metadata"]["labels"]["kvfleet.dev/gpu-flavor"] == "h200"
+        assert pod["spec"]["containers"][0]["resources"]["requests"]["nvidia.com/gpu"] == "2"
+        assert pod["spec"]["containers"][0]["command"] == ["kvfleet", "serve"]
+    dep = kube.get("apps/v1", "deployments", f"chat-{flavors['h200']}", ns)
+    assert dep["spec"]["replicas"] == 2
+    svc = kube.get("v1", "services", "chat", ns)
+    assert svc["spec"]["ports"][0]["port"] == 8000
+
+    # The tenant's objects and its usage.
+    assert kube.get(KUEUE, "clusterqueues", tenant)["spec"]["resourceGroups"][0]["flavors"][0]["name"] == flavors["h200"]
+    assert kube.get("networking.k8s.io/v1", "networkpolicies", "kvfleet-tenant-isolation", ns)
+    binding = kube.get("rbac.authorization.k8s.io/v1", "rolebindings", "kvfleet-modeldeployment-editor", ns)
+    assert binding["subjects"][0]["name"] == "acme-devs"
+    usage = wait_for("tenant usage", lambda: [g for g in (kube.get(API, "tenants", tenant).get("status") or {})
+                                              .get("gpus", []) if g["flavor"] == flavors["h200"] and g["inUse"] == 4],
+                     timeout=30)
+    assert usage[0]["pending"] == 0
+
+    # Events and the operator's own metrics.
+    events = kube.list("v1", "events", ns)
+    assert any(e["reason"] == "AllReplicasAdmitted" and e["involvedObject"]["name"] == "chat" for e in events)
+    assert 'kvfleet_operator_reconciles_total{kind="ModelDeployment"}' in operator.metrics()

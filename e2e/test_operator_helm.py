@@ -1,0 +1,93 @@
+"""Scenario: the Helm chart lints clean, renders what it should, and installs for real on the local
+cluster; the operator (a local process) turns the chart's `tenants:` into ClusterQueues."""
+from __future__ import annotations
+
+import subprocess
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from operator_fixtures import API, KUEUE, crds, kube, operator  # noqa: F401
+
+from kvfleet.operator.kube import Kube
+from kvfleet.operator.testing import REPO, OperatorProcess, wait_for
+
+CHART = REPO / "charts" / "kvfleet"
+
+
+def helm(cluster: Any, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    proc = subprocess.run([str(cluster.binary("helm")), f"--kubeconfig={cluster.kubeconfig}", *args],  # noqa: S603
+                          capture_output=True, text=True, check=False, timeout=120)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"helm {' '.join(args)}: {proc.stderr}")
+    return proc
+
+
+def values(sfx: str) -> dict[str, Any]:
+    return {
+        "operator": {"peeringName": f"kvfleet-helm-{sfx}"},
+        "resourceFlavors": [{"name": f"h200-helm-{sfx}", "nodeLabels": {"kvfleet.dev/gpu-flavor": "h200"}}],
+        "tenants": [{"name": f"helm-{sfx}", "namespaces": [f"helm-{sfx}"], "group": "helm-devs", "cohort": "c",
+                     "quotas": [{"flavor": f"h200-helm-{sfx}", "nominal": 4, "borrowingLimit": 2}]}],
+    }
+
+
+def test_helm_lint_is_clean(cluster: Any) -> None:
+    proc = helm(cluster, "lint", "--strict", str(CHART))
+    assert "0 chart(s) failed" in proc.stdout and "[WARNING]" not in proc.stdout, proc.stdout
+
+
+def test_helm_template_renders(cluster: Any, tmp_path: Path) -> None:
+    vals = tmp_path / "values.yaml"
+    vals.write_text(yaml.safe_dump(values("t")))
+    out = helm(cluster, "template", "rel", str(CHART), "--namespace", "kvfleet-system", "-f", str(vals)).stdout
+    docs = [d for d in yaml.safe_load_all(out) if d]
+    kinds = sorted(d["kind"] for d in docs)
+    assert kinds == sorted(["ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Deployment", "ResourceFlavor",
+                            "Tenant", "ClusterKopfPeering"]), kinds
+    role = next(d for d in docs if d["kind"] == "ClusterRole")
+    for rule in role["rules"]:
+        assert "*" not in rule["verbs"] and "*" not in rule["resources"] and "*" not in rule["apiGroups"], rule
+    dep = next(d for d in docs if d["kind"] == "Deployment")
+    c = dep["spec"]["template"]["spec"]["containers"][0]
+    assert c["command"] == ["kvfleet", "operator"] and c["securityContext"]["allowPrivilegeEscalation"] is False
+    assert dep["spec"]["template"]["spec"]["serviceAccountName"] == "rel-kvfleet"
+    env = {e["name"]: e.get("value") for e in c["env"]}
+    assert env["KVFLEET_AUTOSCALER_METRICS_SOURCE"] == "scrape"
+    tenant = next(d for d in docs if d["kind"] == "Tenant")
+    assert tenant["spec"]["quotas"][0]["nominal"] == 4 and tenant["spec"]["cohort"] == "c"
+    for d in docs:
+        assert d["metadata"]["labels"]["app.kubernetes.io/instance"] == "rel"
+
+
+def test_helm_install_on_the_cluster(cluster: Any, kube: Kube, operator: OperatorProcess, tmp_path: Path) -> None:
+    sfx = uuid.uuid4().hex[:5]
+    release, ns = f"kvfleet-{sfx}", f"kvfleet-system-{sfx}"
+    vals = tmp_path / "values.yaml"
+    vals.write_text(yaml.safe_dump(values(sfx)))
+    try:
+        helm(cluster, "install", release, str(CHART), "--namespace", ns, "--create-namespace", "-f", str(vals),
+             "--wait", "--timeout", "90s")
+        status = helm(cluster, "status", release, "--namespace", ns).stdout
+        assert "STATUS: deployed" in status
+        assert kube.get(KUEUE, "resourceflavors", f"h200-helm-{sfx}")["spec"]["nodeLabels"] == {
+            "kvfleet.dev/gpu-flavor": "h200"}
+        dep = kube.get("apps/v1", "deployments", f"{release}-operator", ns)
+        assert dep["status"].get("availableReplicas") == 1  # a kwok pod: scheduled and Ready, never run
+        # The chart's tenant becomes a ClusterQueue and a LocalQueue through the (local) operator.
+        cq = wait_for("ClusterQueue from the chart's tenant",
+                      lambda: kube.get(KUEUE, "clusterqueues", f"helm-{sfx}"), timeout=60)
+        gpu = cq["spec"]["resourceGroups"][0]["flavors"][0]["resources"][2]
+        assert gpu["nominalQuota"] == 4 and gpu["borrowingLimit"] == 2
+        wait_for("LocalQueue", lambda: kube.get(KUEUE, "localqueues", f"helm-{sfx}", f"helm-{sfx}"), timeout=30)
+    finally:
+        helm(cluster, "uninstall", release, "--namespace", ns, "--wait", "--timeout", "60s", check=False)
+        kube.delete("v1", "namespaces", ns)
+        kube.delete("v1", "namespaces", f"helm-{sfx}")
+    wait_for("Tenant removed with the release", lambda: kube.get(API, "tenants", f"helm-{sfx}") is None, timeout=60)
+    wait_for("ClusterQueue collected", lambda: kube.get(KUEUE, "clusterqueues", f"helm-{sfx}") is None, timeout=60)
+
+
+pytestmark = pytest.mark.e2e

@@ -1,0 +1,67 @@
+"""Scenario: each invalid spec is rejected by the apiserver at `kubectl apply` with a message naming the
+field; what only the operator can see (an unknown flavor) becomes a condition and an Event."""
+from __future__ import annotations
+
+import json
+from typing import Any, Callable
+
+import pytest
+from operator_fixtures import (API, crds, flavors, kube, mdep_status, model_deployment, operator,  # noqa: F401
+                               suffix, tenants)
+
+from kvfleet.operator.kube import Kube
+from kvfleet.operator.testing import OperatorProcess, wait_for
+
+BASE = {"model": {"source": "org/model"}}
+
+
+@pytest.mark.parametrize("spec, field", [
+    ({**BASE, "replicas": -1}, "spec.replicas"),
+    ({**BASE, "autoscaling": {"enabled": True, "minReplicas": 3, "maxReplicas": 2}}, "spec.autoscaling.minReplicas"),
+    ({**BASE, "engine": {"gpuMemoryUtilization": 0}}, "spec.engine.gpuMemoryUtilization"),
+    ({**BASE, "engine": {"gpuMemoryUtilization": 1.5}}, "spec.engine.gpuMemoryUtilization"),
+    ({**BASE, "engine": {"kind": "tgi"}}, "spec.engine.kind"),
+    ({**BASE, "resources": {"gpuFlavor": "H200_fast"}}, "spec.resources.gpuFlavor"),
+    ({**BASE, "engine": {"tensorParallelSize": 0}}, "spec.engine.tensorParallelSize"),
+    ({"model": {"source": "s3://bucket/model"}}, "spec.model.source"),
+    ({"model": {}}, "spec.model.source"),
+], ids=["negative-replicas", "min-gt-max", "gmu-zero", "gmu-above-one", "engine-kind", "flavor-name", "tp-zero",
+        "source-scheme", "source-missing"])
+def test_invalid_model_deployment_rejected(crds: None, kubectl: Callable[..., Any], spec: dict, field: str) -> None:
+    body = {"apiVersion": API, "kind": "ModelDeployment", "metadata": {"name": "bad", "namespace": "default"},
+            "spec": spec}
+    proc = kubectl("apply", "--dry-run=server", "-f", "-", stdin=json.dumps(body), check=False)
+    assert proc.returncode != 0, proc.stdout
+    assert field in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize("spec, field", [
+    ({"namespaces": ["a"], "quotas": [{"flavor": "h200", "nominal": 2, "borrowingLimit": 1}]}, "borrowingLimit"),
+    ({"namespaces": ["a"], "quotas": [{"flavor": "h200", "nominal": 1, "lendingLimit": 2}]},
+     "spec.quotas[0].lendingLimit"),
+    ({"namespaces": ["a"], "quotas": [{"flavor": "h200", "nominal": -1}]}, "spec.quotas[0].nominal"),
+    ({"namespaces": [], "quotas": [{"flavor": "h200", "nominal": 1}]}, "spec.namespaces"),
+    ({"namespaces": ["a"], "quotas": [{"flavor": "h200", "nominal": 1}, {"flavor": "h200", "nominal": 2}]},
+     "spec.quotas[1]"),
+], ids=["borrow-without-cohort", "lend-above-nominal", "negative-nominal", "no-namespaces", "duplicate-flavor"])
+def test_invalid_tenant_rejected(crds: None, kubectl: Callable[..., Any], spec: dict, field: str) -> None:
+    body = {"apiVersion": API, "kind": "Tenant", "metadata": {"name": "bad"}, "spec": spec}
+    proc = kubectl("apply", "--dry-run=server", "-f", "-", stdin=json.dumps(body), check=False)
+    assert proc.returncode != 0, proc.stdout
+    assert field in proc.stderr, proc.stderr
+
+
+def test_unknown_flavor_is_a_condition_and_event(kube: Kube, tenants: Any, flavors: dict[str, str],
+                                                 operator: OperatorProcess) -> None:
+    _, ns = tenants.create("val", [{"flavor": flavors["h200"], "nominal": 2}])
+    kube.apply(model_deployment("ghost", ns, "no-such-flavor"))
+    st = wait_for("FlavorNotFound", lambda: (s := mdep_status(kube, ns, "ghost")) and any(
+        c["type"] == "Admitted" and c["reason"] == "FlavorNotFound" for c in s.get("conditions", [])) and s,
+        timeout=60)
+    msg = next(c["message"] for c in st["conditions"] if c["type"] == "Admitted")
+    assert "spec.resources.gpuFlavor" in msg and "no-such-flavor" in msg
+    assert st["admittedReplicas"] == 0
+    assert not kube.list("kueue.x-k8s.io/v1beta2", "workloads", ns)
+    events = wait_for("Warning event", lambda: [e for e in kube.list("v1", "events", ns)
+                                                if e["reason"] == "FlavorNotFound"], timeout=30)
+    assert events[0]["type"] == "Warning"
