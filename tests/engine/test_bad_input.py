@@ -1,0 +1,103 @@
+"""Every bad input raises a ValueError naming the field and the limit, before the scheduler sees it."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from kvfleet.engine import LLM, AsyncLLM, SamplingParams
+from kvfleet.engine.config import EngineConfig
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_model_dir) -> LLM:
+    return LLM(str(tiny_model_dir), max_model_len=64, num_kv_blocks=40)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(top_p=0.0), r"top_p: must be in \(0, 1\]"),
+    (dict(top_p=1.5), r"top_p: must be in \(0, 1\]"),
+    (dict(temperature=-0.1), r"temperature: must be non-negative"),
+    (dict(n=0), r"n: must be at least 1"),
+    (dict(top_k=0), r"top_k: must be -1 \(disable\) or at least 1"),
+    (dict(top_k=-2), r"top_k: must be -1"),
+    (dict(min_p=1.5), r"min_p: must be in \[0, 1\]"),
+    (dict(max_tokens=0), r"max_tokens: must be at least 1"),
+    (dict(min_tokens=5, max_tokens=2), r"min_tokens: must be less than or equal to max_tokens=2"),
+    (dict(presence_penalty=3.0), r"presence_penalty: must be in \[-2, 2\]"),
+    (dict(frequency_penalty=-2.5), r"frequency_penalty: must be in \[-2, 2\]"),
+    (dict(repetition_penalty=0.0), r"repetition_penalty: must be in \(0, 2\]"),
+    (dict(logprobs=-1), r"logprobs: must be non-negative"),
+    (dict(n=3, best_of=2), r"best_of: must be an int >= n \(3\)"),
+    (dict(stop_token_ids=[10**6]), r"stop_token_ids: must be token ids in \[0, \d+\)"),
+    (dict(stop=[""]), r"stop: must be non-empty strings"),
+])
+def test_invalid_sampling_values(kwargs, match) -> None:
+    with pytest.raises(ValueError, match=match):
+        SamplingParams(**kwargs).validate(vocab_size=512)
+
+
+def test_bad_prompts_rejected_before_scheduling(llm: LLM) -> None:
+    eng = llm.llm_engine
+    vocab = eng.model_config.vocab_size
+    cases = [
+        ([], r"prompt: must not be empty"),
+        ("", r"prompt: must not be empty"),
+        ([1, 2, vocab], rf"prompt_token_ids: token id {vocab} is outside the vocabulary \[0, {vocab}\)"),
+        ([1, -1], r"prompt_token_ids: token id -1 is outside the vocabulary"),
+        (list(range(1, 70)), r"prompt: 69 tokens exceed max_model_len=64"),
+        (list(range(1, 60)), r"max_tokens: prompt \(59 tokens\) \+ max_tokens \(16\) = 75 exceeds max_model_len=64"),
+        ({"prompt_token_ids": "abc"}, r"prompt_token_ids: must be a list of ints"),
+        (3.5, r"prompt: must be a string, a list of token ids or a dict"),
+    ]
+    for prompt, match in cases:
+        with pytest.raises(ValueError, match=match):
+            llm.generate([prompt], SamplingParams(max_tokens=16))
+        assert not eng.scheduler.has_unfinished() and not eng.groups
+    with pytest.raises(ValueError, match=r"top_k: must be -1"):
+        llm.generate(["hello"], SamplingParams(top_k=0))
+    # A batch with one bad prompt adds nothing at all.
+    with pytest.raises(ValueError, match=r"prompt: must not be empty"):
+        llm.generate([[1, 2, 3], []], SamplingParams(max_tokens=4))
+    assert not eng.scheduler.has_unfinished() and not eng.groups
+    # The engine still serves normally afterwards.
+    assert len(llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4, ignore_eos=True))[0].outputs[0].token_ids) == 4
+
+
+def test_request_that_can_never_fit_the_kv_pool(tiny_model_dir) -> None:
+    small = LLM(str(tiny_model_dir), max_model_len=256, num_kv_blocks=3, block_size=16)
+    with pytest.raises(ValueError, match=r"max_tokens: prompt \(40 tokens\) \+ max_tokens \(16\) can never fit "
+                                         r"the KV cache \(48 tokens\)"):
+        small.generate([list(range(1, 41))], SamplingParams(max_tokens=16))
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(block_size=3), r"block_size: must be a power of two"),
+    (dict(gpu_memory_utilization=1.5), r"gpu_memory_utilization: must be in \(0, 1\]"),
+    (dict(max_num_seqs=0), r"max_num_seqs: must be >= 1"),
+    (dict(dtype="int8"), r"dtype: must be one of"),
+    (dict(load_format="pickle"), r"load_format: must be one of"),
+    (dict(num_kv_blocks=0), r"num_kv_blocks: must be >= 1"),
+])
+def test_bad_engine_config(kwargs, match) -> None:
+    with pytest.raises(ValueError, match=match):
+        EngineConfig(model="m", **kwargs).validate()
+
+
+def test_async_generate_raises_before_first_yield(tiny_model_dir) -> None:
+    async def main() -> None:
+        engine = AsyncLLM(str(tiny_model_dir), max_model_len=64, num_kv_blocks=16)
+        try:
+            with pytest.raises(ValueError, match="prompt: must not be empty"):
+                async for _ in engine.generate({"prompt_token_ids": []}, SamplingParams(), "x"):
+                    raise AssertionError("yielded for a bad request")
+            with pytest.raises(ValueError, match="temperature"):
+                async for _ in engine.generate("hi", SamplingParams(temperature=-1), "y"):
+                    pass
+            outs = [o async for o in engine.generate([5, 6, 7], SamplingParams(max_tokens=3, ignore_eos=True), "z")]
+            assert outs[-1].finished and len(outs[-1].outputs[0].token_ids) == 3
+        finally:
+            await engine.shutdown()
+
+    asyncio.run(main())
