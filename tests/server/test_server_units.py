@@ -9,7 +9,8 @@ from types import SimpleNamespace
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvfleet.engine.bench.serve import RequestResult, load_jsonl, percentiles, summarize, tiny_workload
+from kvfleet.engine.bench.serve import (RequestResult, load_jsonl, load_workload, percentiles, summarize,
+                                        tiny_workload)
 from kvfleet.engine.outputs import Logprob
 from kvfleet.engine.server.args import add_serve_args, check_serve_args, engine_kwargs
 from kvfleet.engine.server.auth import KeyFileError, bearer_token, load_keys, parse_keys, tenant_for
@@ -163,3 +164,7 @@ def test_bench_stats_and_workloads(tmp_path) -> None:
     f.write_text('{"prompt": [], "output_len": 4}\n')
     with pytest.raises(ValueError, match="w.jsonl:1"):
         load_jsonl(f)
+    named = load_workload("random-1024-128", 2, 0)
+    assert [(r.prompt_len, r.output_len) for r in named] == [(1024, 128), (1024, 128)]
+    with pytest.raises(ValueError, match="chat-mix"):
+        load_workload("no-such-workload", 2, 0)

@@ -79,15 +79,19 @@ def load_jsonl(path: Path) -> list[BenchRequest]:
     return requests
 
 
-def _from_workloads_module(name: str, num_prompts: int | None, seed: int) -> list[BenchRequest]:
-    from kvfleet.engine.bench import workloads  # the shared workload definitions (token-id prompts)
+def _from_workloads_module(name: str, seed: int) -> list[BenchRequest]:
+    """A named workload of `kvfleet.engine.bench.workloads` (token-id prompts), as `bench throughput` uses it."""
+    from kvfleet.engine.bench import workloads
 
-    items = workloads.get_workload(name, num_prompts=num_prompts, seed=seed)
-    out = []
-    for item in items:
-        ids = list(getattr(item, "prompt_token_ids"))
-        out.append(BenchRequest(ids, int(getattr(item, "output_len")), len(ids)))
-    return out
+    if name not in workloads.NAMES:
+        raise ValueError(f"not 'tiny', a file, or one of {', '.join(workloads.NAMES)}")
+    if seed == 0:
+        items = workloads.load_workload(name)
+    elif name == "chat-mix":
+        items = workloads.chat_mix_workload(seed=seed)
+    else:
+        items = workloads.random_workload(seed=seed)
+    return [BenchRequest(list(it.prompt_token_ids), int(it.max_tokens), len(it.prompt_token_ids)) for it in items]
 
 
 def load_workload(name_or_file: str, num_prompts: int | None, seed: int) -> list[BenchRequest]:
@@ -97,7 +101,7 @@ def load_workload(name_or_file: str, num_prompts: int | None, seed: int) -> list
     elif path.suffix in (".jsonl", ".json") or path.exists():
         requests = load_jsonl(path)
     else:
-        requests = _from_workloads_module(name_or_file, num_prompts, seed)
+        requests = _from_workloads_module(name_or_file, seed)
     return requests[:num_prompts] if num_prompts else requests
 
 

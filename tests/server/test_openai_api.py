@@ -1,0 +1,196 @@
+"""The OpenAI API of a real `kvfleet serve` process, through the real `openai` client."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Iterator
+
+import httpx
+import openai
+import pytest
+
+from server_proc import ALPHA, BETA, Server, kvfleet_cmd
+
+PROMPT = "once upon a time there lived"
+CHAT = [{"role": "user", "content": "what is the capital of france"}]
+
+
+@pytest.fixture(scope="module")
+def client(api_server: Server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=api_server.url + "/v1", api_key=ALPHA, max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def offline(tiny_model_dir: Path) -> Iterator[Any]:
+    """The offline engine on the same folder: the server must agree with it token for token."""
+    from kvfleet.engine.llm import LLM
+
+    yield LLM(str(tiny_model_dir), device="cpu", max_model_len=128)
+
+
+def greedy(**extra: Any) -> Any:
+    from kvfleet.engine.sampling_params import SamplingParams
+
+    return SamplingParams(temperature=0.0, max_tokens=12, **extra)
+
+
+def test_models_health_version(client: openai.OpenAI, api_server: Server) -> None:
+    assert [m.id for m in client.models.list().data] == ["tiny"]
+    assert httpx.get(api_server.url + "/health").status_code == 200
+    assert httpx.get(api_server.url + "/version").json()["version"]
+
+
+def test_completion_greedy_equals_offline_llm(client: openai.OpenAI, offline: Any) -> None:
+    expected = offline.generate(PROMPT, greedy())[0].outputs[0]
+    got = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=12, temperature=0)
+    assert got.choices[0].text == expected.text
+    assert got.usage.completion_tokens == len(expected.token_ids)
+    assert got.usage.prompt_tokens == len(offline.get_tokenizer().encode(PROMPT))
+    stream = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=12, temperature=0, stream=True,
+                                       stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == expected.text
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(expected.token_ids)
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == expected.finish_reason
+
+
+def test_chat_greedy_equals_offline_llm(client: openai.OpenAI, offline: Any) -> None:
+    expected = offline.chat(CHAT, greedy())[0].outputs[0]
+    got = client.chat.completions.create(model="tiny", messages=CHAT, max_completion_tokens=12, temperature=0)
+    assert got.choices[0].message.role == "assistant"
+    assert got.choices[0].message.content == expected.text
+    stream = client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=12, temperature=0, stream=True)
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == expected.text
+
+
+def test_n2_seeded_sampling(client: openai.OpenAI) -> None:
+    first = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=8, n=2, temperature=1.0, seed=7)
+    again = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=8, n=2, temperature=1.0, seed=7)
+    assert sorted(c.index for c in first.choices) == [0, 1]
+    assert [c.text for c in first.choices] == [c.text for c in again.choices]
+    assert first.usage.completion_tokens == 16  # 2 x 8 (or fewer only if EOS came early)
+    chat = client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=5, n=2, temperature=1.0,
+                                          stream=True)
+    indexes = {c.choices[0].index for c in chat if c.choices}
+    assert indexes == {0, 1}
+
+
+def test_stop_string_truncates_like_offline(client: openai.OpenAI, offline: Any) -> None:
+    full = offline.generate(PROMPT, greedy())[0].outputs[0].text
+    cut = next(i for i in range(2, len(full) - 2) if full[i:i + 2].strip() and full.find(full[i:i + 2]) == i)
+    stop = full[cut:cut + 2]
+    got = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=12, temperature=0, stop=[stop])
+    assert got.choices[0].text == full[:cut] and got.choices[0].finish_reason == "stop"
+    stream = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=12, temperature=0, stop=stop,
+                                       stream=True)
+    assert "".join(c.choices[0].text for c in stream) == full[:cut]
+
+
+def test_logprobs_and_echo(client: openai.OpenAI) -> None:
+    got = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=4, temperature=0, logprobs=2, echo=True)
+    choice = got.choices[0]
+    assert choice.text.startswith(PROMPT)
+    lp = choice.logprobs
+    assert len(lp.tokens) == got.usage.prompt_tokens + got.usage.completion_tokens
+    assert lp.token_logprobs[0] is None and all(x <= 0 for x in lp.token_logprobs[1:])
+    assert all(len(t) <= 2 for t in lp.top_logprobs[1:])
+    chat = client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=4, temperature=0, logprobs=True,
+                                          top_logprobs=3)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens
+    assert all(len(t.top_logprobs) == 3 and t.logprob <= 0 for t in content)
+    # greedy: the sampled token is the most likely one
+    assert all(t.top_logprobs[0].logprob == pytest.approx(t.logprob, abs=1e-4) for t in content)
+
+
+def test_tokenize_detokenize(api_server: Server) -> None:
+    h = {"Authorization": f"Bearer {ALPHA}"}
+    tok = httpx.post(api_server.url + "/tokenize", json={"prompt": PROMPT}, headers=h).json()
+    assert tok["count"] == len(tok["tokens"]) and tok["max_model_len"] == 128
+    back = httpx.post(api_server.url + "/detokenize", json={"tokens": tok["tokens"]}, headers=h).json()
+    assert back["prompt"] == PROMPT
+
+
+def error_of(resp: httpx.Response) -> dict[str, Any]:
+    body = resp.json()
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}, body
+    return body["error"]
+
+
+@pytest.mark.parametrize("body, status, param", [
+    ({"prompt": "x", "temprature": 0.5}, 400, "temprature"),               # unknown field
+    ({"prompt": "x", "max_tokens": "many"}, 400, "max_tokens"),            # wrong type
+    ({"prompt": "x", "temperature": -1}, 400, "temperature"),              # invalid sampling value
+    ({"prompt": "x", "top_p": 0}, 400, "top_p"),
+    ({"prompt": "x", "n": 0}, 400, "n"),
+    ({"prompt": "x", "top_k": 100000}, 400, "top_k"),                       # beyond the vocabulary
+    ({"prompt": "x " * 200}, 400, "prompt"),                                # over the context length
+    ({"prompt": "x", "max_tokens": 500}, 400, "max_tokens"),
+    ({"prompt": [1, 2, 10**6]}, 400, "prompt"),                             # token id outside the vocab
+    ({"prompt": "x", "model": "gpt-4"}, 404, "model"),                      # not served
+    ({"prompt": "x", "stream_options": {"include_usage": True}}, 400, "stream_options"),
+])
+def test_bad_input_gets_openai_error(api_server: Server, body: dict[str, Any], status: int, param: str) -> None:
+    resp = httpx.post(api_server.url + "/v1/completions", json=body, headers={"Authorization": f"Bearer {ALPHA}"})
+    assert resp.status_code == status, resp.text
+    err = error_of(resp)
+    assert err["param"] == param and param in err["message"] or status == 404
+
+
+def test_malformed_json_and_chat_fields(api_server: Server) -> None:
+    h = {"Authorization": f"Bearer {ALPHA}", "Content-Type": "application/json"}
+    resp = httpx.post(api_server.url + "/v1/completions", content=b'{"prompt": "x",', headers=h)
+    assert resp.status_code == 400 and "JSON" in error_of(resp)["message"]
+    resp = httpx.post(api_server.url + "/v1/chat/completions", json={"messages": [{"role": "robot", "content": "x"}]},
+                      headers=h)
+    assert resp.status_code == 400 and error_of(resp)["param"] == "messages"
+    resp = httpx.post(api_server.url + "/v1/chat/completions", json={"messages": CHAT, "top_logprobs": 2}, headers=h)
+    assert resp.status_code == 400 and error_of(resp)["param"] == "top_logprobs"
+    assert httpx.get(api_server.url + "/v1/nothing", headers=h).status_code == 404
+
+
+def test_auth_401(api_server: Server) -> None:
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": f"Basic {ALPHA}"}):
+        resp = httpx.post(api_server.url + "/v1/completions", json={"prompt": "x"}, headers=headers)
+        assert resp.status_code == 401 and error_of(resp)["code"] == "invalid_api_key"
+        assert ALPHA not in resp.text
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=api_server.url + "/v1", api_key="nope", max_retries=0).models.list()
+    assert httpx.get(api_server.url + "/metrics").status_code == 200  # scrapes need no key
+    assert ALPHA not in api_server.log.read_text() and BETA not in api_server.log.read_text()
+
+
+def test_counters_match_requests_by_tenant(api_server: Server, client: openai.OpenAI) -> None:
+    beta = openai.OpenAI(base_url=api_server.url + "/v1", api_key=BETA, max_retries=0)
+    before = {t: api_server.metric("kvfleet:request_success_total", tenant=t) for t in ("alpha", "beta")}
+    gen_before = api_server.metric("kvfleet:generation_tokens_total")
+    prompt_before = api_server.metric("kvfleet:prompt_tokens_total")
+    ttft_before = api_server.metric("kvfleet:time_to_first_token_seconds_count")
+    used = [client.completions.create(model="tiny", prompt=PROMPT, max_tokens=5, temperature=0) for _ in range(3)]
+    used += [beta.chat.completions.create(model="tiny", messages=CHAT, max_tokens=4) for _ in range(2)]
+    assert api_server.metric("kvfleet:request_success_total", tenant="alpha") - before["alpha"] == 3
+    assert api_server.metric("kvfleet:request_success_total", tenant="beta") - before["beta"] == 2
+    assert api_server.metric("kvfleet:generation_tokens_total") - gen_before == \
+        sum(u.usage.completion_tokens for u in used)
+    assert api_server.metric("kvfleet:prompt_tokens_total") - prompt_before == sum(u.usage.prompt_tokens for u in used)
+    assert api_server.metric("kvfleet:time_to_first_token_seconds_count") - ttft_before == 5
+    assert api_server.metric("kvfleet:num_requests_waiting") == 0
+    assert api_server.metric("kvfleet:num_requests_running") == 0
+
+
+def test_bench_serve_short_run(api_server: Server, tmp_path: Path) -> None:
+    import subprocess
+
+    out = tmp_path / "bench.json"
+    run = subprocess.run([*kvfleet_cmd(), "bench", "serve", "--base-url", api_server.url, "--api-key", BETA,
+                          "--workload", "tiny", "--num-prompts", "12", "--request-rate", "inf",
+                          "--max-concurrency", "4", "--out", str(out)], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr + run.stdout
+    result = json.loads(out.read_text())
+    assert (result["completed"], result["failed"], result["errors"]) == (12, 0, {})
+    assert result["total_output_tokens"] > 12 and result["output_throughput"] > 0
+    assert 0 < result["ttft_ms"]["p50"] <= result["ttft_ms"]["p99"] <= result["e2el_ms"]["p99"]
+    assert result["itl_ms"]["p90"] > 0
