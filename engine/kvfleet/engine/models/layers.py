@@ -21,15 +21,41 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if _fused(x):  # one Triton kernel on CUDA (kvfleet.engine.kernels.rms_norm), same numerics
+            from kvfleet.engine.kernels import rms_norm
+
+            return rms_norm(x, self.weight, self.eps)
         dtype = x.dtype
         h = x.to(torch.float32)
         variance = h.pow(2).mean(-1, keepdim=True)
         h = h * torch.rsqrt(variance + self.eps)
         return self.weight * h.to(dtype)
 
+    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """h = x + residual -> (norm(h), h); one fused kernel on CUDA."""
+        if _fused(x):
+            from kvfleet.engine.kernels import fused_add_rms_norm
+
+            return fused_add_rms_norm(x, residual, self.weight, self.eps)
+        h = residual + x
+        return self.forward(h), h
+
+
+def _fused(x: torch.Tensor) -> bool:
+    """Use the Triton kernels (kvfleet.engine.kernels) for CUDA tensors unless KVFLEET_FUSED_KERNELS=0."""
+    if not x.is_cuda:
+        return False
+    from kvfleet.engine.kernels import fused_kernels_enabled
+
+    return fused_kernels_enabled(x)
+
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """x = [gate | up] along the last dim -> silu(gate) * up."""
+    if _fused(x):
+        from kvfleet.engine.kernels import silu_and_mul as fused_silu_and_mul
+
+        return fused_silu_and_mul(x)
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up
 
@@ -83,3 +109,14 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     """x [T, H, D] (NeoX/HF half-split layout), cos/sin [T, D]."""
     cos, sin = cos[:, None, :], sin[:, None, :]
     return x * cos + _rotate_half(x) * sin
+
+
+def apply_rotary_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+                    sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate q [T, Hq, D] and k [T, Hkv, D]; on CUDA in place by one Triton kernel."""
+    if _fused(q):
+        from kvfleet.engine.kernels import apply_rotary_cos_sin
+
+        apply_rotary_cos_sin(q, k, cos, sin)
+        return q, k
+    return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)

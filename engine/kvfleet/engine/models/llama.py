@@ -16,7 +16,7 @@ from torch import nn
 from kvfleet.engine.attention import get_attention_backend
 from kvfleet.engine.attention.metadata import AttentionMetadata
 from kvfleet.engine.model_config import ModelConfig
-from kvfleet.engine.models.layers import RMSNorm, RotaryEmbedding, apply_rotary, silu_and_mul
+from kvfleet.engine.models.layers import RMSNorm, RotaryEmbedding, apply_rotary_qk, silu_and_mul
 from kvfleet.engine.models.linear import (
     ColumnParallelLinear,
     ParallelLMHead,
@@ -59,7 +59,7 @@ class LlamaAttention(nn.Module):
         v = v.reshape(tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        q, k = apply_rotary_qk(q, k, cos, sin)
         out = self.attention_fn(q, k, v, kv_cache, attn_metadata, self.scale)
         return self.o_proj(out.reshape(tokens, q_size))
 
@@ -85,8 +85,9 @@ class LlamaDecoderLayer(nn.Module):
 
     def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 kv_cache: torch.Tensor, attn_metadata: AttentionMetadata) -> torch.Tensor:
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, kv_cache, attn_metadata)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+        attn = self.self_attn(self.input_layernorm(hidden), cos, sin, kv_cache, attn_metadata)
+        normed, hidden = self.post_attention_layernorm.add_and_norm(attn, hidden)  # fused on CUDA
+        return hidden + self.mlp(normed)
 
 
 class LlamaModel(nn.Module):
