@@ -1,0 +1,196 @@
+"""`make demo`: the kvfleet story on the local cluster, plus the engine answering on CPU.
+
+1. the local control plane (real apiserver, scheduler, Kueue, fake GPU nodes) is up;
+2. the Helm chart is installed (CRDs, RBAC, ResourceFlavors), the samples applied (two tenants in one
+   cohort, a model each), and the operator runs as a local process against the cluster;
+3. team-a's model is admitted and Ready; team-b's second model waits on quota with Kueue's reason,
+   and is admitted once team-a scales down;
+4. beside it, `kvfleet serve` runs the embedded SmolLM2 model on CPU and answers a chat request
+   through the `openai` client (on 127.0.0.1: fake pods never run containers).
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "e2e" / "cluster"))
+
+from localcluster import control  # noqa: E402
+from localcluster.layout import Layout  # noqa: E402
+
+from kvfleet.operator.kube import Kube  # noqa: E402
+from kvfleet.operator.testing import OperatorProcess, condition, free_port, install_crds, wait_for  # noqa: E402
+
+API = "serving.kvfleet.dev/v1alpha1"
+MANIFESTS = REPO / "manifests"
+BOLD, DIM, GREEN, YELLOW, END = ("\033[1m", "\033[2m", "\033[32m", "\033[33m", "\033[0m") if sys.stdout.isatty() \
+    else ("",) * 5
+
+
+def say(text: str) -> None:
+    print(f"\n{BOLD}==> {text}{END}", flush=True)
+
+
+def note(text: str, color: str = "") -> None:
+    print(f"    {color}{text}{END if color else ''}", flush=True)
+
+
+class Demo:
+    def __init__(self, layout: Layout) -> None:
+        self.layout = layout
+        self.kube = Kube.from_kubeconfig(str(layout.kubeconfig))
+
+    def kubectl(self, *args: str, stdin: str | None = None, check: bool = True) -> str:
+        argv = [str(self.layout.binary("kubectl")), f"--kubeconfig={self.layout.kubeconfig}", *args]
+        proc = subprocess.run(argv, input=stdin, capture_output=True, text=True, check=False)  # noqa: S603
+        if check and proc.returncode != 0:
+            raise RuntimeError(f"kubectl {' '.join(args)}: {proc.stderr.strip()}")
+        return proc.stdout
+
+    def helm(self, *args: str) -> str:
+        argv = [str(self.layout.binary("helm")), f"--kubeconfig={self.layout.kubeconfig}", *args]
+        proc = subprocess.run(argv, capture_output=True, text=True, check=False)  # noqa: S603
+        if proc.returncode != 0:
+            raise RuntimeError(f"helm {' '.join(args)}: {proc.stderr.strip()}")
+        return proc.stdout
+
+    def status(self, ns: str, name: str) -> dict[str, Any]:
+        return (self.kube.get(API, "modeldeployments", name, ns) or {}).get("status") or {}
+
+    def wait_ready(self, ns: str, name: str, replicas: int, timeout: float = 120) -> dict[str, Any]:
+        return wait_for(f"{ns}/{name} ready", lambda: (s := self.status(ns, name)).get("readyReplicas") == replicas
+                        and s.get("admittedReplicas") == replicas and s, timeout=timeout)
+
+    def show_mdeps(self) -> None:
+        for line in self.kubectl("get", "mdep", "-A").rstrip().splitlines():
+            note(line, DIM)
+
+    def reset(self) -> None:
+        """Start from the samples as written (a previous run scaled things)."""
+        for f in ("team-b-summarizer.yaml", "team-b-coder.yaml", "team-a-chat.yaml"):
+            self.kubectl("delete", "--ignore-not-found", "--wait=true", "-f", str(MANIFESTS / f), check=False)
+
+
+def install(demo: Demo) -> None:
+    say("Installing the Helm chart (CRDs, RBAC, ResourceFlavors h200/l40s); the operator runs locally")
+    install_crds(lambda *a, **k: demo.kubectl(*a))
+    demo.helm("upgrade", "--install", "kvfleet", str(REPO / "charts" / "kvfleet"), "--namespace", "kvfleet-system",
+              "--create-namespace", "--set", "operator.enabled=false", "--wait")
+    for line in demo.helm("status", "kvfleet", "--namespace", "kvfleet-system").splitlines()[:4]:
+        note(line, DIM)
+
+
+def story(demo: Demo) -> None:
+    say("Applying the samples: two tenants sharing the cohort 'gpus', one model each")
+    demo.reset()
+    for f in ("tenants.yaml", "team-a-chat.yaml", "team-b-coder.yaml"):
+        demo.kubectl("apply", "-f", str(MANIFESTS / f))
+        note(f"kubectl apply -f manifests/{f}")
+    note("team-a owns 4 H200 GPUs; team-b owns 2 and may borrow 2 more from the cohort")
+
+    say("team-a/chat (kvfleet engine, 2 replicas x 2 GPUs) and team-b/coder (vLLM, 1 x 2 GPUs)")
+    for ns, name, n in (("team-a", "chat", 2), ("team-b", "coder", 1)):
+        st = demo.wait_ready(ns, name, n)
+        note(f"{ns}/{name}: {st['admittedReplicas']}/{st['desiredReplicas']} admitted by Kueue, "
+             f"{st['readyReplicas']} Ready, endpoint {st['endpoint']}", GREEN)
+    demo.show_mdeps()
+
+    say("team-b adds a second model (2 GPUs): its quota is used, the cohort's spare H200s are team-a's")
+    demo.kubectl("apply", "-f", str(MANIFESTS / "team-b-summarizer.yaml"))
+    mdep = wait_for("summarizer waiting on quota", lambda: (m := demo.kube.get(API, "modeldeployments", "summarizer",
+                                                                                "team-b"))
+                    and (condition(m, "QuotaExceeded") or {}).get("status") == "True" and m, timeout=60)
+    quota = condition(mdep, "QuotaExceeded")
+    note(f"team-b/summarizer: Admitted={condition(mdep, 'Admitted')['status']} "
+         f"reason={quota['reason']}", YELLOW)
+    note(f"Kueue says: {quota['message']}", YELLOW)
+    time.sleep(2)
+    pods = demo.kube.list("v1", "pods", "team-b", "serving.kvfleet.dev/modeldeployment=summarizer")
+    note(f"pods of summarizer: {len(pods)} (none may run before admission)")
+
+    say("team-a scales chat down to 1 replica: 2 H200 GPUs go back to the cohort")
+    demo.kubectl("scale", "mdep/chat", "--replicas=1", "--namespace", "team-a")
+    note("kubectl scale mdep/chat --replicas=1 -n team-a")
+    st = demo.wait_ready("team-b", "summarizer", 1)
+    note(f"team-b/summarizer: admitted (borrowing from the cohort) and Ready, endpoint {st['endpoint']}", GREEN)
+    demo.show_mdeps()
+    tenant = demo.kube.get(API, "tenants", "team-b") or {}
+    for g in (tenant.get("status") or {}).get("gpus", []):
+        note(f"tenant team-b, flavor {g['flavor']}: {g['inUse']} GPUs in use (nominal {g['nominal']}), "
+             f"{g['pending']} pending", DIM)
+
+
+def engine_chat(logs: Path) -> None:
+    say("The engine: `kvfleet serve` with the embedded SmolLM2-135M-Instruct on CPU, asked through `openai`")
+    port = free_port()
+    log = open(logs / "demo-engine.log", "wb")  # noqa: SIM115
+    engine = subprocess.Popen([sys.executable, "-m", "kvfleet.engine.cli", "serve", "--host", "127.0.0.1",  # noqa: S603
+                               "--port", str(port), "--device", "cpu", "--max-model-len", "2048"],
+                              stdout=log, stderr=subprocess.STDOUT, cwd=str(REPO))
+    try:
+        import httpx
+        from openai import OpenAI
+
+        def healthy() -> bool:
+            if engine.poll() is not None:
+                raise RuntimeError(f"kvfleet serve exited; see {logs / 'demo-engine.log'}")
+            try:
+                return httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        wait_for("kvfleet serve healthy", healthy, timeout=300, interval=1)
+        client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="not-needed")
+        model = client.models.list().data[0].id
+        question = "In one sentence, what is a GPU?"
+        note(f"model {model}; user: {question}")
+        reply = client.chat.completions.create(model=model, messages=[{"role": "user", "content": question}],
+                                               max_tokens=48, temperature=0)
+        note(f"assistant: {reply.choices[0].message.content.strip()}", GREEN)
+        note(f"usage: {json.dumps(reply.usage.model_dump())}", DIM)
+    finally:
+        engine.terminate()
+        try:
+            engine.wait(30)
+        except subprocess.TimeoutExpired:
+            engine.kill()
+        log.close()
+
+
+def main() -> int:
+    layout = Layout.for_checkout()
+    say("Local control plane (make cluster-up): etcd, kube-apiserver, scheduler, controller manager, kwok, Kueue")
+    control.up(layout)
+    demo = Demo(layout)
+    for line in demo.kubectl("get", "nodes", "-L", "kvfleet.dev/gpu-flavor").rstrip().splitlines():
+        note(line, DIM)
+    op_log = Path(layout.logs) / "operator-demo.log"
+    install(demo)
+    operator = OperatorProcess(str(layout.kubeconfig), op_log, peering="kvfleet", identity="kvfleet-demo")
+    try:
+        operator.start()
+        note(f"operator: {' '.join(operator.argv()[1:])}  (log: {op_log})", DIM)
+        story(demo)
+    finally:
+        operator.stop()
+    engine_chat(Path(layout.logs))
+    say("Continue by hand")
+    kc = layout.kubeconfig
+    print(f"""    export KUBECONFIG={kc} PATH={REPO}/.cluster/bin:$PATH
+    .venv/bin/python -m kvfleet.operator --kubeconfig {kc} --peering kvfleet &   # the operator
+    kubectl get tenants,mdep -A ; kubectl get workloads -A          # state and Kueue admission
+    kubectl scale mdep/chat --replicas=3 -n team-a                   # beyond quota: watch it wait
+    kubectl describe mdep/summarizer -n team-b                       # conditions and Events
+    .venv/bin/kvfleet serve --device cpu                             # the engine, OpenAI API on :8000
+    make cluster-down                                                # stop the cluster""")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
