@@ -1,0 +1,143 @@
+"""Overload and faults on a real `kvfleet serve`: queue depth, 429, client disconnects, SIGTERM drain.
+
+One server for the module, one sequence at a time (`--max-num-seqs 1`) so requests really queue.
+The SIGTERM test runs last and ends the server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import httpx
+import pytest
+from server_proc import Server, start_server
+
+LONG = {"model": "tiny", "prompt": "once upon a time", "max_tokens": 1000, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    srv = start_server(tiny_model_dir, tmp_path_factory.mktemp("fault-logs"), "--max-num-seqs", "1",
+                       "--max-queue-len", "4", "--shutdown-grace-period", "30")
+    yield srv
+    srv.stop()
+
+
+def wait_until(cond: Callable[[], bool], timeout: float, what: str) -> float:
+    start = time.monotonic()
+    while time.monotonic() - start < timeout:
+        if cond():
+            return time.monotonic() - start
+        time.sleep(0.02)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+def burst(url: str, n: int, max_tokens: int) -> list[httpx.Response]:
+    async def run() -> list[httpx.Response]:
+        async with httpx.AsyncClient(base_url=url, timeout=120) as client:
+            body = {"model": "tiny", "prompt": "hello world", "max_tokens": max_tokens, "ignore_eos": True}
+            return list(await asyncio.gather(*[client.post("/v1/completions", json=body) for _ in range(n)]))
+
+    return asyncio.run(run())
+
+
+def in_thread(fn: Callable[[], Any]) -> tuple[threading.Thread, dict[str, Any]]:
+    box: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            box["result"] = fn()
+        except Exception as exc:  # handed to the test thread
+            box["error"] = exc
+
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    return thread, box
+
+
+def test_queue_depth_rises_during_burst_and_returns_to_zero(server: Server) -> None:
+    done_before = server.metric("kvfleet:request_success_total", finished_reason="length")
+    thread, box = in_thread(lambda: burst(server.url, 4, 40))
+    depths = []
+    while thread.is_alive():
+        depths.append(server.metric("kvfleet:num_requests_waiting"))
+        time.sleep(0.02)
+    thread.join()
+    assert [r.status_code for r in box["result"]] == [200] * 4
+    assert max(depths) >= 2, depths  # one runs, the others wait
+    assert server.metric("kvfleet:num_requests_waiting") == 0
+    assert server.metric("kvfleet:num_requests_running") == 0
+    assert server.metric("kvfleet:request_success_total", finished_reason="length") - done_before == 4
+
+
+def test_queue_full_gets_429_with_retry_after(server: Server) -> None:
+    rejected_before = server.metric("kvfleet:request_rejected_total", reason="queue_full")
+    responses = burst(server.url, 10, 30)
+    codes = [r.status_code for r in responses]
+    assert set(codes) == {200, 429}, codes
+    for r in responses:
+        if r.status_code == 429:
+            assert int(r.headers["Retry-After"]) >= 1
+            assert r.json()["error"]["code"] == "queue_full"
+            assert r.json()["error"]["type"] == "rate_limit_error"
+    assert server.metric("kvfleet:request_rejected_total", reason="queue_full") - rejected_before == codes.count(429)
+    assert httpx.post(server.url + "/v1/completions", json={"prompt": "x", "max_tokens": 2}).status_code == 200
+
+
+def busy(server: Server, idle: float) -> bool:
+    return server.metric("kvfleet:num_requests_running") == 1 and server.metric("kvfleet:kv_cache_usage_perc") > idle
+
+
+def back_to_idle(server: Server, idle: float) -> bool:
+    return server.metric("kvfleet:num_requests_running") == 0 and server.metric("kvfleet:kv_cache_usage_perc") == idle
+
+
+def test_disconnect_non_streaming_aborts_and_frees_blocks(server: Server) -> None:
+    idle = server.metric("kvfleet:kv_cache_usage_perc")
+    aborts = server.metric("kvfleet:request_success_total", finished_reason="abort")
+
+    def leave_early() -> None:
+        with httpx.Client(base_url=server.url) as client, pytest.raises(httpx.ReadTimeout):
+            client.post("/v1/completions", json=LONG, timeout=httpx.Timeout(60, read=1.0))
+
+    thread, box = in_thread(leave_early)
+    wait_until(lambda: busy(server, idle), 10, "the request to run")
+    thread.join()
+    assert "error" not in box, box
+    wait_until(lambda: back_to_idle(server, idle), 2, "KV blocks freed after the disconnect")
+    assert server.metric("kvfleet:request_success_total", finished_reason="abort") - aborts == 1
+
+
+def test_disconnect_streaming_aborts_and_frees_blocks(server: Server) -> None:
+    idle = server.metric("kvfleet:kv_cache_usage_perc")
+    aborts = server.metric("kvfleet:request_success_total", finished_reason="abort")
+    with httpx.stream("POST", server.url + "/v1/completions", json=dict(LONG, stream=True), timeout=60) as resp:
+        chunks = 0
+        for line in resp.iter_lines():
+            chunks += line.startswith("data: ")
+            if chunks == 3:
+                assert busy(server, idle)
+                break
+    wait_until(lambda: back_to_idle(server, idle), 2, "KV blocks freed after the stream was closed")
+    assert server.metric("kvfleet:request_success_total", finished_reason="abort") - aborts == 1
+
+
+def test_sigterm_drains_then_exits_zero(server: Server) -> None:
+    body = dict(LONG, max_tokens=150)
+    thread, box = in_thread(lambda: httpx.post(server.url + "/v1/completions", json=body, timeout=60))
+    wait_until(lambda: server.metric("kvfleet:num_requests_running") == 1, 10, "the request to run")
+    server.proc.send_signal(signal.SIGTERM)
+    wait_until(lambda: httpx.get(server.url + "/health").status_code == 503, 5, "/health to report draining")
+    refused = httpx.post(server.url + "/v1/completions", json={"prompt": "x", "max_tokens": 2})
+    assert refused.status_code == 503 and refused.json()["error"]["code"] == "draining"
+    thread.join(60)
+    assert "error" not in box, box
+    finished = box["result"]
+    assert finished.status_code == 200 and finished.json()["choices"][0]["finish_reason"] == "length"
+    assert finished.json()["usage"]["completion_tokens"] == 150
+    assert server.proc.wait(30) == 0
