@@ -1,0 +1,109 @@
+"""AsyncLLM (what the server sits on) and the stop rules seen through it."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from kvfleet.engine import LLM, AsyncLLM, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_dir):
+    eng = AsyncLLM(str(tiny_model_dir), num_kv_blocks=64, max_model_len=256)
+    yield eng
+    asyncio.run(eng.shutdown())
+
+
+def collect(engine: AsyncLLM, prompt, params: SamplingParams, rid: str):
+    async def run():
+        return [o async for o in engine.generate(prompt, params, rid)]
+    return run()
+
+
+def test_concurrent_streams_are_cumulative_and_match_offline(engine: AsyncLLM, tiny_model_dir) -> None:
+    prompts = [[5, 6, 7], list(range(10, 40)), [99] * 17]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+
+    async def main():
+        return await asyncio.gather(*[collect(engine, p, params, f"c{i}") for i, p in enumerate(prompts)])
+
+    streams = asyncio.run(main())
+    offline = LLM(str(tiny_model_dir), num_kv_blocks=64, max_model_len=256).generate(prompts, params)
+    for outs, ref in zip(streams, offline):
+        assert outs[-1].finished and not any(o.finished for o in outs[:-1])
+        lens = [len(o.outputs[0].token_ids) for o in outs]
+        assert lens == sorted(lens) and lens[-1] == 12
+        texts = [o.outputs[0].text for o in outs]
+        assert all(texts[-1].startswith(t) for t in texts)          # text only grows at its end
+        assert outs[-1].outputs[0].token_ids == ref.outputs[0].token_ids
+        m = outs[-1].metrics
+        assert m.arrival_time <= m.first_scheduled_time <= m.first_token_time <= m.finished_time
+    s = engine.stats()
+    assert s["kv_blocks_used"] == 0 and s["generation_tokens"] >= 36
+
+
+def test_abort_frees_blocks_at_once(engine: AsyncLLM) -> None:
+    async def main():
+        gen = engine.generate(list(range(1, 60)), SamplingParams(max_tokens=150, ignore_eos=True), "long")
+        first = await gen.__anext__()
+        assert not first.finished and engine.stats()["kv_blocks_used"] >= 4
+        await engine.abort("long")
+        assert engine.stats()["kv_blocks_used"] == 0
+        rest = [o async for o in gen]
+        assert rest[-1].finished and rest[-1].outputs[0].finish_reason == "abort"
+
+    asyncio.run(main())
+
+
+def test_a_failing_step_fails_its_requests_not_the_loop(engine: AsyncLLM) -> None:
+    runner = engine.engine.runner
+    real = runner.execute
+    calls = {"n": 0}
+
+    def flaky(sched):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("injected device error")
+        return real(sched)
+
+    runner.execute = flaky
+    try:
+        async def main():
+            with pytest.raises(RuntimeError, match="injected device error"):
+                await collect(engine, [1, 2, 3], SamplingParams(max_tokens=4), "boom")
+            return await collect(engine, [1, 2, 3], SamplingParams(max_tokens=4, ignore_eos=True), "after")
+
+        outs = asyncio.run(main())
+    finally:
+        runner.execute = real
+    assert outs[-1].finished and len(outs[-1].outputs[0].token_ids) == 4
+    assert engine.is_running and engine.stats()["kv_blocks_used"] == 0
+
+
+def test_stop_strings_stop_tokens_and_lengths(engine: AsyncLLM) -> None:
+    prompt = [7, 8, 9, 10]
+    base = asyncio.run(collect(engine, prompt, SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True),
+                               "base"))[-1].outputs[0]
+    assert base.finish_reason == "length" and len(base.token_ids) == 20
+    text = base.text
+    stop = text[len(text) // 2:len(text) // 2 + 3]
+    cut = text.find(stop)
+    out = asyncio.run(collect(engine, prompt, SamplingParams(temperature=0.0, max_tokens=20, stop=[stop],
+                                                             ignore_eos=True), "s1"))
+    final = out[-1].outputs[0]
+    assert final.finish_reason == "stop" and final.stop_reason == stop and final.text == text[:cut]
+    assert all(final.text.startswith(o.outputs[0].text) for o in out)   # the pending stop string never showed
+    out = asyncio.run(collect(engine, prompt, SamplingParams(temperature=0.0, max_tokens=20, stop=[stop],
+                                                             include_stop_str_in_output=True, ignore_eos=True), "s2"))
+    assert out[-1].outputs[0].text == text[:cut + len(stop)]
+    stop_tok = base.token_ids[5]
+    first = base.token_ids.index(stop_tok)
+    out = asyncio.run(collect(engine, prompt, SamplingParams(temperature=0.0, max_tokens=20, stop_token_ids=[stop_tok],
+                                                             ignore_eos=True), "s3"))[-1].outputs[0]
+    assert out.token_ids == base.token_ids[:first + 1] and out.finish_reason == "stop" and out.stop_reason == stop_tok
+    out = asyncio.run(collect(engine, prompt, SamplingParams(temperature=0.0, max_tokens=20, min_tokens=first + 2,
+                                                             stop_token_ids=[stop_tok], ignore_eos=True),
+                              "s4"))[-1].outputs[0]
+    assert stop_tok not in out.token_ids[:first + 2]     # min_tokens bans the stop token early
