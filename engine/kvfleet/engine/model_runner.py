@@ -59,11 +59,12 @@ class ModelRunner:
             return int(ec.num_kv_blocks)
         if ec.kv_cache_memory_bytes is not None:
             return max(1, int(ec.kv_cache_memory_bytes) // per_block)
+        # Never more than every sequence at full length needs (a tiny model on a big GPU
+        # would otherwise get millions of blocks, and the block pool's lists with them).
+        cap = ec.max_num_seqs * math.ceil(cfg.max_model_len / self.block_size)
         if self.device.type != "cuda":
-            # Never more than every sequence at full length needs.
-            cap = ec.max_num_seqs * math.ceil(cfg.max_model_len / self.block_size)
             return max(1, min(DEFAULT_CPU_KV_CACHE_BYTES // per_block, cap))
-        return self._profile_cuda_blocks(per_block)
+        return min(self._profile_cuda_blocks(per_block), cap)
 
     def _profile_cuda_blocks(self, per_block: int) -> int:
         torch.cuda.synchronize(self.device)
