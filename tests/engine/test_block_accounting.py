@@ -60,6 +60,18 @@ def test_n4_holds_the_prompt_blocks_once(llm: LLM) -> None:
     assert_no_leak(llm)
 
 
+def test_n2_on_a_fully_cached_prefix(llm: LLM) -> None:
+    # 33 tokens: the fork point (32 tokens) is exactly two cached blocks the second time.
+    prompt = torch.randint(3, 500, (33,), generator=torch.Generator().manual_seed(8)).tolist()
+    params = SamplingParams(n=2, max_tokens=5, temperature=1.0, seed=1, ignore_eos=True)
+    first = llm.generate([prompt], params)[0]
+    hits = llm.stats()["prefix_cache_hits"]
+    again = llm.generate([prompt], params)[0]
+    assert llm.stats()["prefix_cache_hits"] - hits == 16     # one block reused, the last one recomputed
+    assert [c.token_ids for c in again.outputs] == [c.token_ids for c in first.outputs]
+    assert_no_leak(llm)
+
+
 # Extra stop tokens (frequent in this model's beams) make hypotheses finish early, so the
 # finished-hypotheses and early-stop rules are exercised, not only the max-length path.
 @pytest.mark.parametrize("width,extra_eos", [(2, []), (4, []), (3, [243, 42, 509, 457])])

@@ -30,7 +30,8 @@ def compute(kv: KVCacheManager, req: Request, n: int, hits: list[int] | None = N
 
 def test_core_never_imports_torch() -> None:
     code = ("import sys; import kvfleet.engine.core, kvfleet.engine.core.scheduler, "
-            "kvfleet.engine.sampling_params, kvfleet.engine.outputs; "
+            "kvfleet.engine.core.beam_search, kvfleet.engine.core.detokenizer, kvfleet.engine.core.inputs, "
+            "kvfleet.engine.core.request_group, kvfleet.engine.sampling_params, kvfleet.engine.outputs; "
             "assert 'torch' not in sys.modules, 'core imported torch'")
     subprocess.run([sys.executable, "-c", code], check=True)
 

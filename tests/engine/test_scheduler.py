@@ -170,3 +170,63 @@ def test_abort_frees_at_once() -> None:
     assert s.kv.pool.num_used_blocks == 3
     s.finish_requests(["a"], RequestStatus.FINISHED_ABORTED)
     assert s.kv.pool.num_used_blocks == 0 and not s.has_unfinished()
+
+
+# --- property test: random traffic through a tiny pool ------------------------------------
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+_op = st.one_of(
+    st.tuples(st.just("add"), st.integers(1, 30), st.integers(1, 8), st.integers(0, 2), st.integers(1, 3)),
+    st.tuples(st.just("step"), st.integers(0, 9)),
+    st.tuples(st.just("abort"), st.integers(0, 50)),
+)
+
+
+@settings(max_examples=120, deadline=None)
+@given(st.lists(_op, max_size=40), st.integers(8, 14), st.booleans(), st.booleans(), st.integers(4, 40))
+def test_random_traffic_keeps_invariants_and_frees_everything(ops, num_blocks, chunked, caching, budget) -> None:
+    s = Scheduler(KVCacheManager(num_blocks, BS, caching), max_num_seqs=4,
+                  max_num_batched_tokens=budget if chunked else 64, max_model_len=64,
+                  enable_chunked_prefill=chunked)
+    live: list[Request] = []
+    counter = 0
+
+    def step(tok: int) -> None:
+        out = s.schedule()
+        res = ModelRunnerOutput({x.request_id: tok for x in out.scheduled if x.needs_sample})
+        for up in s.update_from_output(out, res):
+            r = up.request
+            if up.new_token_id is None and r.compute_limit is not None:   # fork point (n > 1)
+                r.compute_limit = None
+                for i in range(1, r.index + 2):
+                    c = s.fork(r, f"{r.request_id}.{i}", i)
+                    c.compute_limit = None
+                    live.append(c)
+        s.check_invariants()
+
+    for op in ops:
+        if op[0] == "add":
+            _, n, max_tokens, prio, samples = op
+            counter += 1
+            n = min(n, num_blocks * BS - max_tokens)      # each sequence alone fits the pool
+            toks = [(counter * 7 + i) % 3 + 1 for i in range(n)]   # small alphabet: prefix hits
+            r = Request(f"r{counter}", toks, max_tokens=max_tokens, stop_token_ids=frozenset({EOS}),
+                        priority=prio, compute_limit=n - 1 if samples > 1 and n > 1 else None,
+                        index=samples - 2 if samples > 1 else 0)
+            s.add_request(r)
+            live.append(r)
+        elif op[0] == "step":
+            step(op[1])
+        elif live:
+            victim = live[op[1] % len(live)]
+            s.finish_requests([victim.request_id], RequestStatus.FINISHED_ABORTED)
+            s.check_invariants()
+    for _ in range(2000):
+        if not s.has_unfinished():
+            break
+        step(5)
+    assert not s.has_unfinished(), "requests starved"
+    assert all(r.is_finished for r in live)
+    assert s.kv.pool.num_used_blocks == 0
+    s.kv.check_invariants()

@@ -99,8 +99,8 @@ class RequestGroup:
         done = self.finished
         if done and self.metrics.finished_time is None:
             self.metrics.finished_time = time.monotonic()
-        if self.beam is not None and self.beam_result:
-            outputs = self.beam_result
+        if self.beam is not None and not self.aborted:
+            outputs = self.beam_result   # beams are only shown once the search is over
         else:
             states = [self.seqs[i] for i in sorted(self.seqs)]
             outputs = [CompletionOutput(

@@ -178,6 +178,11 @@ class Scheduler:
             req = self.waiting[0]
             hits, num_hit = self.kv.get_computed_blocks(req) if req.num_computed_tokens == 0 else ([], 0)
             want = req.compute_target - req.num_computed_tokens - num_hit
+            if want <= 0 and hits:
+                # Everything up to a fork point is cached: compute its last block again so the
+                # step has work for this sequence (and its last token's K/V is its own).
+                hits, num_hit = hits[:-1], num_hit - self.kv.block_size
+                want += self.kv.block_size
             n = min(want, budget)
             if not self.enable_chunked_prefill and n < want:
                 break
@@ -248,6 +253,21 @@ class Scheduler:
             self.running.remove(req)
             self._free(req)
         return req.is_finished
+
+    def check_invariants(self) -> None:
+        running, waiting = set(map(id, self.running)), set(map(id, self.waiting))
+        assert not running & waiting, "a request both running and waiting"
+        assert len(running) == len(self.running) and len(waiting) == len(self.waiting)
+        for r in self.running:
+            assert r.status == RequestStatus.RUNNING and self.requests.get(r.request_id) is r
+            assert len(self.kv.get_block_ids(r)) * self.kv.block_size >= r.num_computed_tokens
+        for r in self.waiting:
+            assert r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+            assert not self.kv.get_block_ids(r), "a waiting request holds blocks"
+        keys = [r.sort_key() for r in self.waiting]
+        assert keys == sorted(keys), "waiting queue out of order"
+        assert set(self.kv.block_tables) <= {r.request_id for r in self.running}, "blocks held by no running request"
+        self.kv.check_invariants()
 
     # --- stats ---------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
