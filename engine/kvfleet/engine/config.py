@@ -47,6 +47,7 @@ class EngineConfig:
     kv_cache_memory_bytes: Optional[int] = None
     enforce_eager: bool = False
     tokenizer: Optional[str] = None
+    tensor_parallel_size: int = 1
 
     def validate(self) -> "EngineConfig":
         _require(isinstance(self.model, (str, os.PathLike)) and str(self.model) != "",
@@ -70,6 +71,8 @@ class EngineConfig:
         _require(self.load_format in _LOAD_FORMATS, "load_format",
                  f"must be one of {_LOAD_FORMATS}, got {self.load_format!r}")
         _require(isinstance(self.seed, int), "seed", f"must be an int, got {self.seed!r}")
+        _require(isinstance(self.tensor_parallel_size, int) and self.tensor_parallel_size >= 1,
+                 "tensor_parallel_size", f"must be an int >= 1, got {self.tensor_parallel_size!r}")
         return self
 
     def resolve_batched_tokens(self, max_model_len: int) -> int:

@@ -39,6 +39,10 @@ class ModelRunner:
                  device: torch.device, max_num_batched_tokens: int) -> None:
         from kvfleet.engine.model_loader import load_model
 
+        if engine_config.tensor_parallel_size != 1:
+            # The tensor-parallel executor (kvfleet.engine.distributed) plugs in here once wired.
+            raise ValueError(f"tensor_parallel_size: {engine_config.tensor_parallel_size} is not supported by "
+                             "this model runner yet (use 1)")
         self.model_config = model_config
         self.engine_config = engine_config
         self.device = device
