@@ -77,6 +77,9 @@ def test_keys_yaml_json_and_lookup(tmp_path) -> None:
 def test_context_limits_and_admission() -> None:
     assert resolve_max_tokens(None, 10, 64, "prompt", "max_tokens") == 54
     assert resolve_max_tokens(5, 10, 64, "prompt", "max_tokens") == 5
+    assert resolve_max_tokens(None, 10, 64, "prompt", "max_tokens", kv_capacity=32) == 22  # cache < context
+    with pytest.raises(RequestError, match="KV cache"):
+        resolve_max_tokens(None, 40, 64, "prompt", "max_tokens", kv_capacity=32)
     with pytest.raises(RequestError) as err:
         resolve_max_tokens(60, 10, 64, "prompt", "max_tokens")
     assert err.value.param == "max_tokens" and "64" in err.value.message

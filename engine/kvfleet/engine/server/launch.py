@@ -97,7 +97,8 @@ def run_server(args: argparse.Namespace) -> int:
         print(f"kvfleet serve: error: {exc}", file=sys.stderr)
         return 2
     state = ServerState(model_name=name, model_path=model, keys=keys, max_queue_len=args.max_queue_len,
-                        chat_template=template, log_requests=not args.disable_log_requests)
+                        chat_template=template, log_requests=not args.disable_log_requests,
+                        block_size=args.block_size)
     kwargs = engine_kwargs(args)
 
     def load_engine() -> Any:

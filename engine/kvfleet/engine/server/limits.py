@@ -28,14 +28,21 @@ def check_prompt_ids(ids: Sequence[int], vocab_size: int, field: str) -> None:
 
 
 def resolve_max_tokens(requested: int | None, prompt_len: int, max_model_len: int,
-                       prompt_field: str, max_field: str) -> int:
-    """The output budget; a prompt or request that cannot fit the context is an error (like vLLM)."""
+                       prompt_field: str, max_field: str, kv_capacity: int | None = None) -> int:
+    """The output budget; a prompt or request that cannot fit the context is an error (like vLLM).
+    Left unset, it is what fits both the context and the whole KV cache (which may be smaller than
+    the context on a small device), so a request without max_tokens is never refused for it."""
     if prompt_len >= max_model_len:
         raise RequestError(
             f"{prompt_field}: this model's maximum context length is {max_model_len} tokens, but the prompt has "
             f"{prompt_len} tokens (no room for output)", prompt_field)
     room = max_model_len - prompt_len
     if requested is None:
+        if kv_capacity is not None and kv_capacity - prompt_len < room:
+            room = kv_capacity - prompt_len
+            if room < 1:
+                raise RequestError(f"{prompt_field}: the prompt ({prompt_len} tokens) does not fit the KV cache "
+                                   f"({kv_capacity} tokens)", prompt_field)
         return room
     if requested > room:
         raise RequestError(

@@ -37,7 +37,7 @@ def build_params(state: ServerState, req: SamplingFields, prompt_ids: list[int],
     try:
         check_prompt_ids(prompt_ids, state.vocab_size, prompt_field)
         max_tokens = resolve_max_tokens(requested_max, len(prompt_ids), state.max_model_len, prompt_field,
-                                        max_field)
+                                        max_field, state.kv_capacity_tokens)
         kwargs = sampling_kwargs(req, max_tokens, logprobs, prompt_logprobs)
         return SamplingParams(**kwargs).validate(state.vocab_size)
     except RequestError as exc:

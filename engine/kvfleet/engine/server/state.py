@@ -27,6 +27,7 @@ class ServerState:
     max_queue_len: int | None = None
     chat_template: str | None = None
     log_requests: bool = True
+    block_size: int = 16
     engine: Any = None            # AsyncLLM once loaded
     ready: bool = False           # loaded and one step has run
     load_error: str | None = None
@@ -47,6 +48,12 @@ class ServerState:
     @property
     def max_model_len(self) -> int:
         return int(self.engine.model_config.max_model_len)
+
+    @property
+    def kv_capacity_tokens(self) -> int | None:
+        """Tokens the whole KV cache holds (one sequence can never grow past it)."""
+        stats = self.engine_stats()
+        return int(stats["kv_blocks_total"]) * self.block_size if stats and "kv_blocks_total" in stats else None
 
     @property
     def vocab_size(self) -> int:
