@@ -75,17 +75,9 @@ class AsyncLLM:
         if rid in self._streams:
             raise ValueError(f"request_id: {rid!r} is already running")
         # Validate here (the caller sees the ValueError); the loop thread re-checks cheaply.
-        params = (sampling_params or SamplingParams()).clone()
-        params.validate(self.engine.model_config.vocab_size)
-        _, ids = self.engine.tokenize(prompt)
-        from kvfleet.engine.core.inputs import check_prompt
-
-        check_prompt(ids, self.engine.model_config.vocab_size, self.engine.model_config.max_model_len,
-                     params.max_tokens, self.engine.kv.num_blocks * self.engine.config.block_size,
-                     params.beam_width if params.use_beam_search else 1)
+        text, ids, params, _ = self.engine.process_inputs(prompt, sampling_params)
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         self._streams[rid] = stream
-        text = prompt if isinstance(prompt, str) else (prompt.get("prompt") if isinstance(prompt, dict) else None)
         self._commands.put(lambda: self._add(rid, {"prompt": text, "prompt_token_ids": ids}, params, priority,
                                              cache_salt))
         finished = False
@@ -169,6 +161,8 @@ class AsyncLLM:
                 stream = self._streams.get(out.request_id)
                 if stream is not None:
                     stream.put(out)
+            if self.engine.idle_steps:
+                self._stop.wait(0.005)   # nothing schedulable right now: do not spin
         for rid in list(self._streams):
             self._streams.pop(rid).put(RuntimeError("engine: shut down"))
 

@@ -83,6 +83,9 @@ class LLM:
         pending = set(ids)
         try:
             while pending:
+                if engine.idle_steps > 1000:
+                    raise RuntimeError(f"engine: no progress for {engine.idle_steps} steps with "
+                                       f"{len(pending)} requests pending (KV cache too small?)")
                 for out in engine.step():
                     if out.finished:
                         final[out.request_id] = out

@@ -64,6 +64,7 @@ class LLMEngine:
         self.groups: dict[str, RequestGroup] = {}
         self.prompt_tokens = 0
         self.generation_tokens = 0
+        self.idle_steps = 0          # consecutive steps that scheduled nothing (a stall if it grows)
 
     # --- requests ------------------------------------------------------------------
     def tokenize(self, prompt: PromptType) -> tuple[Optional[str], list[int]]:
@@ -74,19 +75,25 @@ class LLMEngine:
             ids = self.tokenizer.encode(text) if text else []
         return text, ids
 
-    def add_request(self, request_id: str, prompt: PromptType, params: Optional[SamplingParams] = None,
-                    priority: int = 0, arrival_time: Optional[float] = None,
-                    cache_salt: Optional[str] = None) -> None:
-        """Validate and queue a request; bad input raises ValueError naming the field."""
-        if request_id in self.groups:
-            raise ValueError(f"request_id: {request_id!r} is already running")
+    def process_inputs(self, prompt: PromptType, params: Optional[SamplingParams]
+                       ) -> tuple[Optional[str], list[int], SamplingParams, int]:
+        """Validate and tokenize (no engine state touched): (text, ids, params copy, max_tokens)."""
         params = (params or SamplingParams()).clone()
         params.validate(self.model_config.vocab_size)
         text, ids = self.tokenize(prompt)
         kv_tokens = self.kv.num_blocks * self.config.block_size
         beams = params.beam_width if params.use_beam_search else 1
         max_tokens = check_prompt(ids, self.model_config.vocab_size, self.model_config.max_model_len,
-                                  params.max_tokens, kv_tokens, beams)
+                                  params.max_tokens, kv_tokens, beams, self.config.block_size)
+        return text, ids, params, max_tokens
+
+    def add_request(self, request_id: str, prompt: PromptType, params: Optional[SamplingParams] = None,
+                    priority: int = 0, arrival_time: Optional[float] = None,
+                    cache_salt: Optional[str] = None) -> None:
+        """Validate and queue a request; bad input raises ValueError naming the field."""
+        if request_id in self.groups:
+            raise ValueError(f"request_id: {request_id!r} is already running")
+        text, ids, params, max_tokens = self.process_inputs(prompt, params)
         stop_ids = set(params.stop_token_ids or [])
         if not params.ignore_eos:
             stop_ids |= self.eos_token_ids
@@ -142,6 +149,7 @@ class LLMEngine:
     # --- the step ------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         sched = self.scheduler.schedule()
+        self.idle_steps = self.idle_steps + 1 if sched.is_empty else 0
         if sched.is_empty:
             return []
         now = time.monotonic()

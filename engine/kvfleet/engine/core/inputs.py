@@ -29,7 +29,7 @@ def _as_ids(ids: Any) -> list[int]:
 
 
 def check_prompt(token_ids: list[int], vocab_size: int, max_model_len: int, max_tokens: Optional[int],
-                 kv_capacity_tokens: int, num_sequences: int = 1) -> int:
+                 kv_capacity_tokens: int, num_sequences: int = 1, block_size: int = 1) -> int:
     """Validate a tokenized prompt; returns the resolved max_tokens (room left when not given)."""
     n = len(token_ids)
     if n == 0:
@@ -49,7 +49,9 @@ def check_prompt(token_ids: list[int], vocab_size: int, max_model_len: int, max_
     if n + max_tokens > kv_capacity_tokens:
         raise ValueError(f"max_tokens: prompt ({n} tokens) + max_tokens ({max_tokens}) can never fit the KV cache "
                          f"({kv_capacity_tokens} tokens); raise num_kv_blocks or lower max_tokens")
-    if num_sequences > 1 and num_sequences * (n + max_tokens) > kv_capacity_tokens:
+    # Beams advance in lockstep, so all of them must fit at once (block granularity).
+    per_seq = -(-(n + max_tokens) // block_size) * block_size
+    if num_sequences > 1 and num_sequences * per_seq > kv_capacity_tokens:
         raise ValueError(f"best_of: {num_sequences} beams of up to {n + max_tokens} tokens can never fit the KV "
                          f"cache ({kv_capacity_tokens} tokens) together")
     return max_tokens
