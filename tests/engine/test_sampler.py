@@ -13,7 +13,7 @@ V = 8
 
 def batch(rows: int, temperature: list[float], top_k: Optional[list[int]] = None,
           top_p: Optional[list[float]] = None, min_p: Optional[list[float]] = None,
-          gens: Optional[dict[int, torch.Generator]] = None, logprobs: int = 0, **pen) -> SamplingBatch:
+          gens: Optional[dict[int, torch.Generator]] = None, logprobs: int = -1, **pen) -> SamplingBatch:
     def t(x, dtype=torch.float32):
         return None if x is None else torch.tensor(x, dtype=dtype)
 

@@ -75,15 +75,16 @@ class EngineConfig:
                  "tensor_parallel_size", f"must be an int >= 1, got {self.tensor_parallel_size!r}")
         return self
 
-    def resolve_batched_tokens(self, max_model_len: int) -> int:
-        """The per-step token budget: given, or a default that fits any prompt when
-        prefill cannot be chunked."""
+    def resolve_batched_tokens(self, max_model_len: int, on_gpu: bool = False) -> int:
+        """The per-step token budget: given, or a default (vLLM's offline 8192 on a GPU, 2048
+        on CPU) that also fits any prompt when prefill cannot be chunked."""
         if self.max_num_batched_tokens is not None:
             budget = int(self.max_num_batched_tokens)
             if not self.enable_chunked_prefill:
                 _require(budget >= max_model_len, "max_num_batched_tokens",
                          f"must be >= max_model_len ({max_model_len}) when chunked prefill is off, got {budget}")
             return budget
+        default = 8192 if on_gpu else 2048
         if self.enable_chunked_prefill:
-            return 2048
-        return max(2048, max_model_len)
+            return default
+        return max(default, max_model_len)

@@ -51,7 +51,7 @@ class LLMEngine:
             logger.info("no tokenizer for %s (%s); prompts must be token ids", config.model, e)
             self.tokenizer = None
         max_len = self.model_config.max_model_len
-        budget = config.resolve_batched_tokens(max_len)
+        budget = config.resolve_batched_tokens(max_len, on_gpu=self.device.type == "cuda")
         self.runner = ModelRunner(self.model_config, config, self.device, budget)
         num_blocks = self.runner.determine_num_blocks()
         self.runner.init_kv_cache(num_blocks)
@@ -102,7 +102,8 @@ class LLMEngine:
         samples = params.num_samples
         base = dict(max_tokens=max_tokens, min_tokens=params.min_tokens, stop_token_ids=frozenset(stop_ids),
                     priority=priority, arrival_time=now, cache_salt=cache_salt, group_id=request_id,
-                    sampling_params=params, num_logprobs=params.logprobs or 0)
+                    sampling_params=params,
+                    num_logprobs=params.logprobs if params.logprobs is not None else -1)
         seqs: list[Request] = []
         if params.use_beam_search:
             seq = Request(f"{request_id}#0", ids, **{**base, "max_tokens": max_tokens + 1,
@@ -122,7 +123,7 @@ class LLMEngine:
             if params.seed is not None:
                 seq.seed = params.seed + seq.index
             if samples > params.n:
-                seq.num_logprobs = max(seq.num_logprobs, 1)   # best_of ranks by cumulative logprob
+                seq.num_logprobs = max(seq.num_logprobs, 0)   # best_of ranks by cumulative logprob
             group.add_seq(seq)
         self.groups[request_id] = group
         for seq in seqs:

@@ -239,7 +239,7 @@ class ModelRunner:
         for row, s in enumerate(reqs):
             out.sampled_token_ids[s.request_id] = sampled[row]
             k = s.request.num_logprobs
-            if res.sampled_logprob is not None and (k > 0 or s.request.sampling_params.logprobs is not None):
+            if res.sampled_logprob is not None and k >= 0:
                 out.logprobs[s.request_id] = (lps[row], ranks[row], top_ids[row][:k], top_lps[row][:k])
 
     @staticmethod

@@ -32,7 +32,7 @@ class SamplingBatch:
     output_tokens: Optional[torch.Tensor]     # long [B, Lo], padded with vocab_size
     min_tokens_mask: Optional[torch.Tensor]   # bool [B, V]: stop tokens banned (min_tokens not reached)
     generators: dict[int, torch.Generator]    # row -> its seeded generator
-    max_num_logprobs: int                     # 0 = no logprobs wanted
+    max_num_logprobs: int                     # top-k width; -1 = no logprobs wanted
     all_greedy: bool
 
 
@@ -102,7 +102,7 @@ def random_sample(probs: torch.Tensor, generators: dict[int, torch.Generator]) -
 class Sampler:
     def __call__(self, logits: torch.Tensor, b: SamplingBatch) -> SamplerOutput:
         logits = logits.float()
-        raw_logprobs = logits.log_softmax(dim=-1) if b.max_num_logprobs > 0 else None
+        raw_logprobs = logits.log_softmax(dim=-1) if b.max_num_logprobs >= 0 else None
         if b.min_tokens_mask is not None:
             logits = logits.masked_fill(b.min_tokens_mask, _NEG_INF)
         if b.repetition_penalty is not None or b.frequency_penalty is not None or b.presence_penalty is not None:

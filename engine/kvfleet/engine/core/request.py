@@ -55,7 +55,7 @@ class Request:
     # For the model runner (opaque to the core): how to sample this sequence.
     sampling_params: Any = None
     seed: Optional[int] = None       # per-sequence seed (a group's seed + sample index)
-    num_logprobs: int = 0            # top-k logprobs wanted per sampled token
+    num_logprobs: int = -1           # top-k logprobs per sampled token (0: only its own; -1: none)
 
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0

@@ -1,0 +1,63 @@
+"""The offline `LLM` API as vLLM users call it: prompt forms, order, chat, best_of, priority."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvfleet.engine import LLM, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_model_dir) -> LLM:
+    return LLM(str(tiny_model_dir), num_kv_blocks=64, max_model_len=256)
+
+
+def test_prompt_forms_and_input_order(llm: LLM) -> None:
+    tok = llm.get_tokenizer()
+    ids = tok.encode("the cat sat on the mat")
+    greedy = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=6)
+    by_text = llm.generate("the cat sat on the mat", greedy)[0]
+    assert by_text.prompt == "the cat sat on the mat" and by_text.prompt_token_ids == ids
+    by_ids = llm.generate(ids, greedy)[0]                           # one prompt as a list of ids
+    by_dict = llm.generate({"prompt_token_ids": ids}, greedy)[0]
+    assert by_text.outputs[0].token_ids == by_ids.outputs[0].token_ids == by_dict.outputs[0].token_ids
+    assert by_text.outputs[0].text == tok.decode(by_text.outputs[0].token_ids, skip_special_tokens=True)
+    # Different lengths finish in a different order than given; outputs keep the input order.
+    params = [SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=m) for m in (9, 1, 5)]
+    outs = llm.generate([[5, 6], [7, 8, 9], [10]], params)
+    assert [len(o.outputs[0].token_ids) for o in outs] == [9, 1, 5]
+    assert [o.prompt_token_ids for o in outs] == [[5, 6], [7, 8, 9], [10]]
+    assert all(o.finished and o.outputs[0].finish_reason == "length" for o in outs)
+
+
+def test_chat_applies_the_template(llm: LLM) -> None:
+    tok = llm.get_tokenizer()
+    conv = [{"role": "user", "content": "hello there"}]
+    out = llm.chat(conv, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))[0]
+    text = tok.apply_chat_template(conv, tokenize=False, add_generation_prompt=True)
+    assert out.prompt == text and out.prompt_token_ids == tok.encode(text, add_special_tokens=False)
+    two = llm.chat([conv, conv + [{"role": "assistant", "content": "hi"}, {"role": "user", "content": "x"}]],
+                   SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
+    assert len(two) == 2 and two[0].outputs[0].token_ids == out.outputs[0].token_ids[:2]
+    with pytest.raises(ValueError, match="messages: each message must be a dict with 'role' and 'content'"):
+        llm.chat([{"content": "no role"}])
+
+
+def test_best_of_returns_the_n_most_likely(llm: LLM) -> None:
+    out = llm.generate([[3, 4, 5, 6]], SamplingParams(n=2, best_of=5, temperature=1.0, seed=7, max_tokens=8,
+                                                      ignore_eos=True))[0]
+    assert [c.index for c in out.outputs] == [0, 1] and all(c.logprobs is None for c in out.outputs)
+    cums = [c.cumulative_logprob for c in out.outputs]
+    assert cums[0] >= cums[1] and cums[0] < 0
+    every = llm.generate([[3, 4, 5, 6]], SamplingParams(n=5, temperature=1.0, seed=7, max_tokens=8, ignore_eos=True,
+                                                        logprobs=0))[0]
+    ranked = sorted((c.cumulative_logprob for c in every.outputs), reverse=True)
+    assert cums == pytest.approx(ranked[:2], abs=1e-4)      # the same 5 seeded samples, best two kept
+
+
+def test_priority_runs_urgent_requests_first(tiny_model_dir) -> None:
+    one_at_a_time = LLM(str(tiny_model_dir), num_kv_blocks=64, max_num_seqs=1)
+    outs = one_at_a_time.generate([[1, 2], [3, 4], [5, 6]], SamplingParams(max_tokens=3, ignore_eos=True),
+                                  priority=[2, 0, 1])
+    order = sorted(range(3), key=lambda i: outs[i].metrics.first_scheduled_time)
+    assert order == [1, 2, 0]
