@@ -127,6 +127,14 @@ def load_model(
     device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
     model_config = as_model_config(model_config, device)
     target = parse_dtype(dtype) or model_config.dtype
+    tp_size = int(getattr(engine_config, "tensor_parallel_size", 1) or 1)
+    if tp_size > 1:  # rank 0 here, the other ranks in worker processes (kvfleet.engine.distributed)
+        from kvfleet.engine.distributed.executor import start_tensor_parallel
+
+        return start_tensor_parallel(  # type: ignore[return-value]
+            model_config.model, tp_size, device.type, target, max_model_len=model_config.max_model_len,
+            load_format=load_format, seed=seed,
+        )
     fmt = resolve_load_format(model_config, load_format)
     cls = get_model_class(model_config.architecture)
     with torch.device(device), _default_dtype(target):

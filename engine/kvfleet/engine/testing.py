@@ -73,8 +73,10 @@ def build_tokenizer(vocab_size: int = 512) -> Any:
     )
 
 
-def tiny_config(arch: str, vocab_size: int, num_layers: int = 2, max_position_embeddings: int = 1024) -> Any:
-    """The transformers config of a tiny model: hidden 64, 4 query / 2 KV heads of 16 dims."""
+def tiny_config(
+    arch: str, vocab_size: int, num_layers: int = 2, max_position_embeddings: int = 1024, num_kv_heads: int = 2
+) -> Any:
+    """The transformers config of a tiny model: hidden 64, 4 query / 2 KV heads (by default) of 16 dims."""
     import transformers
 
     common: dict[str, Any] = dict(
@@ -83,7 +85,7 @@ def tiny_config(arch: str, vocab_size: int, num_layers: int = 2, max_position_em
         intermediate_size=128,
         num_hidden_layers=num_layers,
         num_attention_heads=4,
-        num_key_value_heads=2,
+        num_key_value_heads=num_kv_heads,
         head_dim=16,
         max_position_embeddings=max_position_embeddings,
         rms_norm_eps=1e-6,
@@ -132,14 +134,19 @@ def make_tiny_model(
     vocab_size: int = 512,
     std: float = 0.1,
     max_position_embeddings: int = 1024,
+    num_kv_heads: int = 2,
 ) -> Path:
     """Build (once) and save a tiny `arch` model with tokenizer under `path`; returns its folder."""
     if arch not in ARCHS:
         raise ValueError(f"arch: {arch!r} is not one of {', '.join(ARCHS)}")
     if num_layers < 1:
         raise ValueError(f"num_layers: {num_layers} must be >= 1")
+    if num_kv_heads not in (1, 2, 4):
+        raise ValueError(f"num_kv_heads: {num_kv_heads} must divide the 4 query heads")
     spec = dict(arch=arch, seed=seed, num_layers=num_layers, vocab_size=vocab_size, std=std,
                 max_position_embeddings=max_position_embeddings, version=_BUILD_VERSION)
+    if num_kv_heads != 2:  # keep the folder names of existing default builds
+        spec["num_kv_heads"] = num_kv_heads
     digest = hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:10]
     folder = Path(path) / f"tiny-{arch}-{digest}"
     marker = folder / "kvfleet-tiny.json"
@@ -150,7 +157,7 @@ def make_tiny_model(
     import transformers
 
     tokenizer = build_tokenizer(vocab_size)
-    config = tiny_config(arch, len(tokenizer), num_layers, max_position_embeddings)
+    config = tiny_config(arch, len(tokenizer), num_layers, max_position_embeddings, num_kv_heads)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     _randomize(model, seed, std)

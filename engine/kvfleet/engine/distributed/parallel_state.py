@@ -2,13 +2,17 @@
 
 Layers read rank/size from here at construction and call tp_all_reduce /
 tp_all_gather in forward; both are no-ops at size 1, so single-process code never
-touches torch.distributed.
+touches torch.distributed. A second, gloo group carries the driver's small control
+messages (step inputs) even when the tensors go over NCCL.
 """
 
 from __future__ import annotations
 
+import datetime
 import logging
+import os
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -21,13 +25,19 @@ class _TPState:
     rank: int = 0
     size: int = 1
     owns_process_group: bool = False
+    control_group: Any = None
 
 
 _STATE = _TPState()
 
 
 def init_tensor_parallel(
-    rank: int, world_size: int, init_method: str, backend: str | None = None, device: str | torch.device = "cpu"
+    rank: int,
+    world_size: int,
+    init_method: str,
+    backend: str | None = None,
+    device: str | torch.device = "cpu",
+    timeout_s: float = 300.0,
 ) -> None:
     """Join the group (gloo on CPU, nccl on CUDA). init_method e.g. tcp://127.0.0.1:29555."""
     global _STATE
@@ -36,14 +46,19 @@ def init_tensor_parallel(
     if world_size == 1:
         _STATE = _TPState()
         return
+    # Keep all traffic on loopback: gloo would otherwise pick the interface of the host name.
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
     backend = backend or ("nccl" if torch.device(device).type == "cuda" else "gloo")
+    timeout = datetime.timedelta(seconds=timeout_s)
     owns = False
     if not dist.is_initialized():
-        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size)
+        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size, timeout=timeout)
         owns = True
     elif dist.get_world_size() != world_size:
         raise ValueError(f"tensor_parallel_size: {world_size} != torch.distributed world size {dist.get_world_size()}")
-    _STATE = _TPState(rank=rank, size=world_size, owns_process_group=owns)
+    control = dist.new_group(backend="gloo", timeout=timeout) if backend != "gloo" else dist.group.WORLD
+    _STATE = _TPState(rank=rank, size=world_size, owns_process_group=owns, control_group=control)
     logger.info("tensor parallel rank %d/%d (%s)", rank, world_size, backend)
 
 
@@ -77,3 +92,17 @@ def tp_all_gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     parts = [torch.empty_like(x) for _ in range(_STATE.size)]
     dist.all_gather(parts, x.contiguous())
     return torch.cat(parts, dim=dim)
+
+
+def broadcast_object(obj: Any = None) -> Any:
+    """Rank 0 sends a picklable object (CPU tensors inside are fine) to every rank; all return it."""
+    if _STATE.size == 1:
+        return obj
+    box = [obj if _STATE.rank == 0 else None]
+    dist.broadcast_object_list(box, src=0, group=_STATE.control_group)
+    return box[0]
+
+
+def local_kv_heads(num_kv_heads: int, tp_size: int) -> int:
+    """KV heads each rank holds (split evenly, or one replicated head when fewer heads than ranks)."""
+    return max(1, num_kv_heads // tp_size)

@@ -1,0 +1,159 @@
+"""The driver side of tensor parallelism: rank 0 in the engine process, workers in spawned processes.
+
+`start_tensor_parallel(...)` spawns ranks 1..N-1, joins the group as rank 0 and loads
+rank 0's shards; the returned `TensorParallelModel` has the model interface
+(`model(ids, positions, kv_caches, md)`, `compute_logits(rows)`), and mirrors every
+call to the workers before running it locally. The engine additionally calls
+`copy_blocks(pairs)` after its own copy-on-write copies and `shutdown()` at the end,
+and sizes its KV cache with `num_kv_heads` (this rank's heads). A worker that dies
+makes a watchdog log the rank and exit code and end the process (`on_worker_death`).
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import os
+import socket
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from kvfleet.engine.attention.metadata import AttentionMetadata
+from kvfleet.engine.distributed.parallel_state import broadcast_object, destroy_tensor_parallel, local_kv_heads
+from kvfleet.engine.distributed.worker import WorkerSpec, build_shard, metadata_to, worker_main
+
+logger = logging.getLogger(__name__)
+
+
+def free_loopback_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _die(message: str) -> None:
+    logger.critical(message)
+    print(f"kvfleet: {message}", flush=True, file=__import__("sys").stderr)
+    os._exit(70)
+
+
+class TensorParallelModel:
+    """Rank 0's shard plus the broadcast that keeps the workers in step."""
+
+    def __init__(self, model: torch.nn.Module, procs: list[Any], num_kv_heads: int, dtype: torch.dtype,
+                 on_worker_death: Callable[[str], None] = _die) -> None:
+        self.model = model
+        self.config = getattr(model, "config", None)
+        self.procs = procs
+        self.num_kv_heads = num_kv_heads
+        self.dtype = dtype
+        self._closed = threading.Event()
+        self._on_death = on_worker_death
+        self._watchdog = threading.Thread(target=self._watch, name="tp-watchdog", daemon=True)
+        self._watchdog.start()
+
+    # --- the model interface ------------------------------------------------------
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                 kv_caches: list[torch.Tensor], attn_metadata: AttentionMetadata) -> torch.Tensor:
+        return self.forward(input_ids, positions, kv_caches, attn_metadata)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[torch.Tensor], attn_metadata: AttentionMetadata) -> torch.Tensor:
+        self._check_workers()
+        cpu = torch.device("cpu")
+        broadcast_object(("forward", input_ids.cpu(), positions.cpu(), metadata_to(attn_metadata, cpu),
+                          tuple(kv_caches[0].shape), len(kv_caches)))
+        return self.model(input_ids, positions, kv_caches, attn_metadata)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        broadcast_object(("logits", tuple(hidden.shape)))
+        rows = hidden.to(self.dtype).contiguous()
+        dist.broadcast(rows, src=0)
+        return self.model.compute_logits(rows)
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Mirror the engine's copy-on-write block copies in the workers' caches."""
+        if pairs:
+            broadcast_object(("copy_blocks", torch.tensor([p[0] for p in pairs]), torch.tensor([p[1] for p in pairs])))
+
+    def free_cache(self) -> None:
+        broadcast_object(("free_cache",))
+
+    def parameters(self) -> Any:
+        return self.model.parameters()
+
+    def named_parameters(self) -> Any:
+        return self.model.named_parameters()
+
+    # --- life cycle ---------------------------------------------------------------
+    def _check_workers(self) -> None:
+        for rank, proc in enumerate(self.procs, start=1):
+            if proc.exitcode is not None:
+                raise RuntimeError(f"tensor parallel worker rank {rank} died (exit code {proc.exitcode})")
+
+    def _watch(self) -> None:
+        while not self._closed.wait(0.5):
+            for rank, proc in enumerate(self.procs, start=1):
+                if proc.exitcode is not None and not self._closed.is_set():
+                    self._closed.set()
+                    self._on_death(f"tensor parallel worker rank {rank} died (exit code {proc.exitcode}); "
+                                   "the engine cannot continue")
+                    return
+
+    def shutdown(self, timeout_s: float = 30.0) -> None:
+        if self._closed.is_set():
+            alive = [p for p in self.procs if p.exitcode is None]
+        else:
+            self._closed.set()
+            alive = list(self.procs)
+            try:
+                broadcast_object(("shutdown",))
+            except Exception as exc:  # a dead peer: nothing left to tell
+                logger.warning("tensor parallel shutdown broadcast failed: %s", exc)
+        for proc in alive:
+            proc.join(timeout_s)
+            if proc.exitcode is None:
+                proc.kill()
+                proc.join(5)
+        destroy_tensor_parallel()
+
+
+def start_tensor_parallel(
+    model: str,
+    tp_size: int,
+    device_type: str,
+    dtype: torch.dtype,
+    *,
+    max_model_len: int | None = None,
+    load_format: str = "auto",
+    seed: int = 0,
+    timeout_s: float = 300.0,
+    on_worker_death: Callable[[str], None] = _die,
+) -> TensorParallelModel:
+    """Spawn ranks 1..tp_size-1, become rank 0, load every rank's shards; -> the driver model."""
+    if tp_size < 2:
+        raise ValueError(f"tensor_parallel_size: {tp_size} needs no workers (use the plain model)")
+    if device_type == "cuda" and torch.cuda.device_count() < tp_size:
+        raise ValueError(f"tensor_parallel_size: {tp_size} > {torch.cuda.device_count()} visible GPUs")
+    spec = WorkerSpec(model=str(model), max_model_len=max_model_len, dtype=dtype, load_format=load_format,
+                      seed=seed, device_type=device_type, tp_size=tp_size,
+                      init_method=f"tcp://127.0.0.1:{free_loopback_port()}", timeout_s=timeout_s)
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=worker_main, args=(rank, spec, os.getpid()), daemon=True, name=f"kvfleet-tp{rank}")
+             for rank in range(1, tp_size)]
+    for proc in procs:
+        proc.start()
+    try:
+        shard, _ = build_shard(spec, 0)
+    except BaseException:
+        for proc in procs:
+            proc.kill()
+        destroy_tensor_parallel()
+        raise
+    cfg = shard.config  # type: ignore[attr-defined]
+    logger.info("tensor parallel %d: %d KV heads per rank", tp_size, local_kv_heads(cfg.num_kv_heads, tp_size))
+    return TensorParallelModel(shard, procs, local_kv_heads(cfg.num_kv_heads, tp_size), dtype, on_worker_death)

@@ -1,0 +1,123 @@
+"""Tensor parallel 2 (gloo on 127.0.0.1, two processes) gives the logits of tensor parallel 1.
+
+Tolerance: 1e-4 absolute on float32 logits (the all-reduce only changes summation order).
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from kvfleet.engine.attention import build_attention_metadata
+from kvfleet.engine.model_config import ModelConfig
+from kvfleet.engine.model_loader import load_model
+
+BLOCK = 4
+ATOL = 1e-4
+# (cached prefix, new tokens) per sequence in each step: prefill, chunk + decodes, decodes
+STEPS = [[(0, 9), (0, 6)], [(9, 5), (6, 1)], [(14, 1), (7, 1)]]
+TABLES = [[5, 0, 7, 2], [3, 6]]
+
+
+def run_steps(model: Any, cfg_heads: int, head_dim: int, layers: int, vocab: int) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(5)
+    tokens = [torch.randint(3, vocab, (16,), generator=gen).tolist() for _ in TABLES]
+    caches = [torch.zeros(2, 8, BLOCK, cfg_heads, head_dim) for _ in range(layers)]
+    out = []
+    with torch.inference_mode():
+        for step in STEPS:
+            ids = sum((tokens[b][p : p + n] for b, (p, n) in enumerate(step)), [])
+            pos = sum((list(range(p, p + n)) for p, n in step), [])
+            md = build_attention_metadata([n for _, n in step], [p + n for p, n in step], TABLES, BLOCK)
+            hidden = model(torch.tensor(ids), torch.tensor(pos), caches, md)
+            out.append(model.compute_logits(hidden))
+    return out
+
+
+def _rank_main(rank: int, port: int, folders: list[str]) -> dict[str, tuple[int, list[torch.Tensor]]]:
+    """One rank of a bare 2-process group: load each model's shards and run the steps."""
+    from kvfleet.engine.distributed import destroy_tensor_parallel, init_tensor_parallel
+
+    init_tensor_parallel(rank, 2, f"tcp://127.0.0.1:{port}", device="cpu", timeout_s=60)
+    results = {}
+    try:
+        for folder in folders:
+            cfg = ModelConfig.from_pretrained(folder)
+            model = load_model(cfg, device="cpu", quiet=True)
+            heads = model.model.layers[0].self_attn.num_kv_heads
+            results[folder] = (heads, run_steps(model, heads, cfg.head_dim, cfg.num_layers, cfg.vocab_size))
+    finally:
+        destroy_tensor_parallel()
+    return results
+
+
+@pytest.mark.timeout(180)
+def test_sharded_layers_match_single_process(tiny_model_factory) -> None:
+    from kvfleet.engine.distributed.executor import free_loopback_port
+
+    folders = [str(tiny_model_factory(a)) for a in ("llama", "qwen2", "qwen3")]  # mistral = llama's layers
+    # one KV head for two ranks (replicated) and a vocabulary that does not split evenly
+    folders.append(str(tiny_model_factory("qwen3", num_kv_heads=1, vocab_size=509)))
+    refs = {}
+    for folder in folders:  # before this process joins the group: these models are whole
+        cfg = ModelConfig.from_pretrained(folder)
+        refs[folder] = run_steps(load_model(cfg, device="cpu"), cfg.num_kv_heads, cfg.head_dim, cfg.num_layers,
+                                 cfg.vocab_size)
+    port = free_loopback_port()
+    peer = mp.get_context("spawn").Process(target=_rank_main, args=(1, port, folders))
+    peer.start()
+    try:
+        got = _rank_main(0, port, folders)
+    finally:
+        peer.join(60)
+    assert peer.exitcode == 0
+    for folder in folders:
+        cfg = ModelConfig.from_pretrained(folder)
+        heads, logits = got[folder]
+        assert heads == max(1, cfg.num_kv_heads // 2)
+        for ours, theirs in zip(logits, refs[folder]):
+            torch.testing.assert_close(ours, theirs, atol=ATOL, rtol=0)
+
+
+class _EngineConfig:
+    tensor_parallel_size = 2
+    load_format = "auto"
+    seed = 0
+
+
+@pytest.mark.timeout(180)
+def test_driver_model_with_worker_process(tiny_model_factory) -> None:
+    """load_model with tensor_parallel_size=2: this process is rank 0, one spawned worker is rank 1."""
+    folder = tiny_model_factory("llama")
+    cfg = ModelConfig.from_pretrained(folder)
+    deaths: list[str] = []
+    from kvfleet.engine.distributed import executor
+
+    # the reference first: once this process is rank 0, every model it builds is sharded
+    ref = run_steps(load_model(cfg, device="cpu"), cfg.num_kv_heads, cfg.head_dim, cfg.num_layers, cfg.vocab_size)
+    tp = load_model(cfg, _EngineConfig(), "cpu")
+    try:
+        assert isinstance(tp, executor.TensorParallelModel) and tp.num_kv_heads == 1
+        tp._on_death = deaths.append
+        ours = run_steps(tp, tp.num_kv_heads, cfg.head_dim, cfg.num_layers, cfg.vocab_size)
+        for a, b in zip(ours, ref):
+            torch.testing.assert_close(a, b, atol=ATOL, rtol=0)
+        tp.copy_blocks([(0, 1)])  # mirrored in the worker's cache; must not desynchronise the group
+        again = run_steps(tp, tp.num_kv_heads, cfg.head_dim, cfg.num_layers, cfg.vocab_size)
+        torch.testing.assert_close(again[0], ref[0], atol=ATOL, rtol=0)
+        # a worker that dies is reported (the default handler ends the process), and steps refuse to run
+        tp.procs[0].kill()
+        tp.procs[0].join(10)
+        for _ in range(40):
+            if deaths:
+                break
+            tp._closed.wait(0.1)
+        assert deaths and "rank 1" in deaths[0]
+        with pytest.raises(RuntimeError, match="rank 1 died"):
+            run_steps(tp, tp.num_kv_heads, cfg.head_dim, cfg.num_layers, cfg.vocab_size)
+    finally:
+        tp.shutdown(timeout_s=5)
