@@ -13,6 +13,7 @@ import functools
 
 import torch
 
+from kvfleet.engine.attention import register_attention_backend
 from kvfleet.engine.attention.metadata import AttentionMetadata
 from kvfleet.engine.kernels.paged_decode import choose_num_splits, paged_decode_attention
 from kvfleet.engine.kernels.prefill_attention import prefill_attention
@@ -64,3 +65,6 @@ def triton_paged_attention(
         # decode rows of a mixed step: enough programs already come from the batch, no split
         paged_decode_attention(q, kv_cache, md.block_tables, md.seq_lens, md.query_start_loc, scale, out)
     return out
+
+
+register_attention_backend("triton", triton_paged_attention, device_types=("cuda",), priority=10)

@@ -194,6 +194,11 @@ def run_kvfleet(args: argparse.Namespace, reqs: list[BenchRequest], warm: list[B
         res["peak_gpu_reserved_gib"] = torch.cuda.max_memory_reserved() / 2**30
         free, total = torch.cuda.mem_get_info()
         res["gpu_mem_used_gib"] = (total - free) / 2**30
+    if cuda and getattr(args, "decode_probe", None):
+        from kvfleet.engine.bench.decode_probe import probe_decode_step
+
+        b, ctx = (int(x) for x in args.decode_probe.lower().split("x"))
+        res["decode_probe"] = probe_decode_step(engine, b, ctx)
     return res
 
 

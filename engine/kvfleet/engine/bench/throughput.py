@@ -45,6 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--hf-batch-size", type=int, default=64)
     ap.add_argument("--warmup-requests", type=int, default=4)
     ap.add_argument("--label", default=None, help="free text stored in the JSON")
+    ap.add_argument("--decode-probe", default=None, metavar="BxCTX",
+                    help="after the run, time one decode step at batch B and context CTX (CUDA), e.g. 256x1024")
     return ap
 
 

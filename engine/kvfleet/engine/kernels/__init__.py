@@ -22,15 +22,9 @@ __all__ = [
 ]
 
 
-def _register_attention_backend() -> None:
-    # Imported lazily by kvfleet.engine.attention.get_attention_backend; preferred on CUDA.
-    from kvfleet.engine.attention import register_attention_backend
-    from kvfleet.engine.attention.triton_backend import triton_paged_attention
-
-    register_attention_backend("triton", triton_paged_attention, device_types=("cuda",), priority=10)
-
-
-_register_attention_backend()
+# Registers the "triton" attention backend (preferred on CUDA) when the kernels are imported;
+# kvfleet.engine.attention.get_attention_backend imports this package for that.
+import kvfleet.engine.attention.triton_backend  # noqa: E402,F401
 
 
 def fused_kernels_enabled(x: torch.Tensor) -> bool:

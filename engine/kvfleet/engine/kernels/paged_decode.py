@@ -144,6 +144,8 @@ def paged_decode_attention(
     out: torch.Tensor,
     num_splits: int = 1,
     block_n: int = 64,
+    num_warps: int = 4,
+    num_stages: int = 2,
 ) -> torch.Tensor:
     """Attention of the one query token of each decode sequence over its paged context.
 
@@ -185,7 +187,7 @@ def paged_decode_attention(
         G=g, G_PAD=max(16, next_pow2(g)), HEAD_DIM=d, D_PAD=d_pad,
         BLOCK_SIZE=block_size, BLOCK_N=block_n, NUM_SPLITS=num_splits,
         UPCAST=upcast_dots(q.dtype), PREC=dot_precision(q.dtype),
-        num_warps=4, num_stages=2,
+        num_warps=num_warps, num_stages=num_stages,
     )
     if num_splits > 1:
         _merge_kernel[(batch, hq)](

@@ -1,0 +1,69 @@
+#!/usr/bin/env bash
+# The H200 run, in one `run` call: kernel checks and timings (bf16, real sizes), engine greedy
+# outputs on GPU vs CPU/transformers (tiny models), then the throughput benchmark for both models x
+# both workloads with kvfleet and the hf baseline. Writes $OUT/{log.txt,kernels.json,
+# engine_check.json,results.json} and prints a short table last.
+#
+#   bash bench/gpu_run.sh [STAGE ...]     stages: kernels engine kvfleet hf (default: all)
+#   BUDGET_S=560 (stop starting new steps when they would not finish inside it)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/kvfleet-out}
+mkdir -p "$OUT" /tmp/kvfleet-runs
+export PYTHONPATH="$PWD/engine:$PWD/operator${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+PY=${PY:-python3}
+BUDGET_S=${BUDGET_S:-560}
+START=$(date +%s)
+STAGES=${*:-kernels engine kvfleet hf}
+LOG="$OUT/log.txt"
+c=$(git rev-parse HEAD 2>/dev/null) && echo "$c" > bench/.commit
+
+left() { echo $(( BUDGET_S - ($(date +%s) - START) )); }
+step() {  # step NAME MAX_SECONDS CMD...: run if it can finish in the budget (else skip), log everything
+  local name=$1 max=$2; shift 2
+  local rem; rem=$(left)
+  if (( rem < 20 )); then echo "SKIP $name (budget left ${rem}s)" | tee -a "$LOG"; return; fi
+  (( max > rem - 5 )) && max=$(( rem - 5 ))
+  echo "=== $name (limit ${max}s, t+$(( $(date +%s) - START ))s)" | tee -a "$LOG"
+  timeout -k 5 "$max" "$@" >>"$LOG" 2>&1
+  local rc=$?
+  echo "=== $name rc=$rc" | tee -a "$LOG"
+  tail -n 25 "$LOG" | grep -E "^  |req in|error|Error" | tail -n 12
+}
+merge() {
+  $PY - "$OUT/results.json" /tmp/kvfleet-runs <<'PYEOF'
+import json, pathlib, sys
+runs = {p.stem: json.loads(p.read_text()) for p in sorted(pathlib.Path(sys.argv[2]).glob("*.json"))}
+pathlib.Path(sys.argv[1]).write_text(json.dumps(runs, indent=1))
+PYEOF
+}
+bench() {  # bench NAME MAX_SECONDS ARGS...
+  local name=$1 max=$2; shift 2
+  step "bench $name" "$max" $PY -m kvfleet.engine.bench.throughput --load-format dummy --dtype bfloat16 \
+    --out "/tmp/kvfleet-runs/$name.json" --label "$name" "$@"
+  merge
+}
+
+{ nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv
+  $PY -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)"
+} 2>&1 | tee -a "$LOG"
+
+for s in $STAGES; do case $s in
+kernels) step kernels 120 $PY bench/gpu_kernels.py "$OUT/kernels.json" ;;
+engine) step engine 120 $PY bench/gpu_engine_check.py "$OUT/engine_check.json" ;;
+kvfleet)
+  bench kvfleet-qwen3-0.6b-random-1024-128 120 --model bench/models/qwen3-0.6b --workload random-1024-128 --backend kvfleet --decode-probe 256x1024
+  bench kvfleet-qwen3-0.6b-chat-mix 120 --model bench/models/qwen3-0.6b --workload chat-mix --backend kvfleet
+  bench kvfleet-llama-3.1-8b-random-1024-128 150 --model bench/models/llama-3.1-8b --workload random-1024-128 --backend kvfleet --decode-probe 256x1024
+  bench kvfleet-llama-3.1-8b-chat-mix 150 --model bench/models/llama-3.1-8b --workload chat-mix --backend kvfleet ;;
+hf)
+  bench hf-llama-3.1-8b-random-1024-128 90 --model bench/models/llama-3.1-8b --workload random-1024-128 --backend hf --num-prompts 256 --hf-batch-size 64
+  bench hf-llama-3.1-8b-chat-mix 240 --model bench/models/llama-3.1-8b --workload chat-mix --backend hf --num-prompts 64 --hf-batch-size 64
+  bench hf-qwen3-0.6b-random-1024-128 60 --model bench/models/qwen3-0.6b --workload random-1024-128 --backend hf --num-prompts 256 --hf-batch-size 64
+  bench hf-qwen3-0.6b-chat-mix 90 --model bench/models/qwen3-0.6b --workload chat-mix --backend hf --num-prompts 64 --hf-batch-size 64 ;;
+*) echo "unknown stage $s" ;;
+esac; done
+
+echo "=== summary (t+$(( $(date +%s) - START ))s)"
+$PY bench/summarize.py "$OUT" 2>&1 | tee "$OUT/summary.txt"

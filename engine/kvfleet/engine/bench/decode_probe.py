@@ -1,0 +1,76 @@
+"""Time one decode step of a loaded engine at a fixed batch and context, against its bandwidth floor.
+
+The floor is the bytes a decode step must read (every weight once, the K and V
+of every context token of every layer) over the measured copy bandwidth. The
+step is the model forward (a CUDA-graph replay when captured) plus the LM head
+on every row, timed with CUDA events (median).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from kvfleet.engine.attention.metadata import build_attention_metadata
+
+
+def copy_bandwidth(device: torch.device, nbytes: int = 2 * 2**30) -> float:
+    """Device-to-device copy bandwidth in bytes/s, counting bytes read plus written."""
+    x = torch.randn(nbytes // 2, dtype=torch.bfloat16, device=device)
+    y = torch.empty_like(x)
+    return 2 * nbytes / (_median_ms(lambda: y.copy_(x), 20) / 1e3)
+
+
+def _median_ms(fn: Any, iters: int) -> float:
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return sorted(times)[len(times) // 2]
+
+
+def probe_decode_step(engine: Any, batch: int, ctx: int, iters: int = 20) -> dict[str, Any]:
+    runner = engine.runner
+    cfg = runner.model_config
+    block_size = runner.block_size
+    device = runner.device
+    per_seq = math.ceil(ctx / block_size)
+    num_blocks = runner.kv_caches[0].shape[1]
+    if batch * per_seq > num_blocks:
+        return {"error": f"needs {batch * per_seq} KV blocks, pool has {num_blocks}"}
+    tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(batch)]
+    md = build_attention_metadata([1] * batch, [ctx] * batch, tables, block_size, device)
+    ids = torch.randint(0, cfg.vocab_size, (batch,), device=device)
+    pos = torch.full((batch,), ctx - 1, dtype=torch.long, device=device)
+    model = runner.model
+
+    def step() -> None:
+        with torch.inference_mode():
+            hidden = runner._forward(ids, pos, md)
+            model.compute_logits(hidden)
+
+    def eager() -> None:
+        with torch.inference_mode():
+            model.compute_logits(model(ids, pos, runner.kv_caches, md))
+
+    ms = _median_ms(step, iters)
+    eager_ms = _median_ms(eager, max(5, iters // 4))
+    params = {p.data_ptr(): p.numel() * p.element_size() for p in model.parameters()}
+    weight_bytes = sum(params.values())
+    elem = runner.kv_caches[0].element_size()
+    kv_bytes = batch * ctx * cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * elem
+    bw = copy_bandwidth(device)
+    floor_ms = (weight_bytes + kv_bytes) / bw * 1e3
+    used_graph = runner.graph_runner is not None and runner.graph_runner.can_run(batch, md)
+    return {"batch": batch, "ctx": ctx, "step_ms": ms, "eager_step_ms": eager_ms, "cuda_graph": used_graph,
+            "weight_GB": weight_bytes / 1e9, "kv_read_GB": kv_bytes / 1e9, "copy_bw_GBps": bw / 1e9,
+            "floor_ms": floor_ms, "x_floor": ms / floor_ms}
