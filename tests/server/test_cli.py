@@ -58,3 +58,11 @@ def test_subcommands_dispatch() -> None:
     assert "--workload" in run("bench", "serve", "--help").stdout
     assert "--workload" in run("bench", "throughput", "--help").stdout
     assert run("operator", "--help").returncode == 0
+
+
+def test_model_that_cannot_load_exits_1_with_the_reason(tmp_path) -> None:
+    from server_proc import free_port
+
+    out = run("serve", str(tmp_path / "no-such-model"), "--host", "127.0.0.1", "--port", str(free_port()),
+              "--device", "cpu")
+    assert out.returncode == 1 and "model load failed" in out.stderr and "no-such-model" in out.stderr
