@@ -30,6 +30,7 @@ from kvfleet.engine.kernels import (
     apply_rotary_cos_sin, fused_add_rms_norm, paged_attention_ref, paged_decode_attention, prefill_attention,
     reshape_and_cache, reshape_and_cache_ref, rms_norm, rms_norm_ref, rope_inv_freq, silu_and_mul, silu_mul_ref,
 )
+from kvfleet.engine.kernels.prefill_attention import prefill_work
 from kvfleet.engine.models.layers import RotaryEmbedding, apply_rotary
 
 DEV = torch.device("cpu" if DRY else "cuda")
@@ -191,11 +192,13 @@ def time_kernels(bw: float) -> list[dict[str, Any]]:
     md = c["md"]
     out = torch.empty_like(c["q"])
     flops = 4 * sum(L * L / 2 for L in q_lens) * 32 * 128
-    for bm in (64, 128):
+    for bm, warps, stages in ((64, 4, 2), (64, 4, 3), (128, 8, 2), (128, 4, 2)):
+        work = prefill_work(md.query_start_loc_cpu, bm, False, DEV)
         ms = bench_ms(lambda: prefill_attention(c["q"], c["cache"], md.block_tables, md.seq_lens,
-                                                md.query_start_loc, q_lens[0], 0.088, out, block_m=bm))
-        rows.append({"kernel": "prefill llama 8x1024 causal", "config": f"BLOCK_M={bm}", "ms": ms,
-                     "TFLOPs": flops / (ms / 1e3) / 1e12})
+                                                md.query_start_loc, q_lens[0], 0.088, out, block_m=bm,
+                                                work=work, num_warps=warps, num_stages=stages))
+        rows.append({"kernel": "prefill llama 8x1024 causal", "config": f"BLOCK_M={bm} warps={warps} "
+                     f"stages={stages}", "ms": ms, "TFLOPs": flops / (ms / 1e3) / 1e12})
     return rows
 
 

@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from kvfleet.engine.kernels.prefill_attention import prefill_work
 from kvfleet.engine.kernels import (
     _common,
     paged_attention_ref,
@@ -61,8 +62,9 @@ def test_paged_decode_matches_reference(dtype: torch.dtype, hq: int, hkv: int, s
     assert rel_err(out, ref) < TOL[dtype]
 
 
-@pytest.mark.parametrize("dtype,block_m", [(torch.float32, 16), (torch.bfloat16, 16), (torch.float32, 32)])
-def test_prefill_with_cached_prefix_matches_reference(dtype: torch.dtype, block_m: int) -> None:
+@pytest.mark.parametrize("dtype,block_m,use_work", [(torch.float32, 16, False), (torch.bfloat16, 16, True),
+                                                    (torch.float32, 32, True)])
+def test_prefill_with_cached_prefix_matches_reference(dtype: torch.dtype, block_m: int, use_work: bool) -> None:
     gen = torch.Generator().manual_seed(torch.seed() % 2**31)
     # fresh prompt, chunk after a cached prefix, a single-token decode, a longer chunk
     q_lens = [19, 7, 1, 40]
@@ -72,8 +74,9 @@ def test_prefill_with_cached_prefix_matches_reference(dtype: torch.dtype, block_
     reshape_and_cache(batch.k, batch.v, batch.kv_cache, batch.slot_mapping)
     scale = 0.3
     out = torch.full_like(batch.q, float("nan"))
+    work = prefill_work(batch.query_start_loc.tolist(), block_m, False, "cpu") if use_work else None
     prefill_attention(batch.q, batch.kv_cache, batch.block_tables, batch.seq_lens, batch.query_start_loc,
-                      batch.max_query_len, scale, out, block_m=block_m, block_n=16)
+                      batch.max_query_len, scale, out, block_m=block_m, block_n=16, work=work)
     ref = paged_attention_ref(batch.q, batch.kv_cache, batch.block_tables, batch.seq_lens,
                               batch.query_start_loc, scale)
     assert rel_err(out, ref) < TOL[dtype]
@@ -90,6 +93,12 @@ def test_mixed_batch_split_between_kernels() -> None:
     paged_decode_attention(*args, 0.25, out, num_splits=2, block_n=16)
     ref = paged_attention_ref(*args, 0.25)
     assert rel_err(out, ref) < 1e-5
+
+
+def test_prefill_work_list_skips_decode_rows() -> None:
+    work = prefill_work([0, 1, 40, 41, 41, 58], 16, True, "cpu")
+    assert work.tolist() == [[1, 0], [1, 1], [1, 2], [4, 0], [4, 1]]
+    assert prefill_work([0, 1, 2], 16, True, "cpu").shape == (0, 2)
 
 
 def test_attention_rejects_bad_metadata() -> None:

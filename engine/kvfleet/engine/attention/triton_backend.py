@@ -16,7 +16,7 @@ import torch
 from kvfleet.engine.attention import register_attention_backend
 from kvfleet.engine.attention.metadata import AttentionMetadata
 from kvfleet.engine.kernels.paged_decode import choose_num_splits, paged_decode_attention
-from kvfleet.engine.kernels.prefill_attention import prefill_attention
+from kvfleet.engine.kernels.prefill_attention import default_block_m, prefill_attention, prefill_work
 from kvfleet.engine.kernels.reshape_and_cache import reshape_and_cache
 
 
@@ -27,14 +27,17 @@ def _num_sms(device: torch.device) -> int:
     return 4  # interpreter: keep the split count small
 
 
-def _has_decode_rows(md: AttentionMetadata) -> bool:
-    """Whether a mixed step has single-token sequences (computed once per step, cached on it)."""
-    cached = getattr(md, "_kvfleet_has_decode", None)
-    if cached is None:
+def _prefill_plan(md: AttentionMetadata, dtype: torch.dtype, device: torch.device) -> tuple[bool, int, torch.Tensor]:
+    """(has single-token rows, block_m, work list) of a step with prefill: computed once per step
+    (the first layer) and kept on the metadata object for the other layers."""
+    plan = getattr(md, "_kvfleet_prefill_plan", None)
+    if plan is None:
         qsl = md.query_start_loc_cpu
-        cached = any(qsl[i + 1] - qsl[i] == 1 for i in range(len(qsl) - 1))
-        md._kvfleet_has_decode = cached  # type: ignore[attr-defined]
-    return cached
+        mixed = any(qsl[i + 1] - qsl[i] == 1 for i in range(len(qsl) - 1))
+        block_m = default_block_m(md.max_query_len, dtype)
+        plan = (mixed, block_m, prefill_work(qsl, block_m, mixed, device))
+        md._kvfleet_prefill_plan = plan  # type: ignore[attr-defined]
+    return plan
 
 
 def triton_paged_attention(
@@ -58,9 +61,9 @@ def triton_paged_attention(
         splits = choose_num_splits(batch, kv_cache.shape[3], md.max_seq_len, _num_sms(q.device))
         return paged_decode_attention(q, kv_cache, md.block_tables, md.seq_lens, md.query_start_loc,
                                       scale, out, num_splits=splits)
-    mixed = _has_decode_rows(md)
+    mixed, block_m, work = _prefill_plan(md, q.dtype, q.device)
     prefill_attention(q, kv_cache, md.block_tables, md.seq_lens, md.query_start_loc, md.max_query_len,
-                      scale, out, skip_decode=mixed)
+                      scale, out, skip_decode=mixed, block_m=block_m, work=work)
     if mixed:
         # decode rows of a mixed step: enough programs already come from the batch, no split
         paged_decode_attention(q, kv_cache, md.block_tables, md.seq_lens, md.query_start_loc, scale, out)

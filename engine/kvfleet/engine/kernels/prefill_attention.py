@@ -21,17 +21,22 @@ LOG2E = 1.4426950408889634
 
 @triton.jit
 def _prefill_kernel(
-    q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, qsl_ptr, out_ptr,
+    q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, qsl_ptr, out_ptr, work_ptr,
     scale_log2,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_c_kv, stride_c_blk, stride_c_slot, stride_c_head, stride_bt,
     G: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    SKIP_DECODE: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
+    SKIP_DECODE: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr, USE_WORK: tl.constexpr,
 ):
-    tile = tl.program_id(0)
-    b = tl.program_id(1)
-    h = tl.program_id(2)
+    if USE_WORK:  # compact list of (sequence, query tile): no programs wasted on short or decode sequences
+        b = tl.load(work_ptr + 2 * tl.program_id(0))
+        tile = tl.load(work_ptr + 2 * tl.program_id(0) + 1)
+        h = tl.program_id(1)
+    else:
+        tile = tl.program_id(0)
+        b = tl.program_id(1)
+        h = tl.program_id(2)
     q_start = tl.load(qsl_ptr + b)
     q_len = tl.load(qsl_ptr + b + 1) - q_start
     if tile * BLOCK_M >= q_len:
@@ -87,6 +92,23 @@ def _prefill_kernel(
              out.to(out_ptr.dtype.element_ty), mask=mmask[:, None] & dmask[None, :])
 
 
+def default_block_m(max_query_len: int, dtype: torch.dtype) -> int:
+    return 16 if max_query_len <= 16 else (64 if dtype != torch.float32 else 32)
+
+
+def prefill_work(query_start_loc_cpu: list[int], block_m: int, skip_decode: bool,
+                 device: torch.device | str) -> torch.Tensor:
+    """int32 ``[n, 2]`` (sequence, query tile) pairs that have work, from the host copy of query_start_loc."""
+    pairs: list[int] = []
+    for b in range(len(query_start_loc_cpu) - 1):
+        q_len = query_start_loc_cpu[b + 1] - query_start_loc_cpu[b]
+        if q_len == 0 or (skip_decode and q_len == 1):
+            continue
+        for t in range(-(-q_len // block_m)):
+            pairs += (b, t)
+    return torch.tensor(pairs, dtype=torch.int32).view(-1, 2).to(device, non_blocking=True)
+
+
 def prefill_attention(
     q: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -99,8 +121,15 @@ def prefill_attention(
     skip_decode: bool = False,
     block_m: int | None = None,
     block_n: int = 64,
+    work: torch.Tensor | None = None,
+    num_warps: int = 4,
+    num_stages: int = 2,
 ) -> torch.Tensor:
-    """Causal varlen attention of ``q`` ``[T, Hq, D]`` over the paged cache into ``out``."""
+    """Causal varlen attention of ``q`` ``[T, Hq, D]`` over the paged cache into ``out``.
+
+    ``work``: optional ``prefill_work(...)`` list built with the same ``block_m`` and
+    ``skip_decode``; without it the grid covers every (tile < max tiles, sequence) pair.
+    """
     check_tensor("q", q, ndim=3, dtype=SUPPORTED_DTYPES)
     check_tensor("out", out, ndim=3, dtype=q.dtype, device=q.device)
     check(out.shape == q.shape, "out", f"shape {tuple(out.shape)} != q {tuple(q.shape)}")
@@ -118,16 +147,23 @@ def prefill_attention(
     if batch == 0 or max_query_len == 0:
         return out
     if block_m is None:
-        block_m = 16 if max_query_len <= 16 else (64 if q.dtype != torch.float32 else 32)
-    grid = (triton.cdiv(max_query_len, block_m), batch, hq)
+        block_m = default_block_m(max_query_len, q.dtype)
+    if work is not None:
+        check_tensor("work", work, ndim=2, dtype=torch.int32, device=q.device)
+        check(work.shape[1] == 2, "work", f"expected [n, 2] (sequence, tile), got {tuple(work.shape)}")
+        if work.shape[0] == 0:
+            return out
+        grid: tuple[int, ...] = (work.shape[0], hq)
+    else:
+        grid = (triton.cdiv(max_query_len, block_m), batch, hq)
     _prefill_kernel[grid](
-        q, kv_cache, block_tables, seq_lens, query_start_loc, out,
+        q, kv_cache, block_tables, seq_lens, query_start_loc, out, work if work is not None else seq_lens,
         scale * LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3), block_tables.stride(0),
         G=hq // hkv, HEAD_DIM=d, D_PAD=next_pow2(d),
         BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_N=block_n,
         SKIP_DECODE=skip_decode, UPCAST=upcast_dots(q.dtype), PREC=dot_precision(q.dtype),
-        num_warps=4, num_stages=2,
+        USE_WORK=work is not None, num_warps=num_warps, num_stages=num_stages,
     )
     return out
