@@ -61,3 +61,24 @@ def test_priority_runs_urgent_requests_first(tiny_model_dir) -> None:
                                   priority=[2, 0, 1])
     order = sorted(range(3), key=lambda i: outs[i].metrics.first_scheduled_time)
     assert order == [1, 2, 0]
+
+
+def test_a_failing_step_aborts_only_its_requests(tiny_model_dir) -> None:
+    llm = LLM(str(tiny_model_dir), num_kv_blocks=64, max_num_seqs=1)
+    eng = llm.llm_engine
+    real = eng.runner.execute
+
+    def broken(sched):
+        raise RuntimeError("injected")
+
+    eng.add_request("in-step", [1, 2, 3], SamplingParams(max_tokens=4))
+    eng.add_request("queued", [4, 5, 6], SamplingParams(max_tokens=4, ignore_eos=True))   # max_num_seqs=1
+    eng.runner.execute = broken
+    with pytest.raises(RuntimeError, match="step failed for 1 request"):
+        eng.step()
+    eng.runner.execute = real
+    assert list(eng.groups) == ["queued"] and eng.stats()["kv_blocks_used"] == 0
+    outs = []
+    while eng.has_unfinished_requests():
+        outs.extend(eng.step())
+    assert outs[-1].request_id == "queued" and len(outs[-1].outputs[0].token_ids) == 4

@@ -20,7 +20,7 @@ from typing import Any, AsyncIterator, Callable, Optional
 
 from kvfleet.engine.config import EngineConfig
 from kvfleet.engine.core.inputs import PromptType
-from kvfleet.engine.llm_engine import LLMEngine
+from kvfleet.engine.llm_engine import LLMEngine, StepError
 from kvfleet.engine.outputs import RequestOutput
 from kvfleet.engine.sampling_params import SamplingParams
 
@@ -153,9 +153,15 @@ class AsyncLLM:
                 continue
             try:
                 outs = self.engine.step()
-            except Exception as e:   # noqa: BLE001 - fail the step's requests, keep serving
-                logger.exception("engine step failed; failing its requests")
-                self._fail_all_running(e)
+            except StepError as e:   # the step's requests were aborted; fail them, keep serving
+                logger.exception("engine step failed; failing its %d requests", len(e.request_ids))
+                self._fail(e.request_ids, e)
+                continue
+            except Exception as e:   # noqa: BLE001 - engine state unknown: fail everything, keep the loop
+                logger.exception("engine step failed; failing all requests")
+                rids = list(self.engine.groups)
+                self.engine.abort_request(rids)
+                self._fail(rids, e)
                 continue
             for out in outs:
                 stream = self._streams.get(out.request_id)
@@ -166,13 +172,11 @@ class AsyncLLM:
         for rid in list(self._streams):
             self._streams.pop(rid).put(RuntimeError("engine: shut down"))
 
-    def _fail_all_running(self, err: Exception) -> None:
-        rids = list(self.engine.groups)
-        self.engine.abort_request(rids)
+    def _fail(self, rids: list[str], err: Exception) -> None:
         for rid in rids:
             stream = self._streams.pop(rid, None)
             if stream is not None:
-                stream.put(RuntimeError(f"engine: step failed: {err}"))
+                stream.put(RuntimeError(str(err)))
 
 
 AsyncLLMEngine = AsyncLLM

@@ -27,6 +27,14 @@ from kvfleet.engine.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 
+class StepError(RuntimeError):
+    """A model step failed; the requests in it (`request_ids`) were aborted."""
+
+    def __init__(self, request_ids: list[str], cause: Exception) -> None:
+        super().__init__(f"engine: step failed for {len(request_ids)} request(s): {cause}")
+        self.request_ids = request_ids
+
+
 def resolve_device(device: str) -> torch.device:
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -159,7 +167,13 @@ class LLMEngine:
             if g is not None and g.metrics.first_scheduled_time is None:
                 g.metrics.first_scheduled_time = now
                 g.num_cached_tokens = max(0, s.request.num_cached_tokens)
-        result = self.runner.execute(sched)
+        try:
+            result = self.runner.execute(sched)
+        except Exception as e:
+            # The step's requests are in an unknown state: end them; the others go on.
+            failed = sorted({s.request.group_id for s in sched.scheduled if s.request.group_id})
+            self.abort_request(failed)
+            raise StepError(failed, e) from e
         updates = self.scheduler.update_from_output(sched, result)
         touched: dict[str, RequestGroup] = {}
         for rid, entries in result.prompt_logprobs.items():
