@@ -38,7 +38,7 @@ def test_flags_defaults_env_and_cli_precedence() -> None:
     assert (args.port, args.enable_prefix_caching, args.model) == (9002, True, "other")
     kwargs = engine_kwargs(args)
     assert kwargs["device"] == "cpu" and kwargs["enable_prefix_caching"] is True
-    assert "max_model_len" not in kwargs and "tensor_parallel_size" not in kwargs
+    assert "max_model_len" not in kwargs and kwargs["tensor_parallel_size"] == 1
 
 
 @pytest.mark.parametrize("env, needle", [({"KVFLEET_PORT": "eighty"}, "KVFLEET_PORT"),

@@ -67,8 +67,8 @@ SERVE_FLAGS: tuple[Flag, ...] = (
     Flag("--enable-prefix-caching", "Reuse KV blocks of shared prompt prefixes.", boolean=True, default=True),
     Flag("--enforce-eager", "Never capture CUDA graphs.", boolean=True, default=False),
     Flag("--seed", "Engine random seed.", type=int, default=0),
-    Flag("--load-format", "auto: read the weights; dummy: random weights of the right shapes (benchmarks).",
-         default="auto", choices=("auto", "dummy")),
+    Flag("--load-format", "auto: read the weights (safetensors or GGUF); dummy: random weights of the right "
+         "shapes (benchmarks).", default="auto", choices=("auto", "safetensors", "gguf", "dummy")),
     Flag("--chat-template", "Jinja chat template file overriding the tokenizer's.", metavar="FILE"),
     Flag("--api-key", "Single API key clients must send as `Authorization: Bearer KEY` (tenant `default`).",
          metavar="KEY"),
@@ -136,7 +136,7 @@ def check_serve_args(args: argparse.Namespace) -> None:
         raise ValueError("--shutdown-grace-period must be >= 0")
 
 
-_ENGINE_KWARGS = ("tokenizer", "device", "dtype", "max_model_len",
+_ENGINE_KWARGS = ("tokenizer", "device", "dtype", "tensor_parallel_size", "max_model_len",
                   "gpu_memory_utilization", "max_num_seqs", "max_num_batched_tokens", "block_size",
                   "enable_prefix_caching", "enable_chunked_prefill", "enforce_eager", "seed", "load_format",
                   "kv_cache_memory_bytes")
@@ -147,6 +147,4 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     kwargs = {k: getattr(args, k) for k in _ENGINE_KWARGS if getattr(args, k) is not None}
     if args.num_gpu_blocks_override is not None:
         kwargs["num_kv_blocks"] = args.num_gpu_blocks_override
-    if args.tensor_parallel_size != 1:  # only passed when asked for: the single-GPU engine has no such knob
-        kwargs["tensor_parallel_size"] = args.tensor_parallel_size
     return kwargs
