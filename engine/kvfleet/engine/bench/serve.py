@@ -165,7 +165,7 @@ async def send_one(client: Any, url: str, model: str, req: BenchRequest, headers
                 if chunk.get("usage"):
                     result.prompt_tokens = chunk["usage"]["prompt_tokens"]
                     result.output_tokens = chunk["usage"]["completion_tokens"]
-                if any(c.get("text") for c in chunk.get("choices", [])):
+                if chunk.get("choices"):  # a token event even when its text is empty (no tokenizer, held bytes)
                     if last is None:
                         result.ttft = now - start
                     else:

@@ -129,7 +129,7 @@ def build_app(state: ServerState, load_engine: Callable[[], Any] | None = None) 
         if req.messages is not None:
             ids = chat_prompt_ids(state, req.messages, req.add_generation_prompt)
         else:
-            ids = list(state.tokenizer.encode(req.prompt or "", add_special_tokens=req.add_special_tokens))
+            ids = state.encode(req.prompt or "", "prompt", add_special_tokens=req.add_special_tokens)
         return {"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids}
 
     @app.post("/detokenize", response_model=P.DetokenizeResponse, responses=ERRORS)
@@ -139,7 +139,9 @@ def build_app(state: ServerState, load_engine: Callable[[], Any] | None = None) 
         if bad is not None:
             raise APIError(400, f"tokens: token id {bad} is outside the vocabulary [0, {state.vocab_size})",
                            "tokens", "invalid_value")
-        return {"prompt": state.tokenizer.decode(req.tokens)}
+        if state.tokenizer is None:
+            raise APIError(400, "tokens: this model has no tokenizer", "tokens", "no_tokenizer")
+        return {"prompt": state.decode(req.tokens)}
 
     return app
 

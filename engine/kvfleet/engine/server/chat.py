@@ -22,10 +22,12 @@ def chat_prompt_ids(state: ServerState, messages: list[ChatMessage], add_generat
     conversation = [{"role": m.role, "content": m.text()} for m in messages]
     try:
         text = state.render_chat(conversation, add_generation_prompt)
+    except APIError:
+        raise
     except Exception as exc:  # a template may raise for conversations it does not support
         raise APIError(400, f"messages: the chat template cannot render this conversation: {exc}", "messages",
                        "invalid_messages") from None
-    return list(state.tokenizer.encode(text, add_special_tokens=False))
+    return state.encode(text, "messages", add_special_tokens=False)
 
 
 def _logprobs(state: ServerState, req: ChatCompletionRequest, token_ids: list[int],

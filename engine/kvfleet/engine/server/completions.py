@@ -19,12 +19,11 @@ from kvfleet.engine.server.state import ServerState, logger
 
 def _prompts(state: ServerState, prompt: Any) -> list[tuple[str | None, list[int]]]:
     """(text or None, token ids) for each prompt of a str / ids / list[str] / list[ids] field."""
-    tok = state.tokenizer
     if isinstance(prompt, str):
-        return [(prompt, list(tok.encode(prompt)))]
+        return [(prompt, state.encode(prompt, "prompt"))]
     if prompt and isinstance(prompt[0], int):
         return [(None, list(prompt))]
-    return [(p, list(tok.encode(p))) if isinstance(p, str) else (None, list(p)) for p in prompt]
+    return [(p, state.encode(p, "prompt")) if isinstance(p, str) else (None, list(p)) for p in prompt]
 
 
 def _choice_logprobs(state: ServerState, req: CompletionRequest, out: Any, completion: Any,
@@ -47,7 +46,7 @@ async def create_completion(state: ServerState, req: CompletionRequest, request:
     want_prompt_lp = req.logprobs if (req.echo and req.logprobs is not None) else None
     params = [build_params(state, req, ids, req.max_tokens, field, "max_tokens", req.logprobs, want_prompt_lp)
               for _, ids in prompts]
-    texts = [text if text is not None else state.tokenizer.decode(ids) for text, ids in prompts]
+    texts = [text if text is not None else state.decode(ids) for text, ids in prompts]
     tickets = take_tickets(state, len(prompts), tenant)
     request_id = new_request_id("cmpl")
     streams = [stream_request(state, tickets[i], ids, params[i], f"{request_id}-{i}", tenant, text)

@@ -7,6 +7,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+from kvfleet.engine.server.errors import APIError
 from kvfleet.engine.server.limits import Admission
 from kvfleet.engine.server.metrics import ServerMetrics
 
@@ -59,11 +60,23 @@ class ServerState:
     def vocab_size(self) -> int:
         return int(self.engine.model_config.vocab_size)
 
+    def encode(self, text: str, field: str, add_special_tokens: bool = True) -> list[int]:
+        if self.tokenizer is None:  # e.g. a config-only folder with --load-format dummy
+            raise APIError(400, f"{field}: this model has no tokenizer; send token ids", field, "no_tokenizer")
+        return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids) if self.tokenizer is not None else ""
+
     def decode_one(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id])
+        # Without a tokenizer, name the token the way vLLM's return_tokens_as_token_ids does.
+        return self.tokenizer.decode([token_id]) if self.tokenizer is not None else f"token_id:{token_id}"
 
     def render_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> str:
         tok = self.tokenizer
+        if tok is None:
+            raise APIError(400, "messages: this model has no tokenizer (and no chat template)", "messages",
+                           "no_tokenizer")
         template = self.chat_template or getattr(tok, "chat_template", None) or FALLBACK_CHAT_TEMPLATE
         return tok.apply_chat_template(messages, chat_template=template, tokenize=False,
                                        add_generation_prompt=add_generation_prompt)
