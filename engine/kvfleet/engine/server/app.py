@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import logging
 from typing import Any, AsyncIterator, Callable
 
@@ -90,8 +91,14 @@ def build_app(state: ServerState, load_engine: Callable[[], Any] | None = None) 
             if state.engine is not None:
                 await state.engine.shutdown()
 
+    extra: dict[str, Any] = {}
+    if "telemetry" in inspect.signature(FastAPI.__init__).parameters:
+        # FastAPI's built-in OpenTelemetry: off, so nothing is ever exported whatever the environment
+        # says (the server talks only to its clients); our metrics are the Prometheus ones.
+        extra["telemetry"] = {"auto_configure": False, "tracing": False, "metrics": False, "logs": False,
+                              "operation_spans": False}
     app = FastAPI(title="kvfleet", version=VERSION, lifespan=lifespan,
-                  description="OpenAI-compatible API of a kvfleet engine.")
+                  description="OpenAI-compatible API of a kvfleet engine.", **extra)
     install_error_handlers(app)
     app.add_middleware(Gate, state=state)
 
