@@ -10,7 +10,7 @@ PYTEST_ARGS ?=
 .DEFAULT_GOAL := help
 
 help: ## list the targets
-	@grep -hE '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*## "}; {printf "  \033[36m%-16s\033[0m %s\n", $$1, $$2}'
+	@grep -hE '^[a-zA-Z0-9_-]+:.*## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*## "}; {printf "  \033[36m%-16s\033[0m %s\n", $$1, $$2}'
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -22,13 +22,31 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP) ## create .venv and install kvfleet with all extras
 
-test: install ## run the unit, integration and e2e tests
+test: install cluster-build ## run the unit, integration and e2e tests (builds the cluster binaries when missing)
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 test-unit: install ## run only the tests that need no cluster
 	$(PY) -m pytest -q tests $(PYTEST_ARGS)
 
+# --- local control plane (e2e/cluster, e2e/README.md) ---
+CLUSTER := $(PY) e2e/cluster/cluster.py
+
+cluster-build: ## build etcd, kube-*, kwok, Kueue, helm from Go modules once (cached in ~/.cache/kvfleet)
+	e2e/cluster/build.sh
+
+cluster-up: install cluster-build ## start the local cluster (idempotent): apiserver, controllers, kwok GPU nodes, Kueue
+	$(CLUSTER) up
+
+cluster-down: ## stop the local cluster and remove its state (safe to run twice)
+	@if [ -x $(PY) ]; then $(CLUSTER) down; else echo "no $(VENV): nothing to stop"; fi
+
+cluster-status: install ## say what runs in the local cluster
+	-@$(CLUSTER) status
+
+e2e: install cluster-build ## run the e2e tests against the local cluster (started when needed)
+	$(PY) -m pytest -q e2e $(PYTEST_ARGS)
+
 clean: ## remove the virtualenv and caches
 	rm -rf $(VENV) .pytest_cache .hypothesis
 
-.PHONY: help install test test-unit clean
+.PHONY: help install test test-unit clean cluster-build cluster-up cluster-down cluster-status e2e

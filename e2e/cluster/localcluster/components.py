@@ -54,6 +54,13 @@ def apiserver(layout: Layout) -> Component:
         "--service-cluster-ip-range=10.96.0.0/16",
         # A loopback advertise address fails Endpoints validation, so the `kubernetes` Service gets no endpoints.
         "--endpoint-reconciler-type=none",
+        f"--requestheader-client-ca-file={pki / 'front-proxy-ca.crt'}",
+        "--requestheader-allowed-names=front-proxy-client",
+        "--requestheader-username-headers=X-Remote-User",
+        "--requestheader-group-headers=X-Remote-Group",
+        "--requestheader-extra-headers-prefix=X-Remote-Extra-",
+        f"--proxy-client-cert-file={pki / 'front-proxy-client.crt'}",
+        f"--proxy-client-key-file={pki / 'front-proxy-client.key'}",
         "--allow-privileged=true",
         "--profiling=false",
         f"--cert-dir={pki}",

@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import base64
+import contextlib
+import fcntl
 import json
 import logging
+import os
 import shutil
 import socket
 import subprocess
 import time
+from collections.abc import Iterator
+from pathlib import Path
 from dataclasses import dataclass
 from typing import Any
 
@@ -73,6 +79,44 @@ def busy_ports(layout: Layout) -> list[str]:
     return busy
 
 
+@contextlib.contextmanager
+def locked(layout: Layout, timeout: float = 600.0) -> Iterator[None]:
+    """Serialises up/down between processes sharing one checkout (several test sessions at once)."""
+    layout.state.mkdir(parents=True, exist_ok=True)
+    with open(layout.state / "lock", "w") as handle:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"another process holds {layout.state / 'lock'} for {timeout:.0f} s") from None
+                time.sleep(0.5)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _users_dir(layout: Layout) -> Path:
+    return layout.run / "users"
+
+
+def add_user(layout: Layout, pid: int | None = None) -> None:
+    """Records that process `pid` (default: this one) uses the cluster; see `release_user`."""
+    _users_dir(layout).mkdir(parents=True, exist_ok=True)
+    (_users_dir(layout) / str(pid or os.getpid())).touch()
+
+
+def release_user(layout: Layout, pid: int | None = None) -> bool:
+    """Forgets process `pid`; True when no other live process still uses the cluster."""
+    users = _users_dir(layout)
+    (users / str(pid or os.getpid())).unlink(missing_ok=True)
+    live = [p for p in users.glob("*") if p.name.isdigit() and Path(f"/proc/{p.name}").exists()] if users.exists() else []
+    return not live
+
+
 def _write_kubeconfigs(layout: Layout) -> None:
     ca = (layout.pki / "ca.crt").read_bytes()
     targets = {
@@ -117,9 +161,37 @@ def _register_nodes(layout: Layout, node_spec: str) -> list[str]:
     return [n["metadata"]["name"] for n in nodes]
 
 
+def _mount_kueue_certs(layout: Layout, timeout: float) -> None:
+    """Copies the webhook certificate Kueue's rotator wrote to its Secret into Kueue's certDir.
+
+    In a cluster the kubelet mounts that Secret there; Kueue only reports ready once the files exist.
+    """
+    cert_dir = layout.run / "kueue-certs"
+    cert_dir.mkdir(parents=True, exist_ok=True)
+
+    def copied() -> bool:
+        out = kubectl(layout, "get", "secret", "-n", manifests.KUEUE_NAMESPACE, manifests.KUEUE_WEBHOOK_SECRET,
+                      "-o", "json", check=False)  # fmt: skip
+        data = (json.loads(out).get("data") or {}) if out else {}
+        if not {"tls.crt", "tls.key"} <= data.keys():
+            return False
+        for name, value in data.items():
+            (cert_dir / name).write_bytes(base64.b64decode(value))
+            (cert_dir / name).chmod(0o600)
+        return True
+
+    alive = lambda: procs.running_pid(layout.run, "kueue") is not None  # noqa: E731
+    procs.wait_until("kueue webhook certificate", copied, timeout, alive)
+
+
 def up(layout: Layout, node_spec: str = manifests.DEFAULT_NODES, timeout: float = 240.0) -> bool:
     """Brings the cluster up, or leaves a healthy one as it is. True when it started something."""
     manifests.parse_node_spec(node_spec)  # fail on a bad spec before starting anything
+    with locked(layout):
+        return _up(layout, node_spec, timeout)
+
+
+def _up(layout: Layout, node_spec: str, timeout: float) -> bool:
     missing = missing_binaries(layout)
     if missing:
         raise RuntimeError(f"missing binaries in {layout.bin}: {', '.join(missing)}; run `make cluster-build`")
@@ -127,7 +199,7 @@ def up(layout: Layout, node_spec: str = manifests.DEFAULT_NODES, timeout: float 
         log.info("cluster already up")
         return False
     # Something is missing or broken: start again from a clean slate (a throw-away test cluster).
-    down(layout)
+    _down(layout)
     busy = busy_ports(layout)
     if busy:
         raise RuntimeError(f"ports already in use: {', '.join(busy)} (set KVFLEET_CLUSTER_PORT_BASE to move them)")
@@ -144,13 +216,20 @@ def up(layout: Layout, node_spec: str = manifests.DEFAULT_NODES, timeout: float 
     names = _register_nodes(layout, node_spec)
     procs.start_and_wait(every["kwok"], layout.run, layout.logs, timeout)
     kubectl(layout, "wait", "--for=condition=Ready", f"--timeout={int(timeout)}s", *[f"node/{n}" for n in names])
-    procs.start_and_wait(every["kueue"], layout.run, layout.logs, timeout)
+    procs.start(every["kueue"], layout.run, layout.logs)
+    _mount_kueue_certs(layout, timeout)
+    procs.wait_ready(every["kueue"], layout.run, layout.logs, timeout)
     log.info("cluster up in %.0f s", time.monotonic() - started)
     return True
 
 
 def down(layout: Layout) -> list[str]:
     """Stops every component and removes the cluster's state (binaries and logs stay). Safe to run twice."""
+    with locked(layout):
+        return _down(layout)
+
+
+def _down(layout: Layout) -> list[str]:
     stopped = procs.stop_all(layout.run, tuple(reversed(comps.ORDER)))
     for path in (layout.etcd_data, layout.run, layout.pki):
         shutil.rmtree(path, ignore_errors=True)

@@ -1,6 +1,6 @@
 """Certificates and keys of the local control plane, made with the openssl command line.
 
-A CA; the apiserver's serving certificate (SANs 127.0.0.1 and localhost); client certificates for the admin
+A CA; a separate request-header (front-proxy) CA and its client; the apiserver's serving certificate (SANs 127.0.0.1 and localhost); client certificates for the admin
 (group system:masters), the controller manager and the scheduler (the users RBAC's bootstrap roles name); and an RSA
 key pair that signs and verifies service-account tokens. Each file is made once and kept while the cluster lives.
 """
@@ -31,6 +31,7 @@ ADMIN = ClientIdentity("admin", "kubernetes-admin", ("system:masters",))
 CONTROLLER_MANAGER = ClientIdentity("controller-manager", "system:kube-controller-manager")
 SCHEDULER = ClientIdentity("scheduler", "system:kube-scheduler")
 CLIENTS = (ADMIN, CONTROLLER_MANAGER, SCHEDULER)
+FRONT_PROXY_CLIENT = "front-proxy-client"
 
 APISERVER_SANS = (
     "IP:127.0.0.1",
@@ -76,13 +77,22 @@ def _key(path: Path) -> None:
     path.chmod(0o600)
 
 
-def _leaf(pki: Path, stem: str, subj: str, extensions: str) -> None:
+def _ca(pki: Path, stem: str, common_name: str) -> None:
+    _key(pki / f"{stem}.key")
+    _openssl(
+        "req", "-x509", "-new", "-key", str(pki / f"{stem}.key"), "-subj", subject(common_name), "-days", DAYS,
+        "-sha256", "-addext", "basicConstraints=critical,CA:TRUE",
+        "-addext", "keyUsage=critical,keyCertSign,cRLSign,digitalSignature", "-out", str(pki / f"{stem}.crt"),
+    )  # fmt: skip
+
+
+def _leaf(pki: Path, stem: str, subj: str, extensions: str, ca: str = "ca") -> None:
     key, csr, crt, ext = (pki / f"{stem}{suffix}" for suffix in (".key", ".csr", ".crt", ".ext"))
     _key(key)
     ext.write_text(extensions)
     _openssl("req", "-new", "-key", str(key), "-subj", subj, "-out", str(csr))
     _openssl(
-        "x509", "-req", "-in", str(csr), "-CA", str(pki / "ca.crt"), "-CAkey", str(pki / "ca.key"),
+        "x509", "-req", "-in", str(csr), "-CA", str(pki / f"{ca}.crt"), "-CAkey", str(pki / f"{ca}.key"),
         "-CAcreateserial", "-days", DAYS, "-sha256", "-extfile", str(ext), "-out", str(crt),
     )  # fmt: skip
     csr.unlink()
@@ -94,12 +104,12 @@ def ensure_pki(pki: Path) -> None:
     pki.mkdir(parents=True, exist_ok=True)
     if not (pki / "ca.crt").exists():
         log.info("making the cluster CA in %s", pki)
-        _key(pki / "ca.key")
-        _openssl(
-            "req", "-x509", "-new", "-key", str(pki / "ca.key"), "-subj", subject("kvfleet-local-ca"),
-            "-days", DAYS, "-sha256", "-addext", "basicConstraints=critical,CA:TRUE",
-            "-addext", "keyUsage=critical,keyCertSign,cRLSign,digitalSignature", "-out", str(pki / "ca.crt"),
-        )  # fmt: skip
+        _ca(pki, "ca", "kvfleet-local-ca")
+    if not (pki / "front-proxy-ca.crt").exists():
+        # The aggregation layer's request-header CA: separate, as kubeadm does; components read it from the
+        # extension-apiserver-authentication ConfigMap and complain while it is missing.
+        _ca(pki, "front-proxy-ca", "kvfleet-front-proxy-ca")
+        _leaf(pki, FRONT_PROXY_CLIENT, subject(FRONT_PROXY_CLIENT), leaf_extensions(False), ca="front-proxy-ca")
     if not (pki / "apiserver.crt").exists():
         _leaf(pki, "apiserver", subject("kube-apiserver"), leaf_extensions(True, APISERVER_SANS))
     for client in CLIENTS:

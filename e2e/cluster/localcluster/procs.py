@@ -81,6 +81,9 @@ def running_pid(run: Path, name: str) -> int | None:
 def start(component: Component, run: Path, logs: Path) -> int:
     """Starts a component in its own session, logging to logs/NAME.log; returns its pid."""
     exe = Path(component.argv[0])
+    already = running_pid(run, component.name)
+    if already is not None:
+        raise RuntimeError(f"{component.name} already runs (pid {already}); stop the cluster first")
     if not exe.exists():
         raise FileNotFoundError(f"{component.name}: {exe} is missing; run `make cluster-build` first")
     run.mkdir(parents=True, exist_ok=True)
@@ -112,14 +115,21 @@ def wait_until(what: str, check: Callable[[], bool], timeout: float, alive: Call
         delay = min(delay * 1.5, 2.0)
 
 
-def start_and_wait(component: Component, run: Path, logs: Path, timeout: float = 180.0) -> None:
-    """Starts a component and waits until its probe answers; shows the log's tail when it does not."""
-    start(component, run, logs)
+def wait_ready(component: Component, run: Path, logs: Path, timeout: float = 180.0) -> None:
+    """Waits until our process answers its probe; shows the log's tail when it does not."""
+    alive = lambda: running_pid(run, component.name) is not None  # noqa: E731
     try:
-        wait_until(component.name, component.probe.ok, timeout, lambda: running_pid(run, component.name) is not None)
+        # Alive first: a process that lost a port race exits, while another one may answer the probe.
+        wait_until(component.name, lambda: alive() and component.probe.ok(), timeout, alive)
     except (RuntimeError, TimeoutError) as err:
         tail = "".join((logs / f"{component.name}.log").read_text(errors="replace").splitlines(True)[-25:])
         raise RuntimeError(f"{err}; last lines of {logs / (component.name + '.log')}:\n{tail}") from err
+
+
+def start_and_wait(component: Component, run: Path, logs: Path, timeout: float = 180.0) -> None:
+    """Starts a component and waits until its probe answers."""
+    start(component, run, logs)
+    wait_ready(component, run, logs, timeout)
 
 
 def stop(run: Path, name: str, grace: float = 10.0) -> bool:
