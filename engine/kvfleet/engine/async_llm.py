@@ -171,6 +171,10 @@ class AsyncLLM:
                 self._stop.wait(0.005)   # nothing schedulable right now: do not spin
         for rid in list(self._streams):
             self._streams.pop(rid).put(RuntimeError("engine: shut down"))
+        try:
+            self.engine.shutdown()
+        except Exception:   # noqa: BLE001
+            logger.exception("engine shutdown failed")
 
     def _fail(self, rids: list[str], err: Exception) -> None:
         for rid in rids:

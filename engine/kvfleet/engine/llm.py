@@ -47,6 +47,10 @@ class LLM:
     def model_config(self) -> Any:
         return self.llm_engine.model_config
 
+    def shutdown(self) -> None:
+        """Stop the model's helper processes (tensor parallelism); the LLM is unusable after."""
+        self.llm_engine.shutdown()
+
     def get_tokenizer(self) -> Any:
         return self.llm_engine.tokenizer
 

@@ -267,6 +267,11 @@ class LLMEngine:
         return CompletionOutput(index=index, text=text, token_ids=list(hyp.tokens),
                                 cumulative_logprob=hyp.cum_logprob, finish_reason=reason)
 
+    def shutdown(self) -> None:
+        """Abort what is left and stop the model's helpers (tensor-parallel workers)."""
+        self.abort_request(list(self.groups))
+        self.runner.shutdown()
+
     # --- stats ---------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
         out = self.scheduler.stats()

@@ -29,9 +29,10 @@ from kvfleet.engine.sampler import Sampler, SamplingBatch, gather_logprobs
 logger = logging.getLogger(__name__)
 
 
-def kv_block_bytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+def kv_block_bytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype, num_kv_heads: Optional[int] = None) -> int:
     elem = torch.empty((), dtype=dtype).element_size()
-    return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * elem
+    heads = num_kv_heads if num_kv_heads is not None else cfg.num_kv_heads
+    return 2 * cfg.num_layers * block_size * heads * cfg.head_dim * elem
 
 
 class ModelRunner:
@@ -39,17 +40,17 @@ class ModelRunner:
                  device: torch.device, max_num_batched_tokens: int) -> None:
         from kvfleet.engine.model_loader import load_model
 
-        if engine_config.tensor_parallel_size != 1:
-            # The tensor-parallel executor (kvfleet.engine.distributed) plugs in here once wired.
-            raise ValueError(f"tensor_parallel_size: {engine_config.tensor_parallel_size} is not supported by "
-                             "this model runner yet (use 1)")
         self.model_config = model_config
         self.engine_config = engine_config
         self.device = device
         self.dtype = model_config.dtype
         self.block_size = engine_config.block_size
         self.max_num_batched_tokens = max_num_batched_tokens
+        # With tensor_parallel_size > 1 this is a TensorParallelModel (kvfleet.engine.distributed):
+        # same calls, plus num_kv_heads (this rank's), copy_blocks(pairs) and shutdown().
         self.model = load_model(model_config, engine_config, device, self.dtype)
+        self.num_kv_heads = int(getattr(self.model, "num_kv_heads", model_config.num_kv_heads))
+        self.tensor_parallel = engine_config.tensor_parallel_size > 1
         self.sampler = Sampler()
         self.kv_caches: list[torch.Tensor] = []
         self.graph_runner: Optional[Any] = None
@@ -58,7 +59,7 @@ class ModelRunner:
     # --- KV cache ------------------------------------------------------------------
     def determine_num_blocks(self) -> int:
         cfg, ec = self.model_config, self.engine_config
-        per_block = kv_block_bytes(cfg, self.block_size, self.dtype)
+        per_block = kv_block_bytes(cfg, self.block_size, self.dtype, self.num_kv_heads)
         if ec.num_kv_blocks is not None:
             return int(ec.num_kv_blocks)
         if ec.kv_cache_memory_bytes is not None:
@@ -97,6 +98,9 @@ class ModelRunner:
         peak = torch.cuda.max_memory_allocated(self.device)
         self.kv_caches = []
         del hidden
+        free_remote = getattr(self.model, "free_cache", None)
+        if free_remote is not None:
+            free_remote()   # tensor-parallel workers drop their profiling cache too
         torch.cuda.empty_cache()
         budget = total * self.engine_config.gpu_memory_utilization - peak - non_torch
         num_blocks = int(budget // per_block)
@@ -110,16 +114,16 @@ class ModelRunner:
 
     def _allocate_kv(self, num_blocks: int) -> None:
         cfg = self.model_config
-        shape = (2, num_blocks, self.block_size, cfg.num_kv_heads, cfg.head_dim)
+        shape = (2, num_blocks, self.block_size, self.num_kv_heads, cfg.head_dim)
         self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(cfg.num_layers)]
 
     def init_kv_cache(self, num_blocks: int) -> None:
         self._allocate_kv(num_blocks)
-        gib = num_blocks * kv_block_bytes(self.model_config, self.block_size, self.dtype) / 2**30
+        gib = num_blocks * kv_block_bytes(self.model_config, self.block_size, self.dtype, self.num_kv_heads) / 2**30
         concurrency = num_blocks * self.block_size / self.model_config.max_model_len
         logger.info("KV cache: %d blocks of %d tokens (%.2f GiB); max concurrency %.2fx at max_model_len=%d",
                     num_blocks, self.block_size, gib, concurrency, self.model_config.max_model_len)
-        if self.device.type == "cuda" and not self.engine_config.enforce_eager:
+        if self.device.type == "cuda" and not self.engine_config.enforce_eager and not self.tensor_parallel:
             # decode CUDA graphs over these KV tensors (kvfleet.engine.cuda_graphs, the kernels area)
             from kvfleet.engine.cuda_graphs import build_graph_runner
 
@@ -136,6 +140,14 @@ class ModelRunner:
         dst = torch.tensor([p[1] for p in pairs], dtype=torch.long, device=self.device)
         for cache in self.kv_caches:
             cache[:, dst] = cache[:, src]
+        copy_remote = getattr(self.model, "copy_blocks", None)
+        if copy_remote is not None:
+            copy_remote(pairs)   # tensor-parallel workers hold their own shards of the cache
+
+    def shutdown(self) -> None:
+        stop = getattr(self.model, "shutdown", None)
+        if stop is not None:
+            stop()
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
         gr = self.graph_runner
