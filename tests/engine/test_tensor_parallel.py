@@ -121,3 +121,23 @@ def test_driver_model_with_worker_process(tiny_model_factory) -> None:
             run_steps(tp, tp.num_kv_heads, cfg.head_dim, cfg.num_layers, cfg.vocab_size)
     finally:
         tp.shutdown(timeout_s=5)
+
+
+@pytest.mark.timeout(120)
+def test_worker_failing_at_startup_ends_the_driver_with_a_clear_error(tmp_path: Path) -> None:
+    """A worker that dies before joining must not leave rank 0 in the rendezvous until its timeout."""
+    import os
+    import subprocess
+    import sys
+
+    (tmp_path / "failing_worker.py").write_text("def worker_main(rank, spec, parent):\n    raise SystemExit(3)\n")
+    script = (
+        "import torch, failing_worker\n"
+        "from kvfleet.engine.distributed import executor\n"
+        "executor.worker_main = failing_worker.worker_main\n"
+        f"executor.start_tensor_parallel({str(tmp_path)!r}, 2, 'cpu', torch.float32, timeout_s=90)\n"
+    )
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, env=env)
+    assert proc.returncode == 70, proc.stderr[-2000:]
+    assert "worker rank 1 exited (code 3) while loading the model" in proc.stderr

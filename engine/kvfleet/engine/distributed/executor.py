@@ -122,6 +122,15 @@ class TensorParallelModel:
         destroy_tensor_parallel()
 
 
+def _watch_startup(procs: list[Any], started: threading.Event, on_death: Callable[[str], None]) -> None:
+    """A worker that fails while loading would leave rank 0 waiting in the rendezvous: report it instead."""
+    while not started.wait(0.5):
+        for rank, proc in enumerate(procs, start=1):
+            if proc.exitcode is not None:
+                on_death(f"tensor parallel worker rank {rank} exited (code {proc.exitcode}) while loading the model")
+                return
+
+
 def start_tensor_parallel(
     model: str,
     tp_size: int,
@@ -147,13 +156,17 @@ def start_tensor_parallel(
              for rank in range(1, tp_size)]
     for proc in procs:
         proc.start()
+    started = threading.Event()
+    threading.Thread(target=_watch_startup, args=(procs, started, on_worker_death), daemon=True).start()
     try:
-        shard, _ = build_shard(spec, 0)
+        shard, _ = build_shard(spec, 0)  # blocks until every rank has joined the group
     except BaseException:
         for proc in procs:
             proc.kill()
         destroy_tensor_parallel()
         raise
+    finally:
+        started.set()
     cfg = shard.config  # type: ignore[attr-defined]
     logger.info("tensor parallel %d: %d KV heads per rank", tp_size, local_kv_heads(cfg.num_kv_heads, tp_size))
     return TensorParallelModel(shard, procs, local_kv_heads(cfg.num_kv_heads, tp_size), dtype, on_worker_death)
