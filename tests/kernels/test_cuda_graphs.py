@@ -14,6 +14,11 @@ def test_batch_sizes_cover_every_batch_up_to_the_max() -> None:
         b = pick_bucket(sizes, n)
         assert b is not None and n <= b and b - n < 16
     assert pick_bucket(sizes, 257) is None
+    big = graph_batch_sizes(1024)
+    assert len(big) == 36 and big[-1] == 1024 and 288 in big and 576 in big
+    for n in range(1, 1025):
+        b = pick_bucket(big, n)
+        assert b is not None and n <= b and b - n < max(16, 0.12 * b)
 
 
 def test_bad_sizes_and_devices_are_rejected() -> None:
