@@ -32,7 +32,7 @@ def offline(tiny_model_dir: Path) -> Iterator[Any]:
 def greedy(**extra: Any) -> Any:
     from kvfleet.engine.sampling_params import SamplingParams
 
-    return SamplingParams(temperature=0.0, max_tokens=12, **extra)
+    return SamplingParams(**{"temperature": 0.0, "max_tokens": 12, **extra})
 
 
 def test_models_health_version(client: openai.OpenAI, api_server: Server) -> None:
@@ -76,6 +76,23 @@ def test_n2_seeded_sampling(client: openai.OpenAI) -> None:
                                           stream=True)
     indexes = {c.choices[0].index for c in chat if c.choices}
     assert indexes == {0, 1}
+
+
+def test_batch_of_prompts(client: openai.OpenAI, offline: Any) -> None:
+    prompts = [PROMPT, "the king of the city"]
+    expected = [o.outputs[0].text for o in offline.generate(prompts, greedy(max_tokens=6))]
+    got = client.completions.create(model="tiny", prompt=prompts, max_tokens=6, temperature=0, n=2)
+    assert [c.index for c in got.choices] == [0, 1, 2, 3]
+    assert [c.text for c in got.choices] == [expected[0], expected[0], expected[1], expected[1]]
+    stream = client.completions.create(model="tiny", prompt=prompts, max_tokens=6, temperature=0, stream=True,
+                                       stream_options={"include_usage": True, "continuous_usage_stats": True})
+    texts: dict[int, str] = {}
+    chunks = list(stream)
+    for c in chunks:
+        for choice in c.choices:
+            texts[choice.index] = texts.get(choice.index, "") + choice.text
+    assert texts == {0: expected[0], 1: expected[1]}
+    assert all(c.usage is not None for c in chunks) and chunks[-1].usage.completion_tokens == got.usage.completion_tokens // 2
 
 
 def test_stop_string_truncates_like_offline(client: openai.OpenAI, offline: Any) -> None:
