@@ -174,7 +174,7 @@ def time_kernels(bw: float) -> list[dict[str, Any]]:
         floor_ms = kv_bytes / bw * 1e3
         out = torch.empty_like(c["q"])
         base = {"kernel": f"decode {name} B={b} ctx={ctx}", "floor_ms": floor_ms}
-        configs = [(1, 64, 4, 2), (1, 32, 4, 2), (1, 128, 4, 2), (1, 64, 8, 2), (1, 64, 4, 3)]
+        configs = [(1, 64, 4, 3), (1, 64, 4, 2), (1, 128, 4, 3), (1, 64, 8, 3), (1, 128, 8, 3)]
         if b == 1:
             configs = [(s, 64, 4, 2) for s in (1, 8, 16, 32)]
         for splits, bn, warps, stages in configs:

@@ -4,7 +4,8 @@
 # both workloads with kvfleet and the hf baseline. Writes $OUT/{log.txt,kernels.json,
 # engine_check.json,results.json} and prints a short table last.
 #
-#   bash bench/gpu_run.sh [STAGE ...]     stages: kernels engine kvfleet hf (default: all)
+#   bash bench/gpu_run.sh [STAGE ...]     stages: kernels engine kvfleet hf hf-issue profile
+#                                         (default: kernels engine kvfleet hf)
 #   BUDGET_S=560 (stop starting new steps when they would not finish inside it)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -62,6 +63,11 @@ hf)
   bench hf-llama-3.1-8b-chat-mix 240 --model bench/models/llama-3.1-8b --workload chat-mix --backend hf --num-prompts 64 --hf-batch-size 64
   bench hf-qwen3-0.6b-random-1024-128 60 --model bench/models/qwen3-0.6b --workload random-1024-128 --backend hf --num-prompts 256 --hf-batch-size 64
   bench hf-qwen3-0.6b-chat-mix 90 --model bench/models/qwen3-0.6b --workload chat-mix --backend hf --num-prompts 64 --hf-batch-size 64 ;;
+hf-issue)  # the issue's table only: Llama with the hf baseline
+  bench hf-llama-3.1-8b-random-1024-128 90 --model bench/models/llama-3.1-8b --workload random-1024-128 --backend hf --num-prompts 256 --hf-batch-size 64
+  bench hf-llama-3.1-8b-chat-mix 240 --model bench/models/llama-3.1-8b --workload chat-mix --backend hf --num-prompts 64 --hf-batch-size 64
+  bench hf-qwen3-0.6b-random-1024-128 60 --model bench/models/qwen3-0.6b --workload random-1024-128 --backend hf --num-prompts 256 --hf-batch-size 64 ;;
+profile) step profile 60 $PY bench/gpu_profile.py "$OUT/profile.txt" ;;
 *) echo "unknown stage $s" ;;
 esac; done
 
