@@ -90,7 +90,7 @@ class LLM:
                 if engine.idle_steps > 1000:
                     raise RuntimeError(f"engine: no progress for {engine.idle_steps} steps with "
                                        f"{len(pending)} requests pending (KV cache too small?)")
-                for out in engine.step():
+                for out in engine.step(final_only=True):
                     if out.finished:
                         final[out.request_id] = out
                         pending.discard(out.request_id)

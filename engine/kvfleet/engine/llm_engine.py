@@ -156,7 +156,8 @@ class LLMEngine:
         return bool(self.groups)
 
     # --- the step ------------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
+    def step(self, final_only: bool = False) -> list[RequestOutput]:
+        """One engine step; outputs of the requests it advanced (only finished ones if `final_only`)."""
         sched = self.scheduler.schedule()
         self.idle_steps = self.idle_steps + 1 if sched.is_empty else 0
         if sched.is_empty:
@@ -188,10 +189,13 @@ class LLMEngine:
             touched[g.request_id] = g
         outs = []
         for g in touched.values():
-            out = g.make_output()
-            if g.finished:
+            done = g.finished
+            if done:
                 self.groups.pop(g.request_id, None)
-            if out.outputs or out.finished:
+            elif final_only:
+                continue
+            out = g.make_output()
+            if out.outputs or done:
                 outs.append(out)
         return outs
 

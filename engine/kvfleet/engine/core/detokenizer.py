@@ -22,7 +22,16 @@ class IncrementalDetokenizer:
     read_offset: int = 0
     _checked: int = 0          # text before this index has been searched for stop strings
 
+    def __post_init__(self) -> None:
+        # The Rust tokenizer directly when the HF wrapper would add nothing (no space clean-up):
+        # the wrapper's per-call overhead is most of the cost of decoding one token.
+        backend = getattr(self.tokenizer, "_tokenizer", None)
+        plain = not getattr(self.tokenizer, "clean_up_tokenization_spaces", False)
+        self._fast = backend.decode if backend is not None and plain and hasattr(backend, "decode") else None
+
     def _decode(self, ids: list[int]) -> str:
+        if self._fast is not None:
+            return self._fast(ids, skip_special_tokens=self.skip_special_tokens)
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
     def update(self, output_ids: list[int]) -> Optional[str]:
