@@ -150,11 +150,25 @@ def test_kueue_admits_within_gpu_quota_and_queues_the_rest(k8s: Any, namespace: 
     wait_for("second admitted after first deleted", lambda: reserved("second") == "True")
 
 
+def test_kueue_converts_between_its_api_versions(k8s: Any, namespace: str, cluster_objects: Any) -> None:
+    """The apiserver reaches Kueue's conversion webhook on loopback: v1beta1 reads of v1beta2 objects work."""
+    api = client.CustomObjectsApi(k8s)
+    name = f"conv-{namespace}"
+    cluster_objects.create(*KUEUE, "clusterqueues", {
+        "apiVersion": "kueue.x-k8s.io/v1beta2", "kind": "ClusterQueue", "metadata": {"name": name},
+        "spec": {"cohortName": "research", "namespaceSelector": {}, "resourceGroups": []},
+    })  # fmt: skip
+    old = api.get_cluster_custom_object("kueue.x-k8s.io", "v1beta1", "clusterqueues", name)
+    assert old["apiVersion"] == "kueue.x-k8s.io/v1beta1"
+    assert old["spec"]["cohort"] == "research" and "cohortName" not in old["spec"]
+
+
 def test_apiserver_rejects_invalid_objects_with_its_own_validation(k8s: Any, namespace: str) -> None:
     bad_deployment = {
         "apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": "bad"},
         "spec": {"replicas": -1, "selector": {"matchLabels": {"a": "b"}},
-                 "template": {"metadata": {"labels": {"a": "b"}}, "spec": {"containers": [{"name": "c", "image": "i"}]}}},
+                 "template": {"metadata": {"labels": {"a": "b"}},
+                              "spec": {"containers": [{"name": "c", "image": "i"}]}}},
     }  # fmt: skip
     with pytest.raises(ApiException) as built_in:
         client.AppsV1Api(k8s).create_namespaced_deployment(namespace, bad_deployment)
@@ -212,9 +226,10 @@ def test_port_base_override_is_validated() -> None:
 def test_only_kueues_converted_crds_get_the_conversion_stanza() -> None:
     from localcluster.manifests import with_conversion_webhook
 
+    url = "https://127.0.0.1:20909/convert"
     workloads = {"metadata": {"name": "workloads.kueue.x-k8s.io"}, "spec": {"group": "kueue.x-k8s.io"}}
     flavors = {"metadata": {"name": "resourceflavors.kueue.x-k8s.io"}, "spec": {"group": "kueue.x-k8s.io"}}
-    patched = with_conversion_webhook(workloads)
-    assert patched["spec"]["conversion"]["webhook"]["clientConfig"]["service"]["name"] == "kueue-webhook-service"
+    patched = with_conversion_webhook(workloads, url)
+    assert patched["spec"]["conversion"]["webhook"]["clientConfig"] == {"url": url}
     assert "conversion" not in workloads["spec"]  # the input is left alone
-    assert with_conversion_webhook(flavors) == flavors
+    assert with_conversion_webhook(flavors, url) == flavors

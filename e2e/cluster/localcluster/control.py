@@ -113,8 +113,9 @@ def release_user(layout: Layout, pid: int | None = None) -> bool:
     """Forgets process `pid`; True when no other live process still uses the cluster."""
     users = _users_dir(layout)
     (users / str(pid or os.getpid())).unlink(missing_ok=True)
-    live = [p for p in users.glob("*") if p.name.isdigit() and Path(f"/proc/{p.name}").exists()] if users.exists() else []
-    return not live
+    if not users.exists():
+        return True
+    return not [p for p in users.glob("*") if p.name.isdigit() and Path(f"/proc/{p.name}").exists()]
 
 
 def _write_kubeconfigs(layout: Layout) -> None:
@@ -143,12 +144,32 @@ def _write_component_configs(layout: Layout) -> None:
 
 
 def _install_kueue_api(layout: Layout) -> None:
-    crd_dir = layout.binary("kueue-crds")
-    crds = [manifests.with_conversion_webhook(yaml.safe_load(p.read_text())) for p in sorted(crd_dir.glob("*.yaml"))]
+    pki.ensure_kueue_webhook_pki(layout.pki, manifests.KUEUE_WEBHOOK_DNS)
+    files = {name: (layout.pki / name).read_bytes() for name in
+             ("kueue-ca.crt", "kueue-ca.key", "kueue-webhook.crt", "kueue-webhook.key")}  # fmt: skip
+    # Kueue's webhook server reads its certificate from certDir (in a cluster, the Secret mounted there).
+    cert_dir = layout.run / "kueue-certs"
+    cert_dir.mkdir(parents=True, exist_ok=True)
+    copies = (("ca.crt", "kueue-ca.crt"), ("tls.crt", "kueue-webhook.crt"), ("tls.key", "kueue-webhook.key"))
+    for target, source in copies:
+        (cert_dir / target).write_bytes(files[source])
+        (cert_dir / target).chmod(0o600)
+    url = f"https://127.0.0.1:{layout.port('kueue_webhook')}/convert"
+    crd_files = sorted(layout.binary("kueue-crds").glob("*.yaml"))
+    crds = [manifests.with_conversion_webhook(yaml.safe_load(f.read_text()), url) for f in crd_files]
+    bootstrap = manifests.kueue_bootstrap_objects(*files.values())
     # Server-side: the Workload CRD is too large for the last-applied annotation of client-side apply.
     kubectl(layout, "apply", "--server-side", "--field-manager=kvfleet-cluster", "-f", "-",
-            stdin=dump_all(crds + manifests.kueue_bootstrap_objects()))  # fmt: skip
+            stdin=dump_all(crds + bootstrap))  # fmt: skip
     kubectl(layout, "wait", "--for=condition=Established", "--timeout=60s", "crd", "--all")
+
+
+def _check_kueue_kept_our_certificate(layout: Layout) -> None:
+    """Fails when Kueue's rotator replaced the seeded certificate (conversion via 127.0.0.1 would then fail)."""
+    out = kubectl(layout, "get", "secret", "-n", manifests.KUEUE_NAMESPACE, manifests.KUEUE_WEBHOOK_SECRET,
+                  "-o", "jsonpath={.data.tls\\.crt}")  # fmt: skip
+    if base64.b64decode(out) != (layout.pki / "kueue-webhook.crt").read_bytes():
+        raise RuntimeError("Kueue's certificate rotator replaced the seeded webhook certificate; see kueue.log")
 
 
 def _register_nodes(layout: Layout, node_spec: str) -> list[str]:
@@ -159,29 +180,6 @@ def _register_nodes(layout: Layout, node_spec: str) -> list[str]:
         patch = json.dumps({"status": node["status"]})
         kubectl(layout, "patch", "node", node["metadata"]["name"], "--subresource=status", "--type=merge", "-p", patch)
     return [n["metadata"]["name"] for n in nodes]
-
-
-def _mount_kueue_certs(layout: Layout, timeout: float) -> None:
-    """Copies the webhook certificate Kueue's rotator wrote to its Secret into Kueue's certDir.
-
-    In a cluster the kubelet mounts that Secret there; Kueue only reports ready once the files exist.
-    """
-    cert_dir = layout.run / "kueue-certs"
-    cert_dir.mkdir(parents=True, exist_ok=True)
-
-    def copied() -> bool:
-        out = kubectl(layout, "get", "secret", "-n", manifests.KUEUE_NAMESPACE, manifests.KUEUE_WEBHOOK_SECRET,
-                      "-o", "json", check=False)  # fmt: skip
-        data = (json.loads(out).get("data") or {}) if out else {}
-        if not {"tls.crt", "tls.key"} <= data.keys():
-            return False
-        for name, value in data.items():
-            (cert_dir / name).write_bytes(base64.b64decode(value))
-            (cert_dir / name).chmod(0o600)
-        return True
-
-    alive = lambda: procs.running_pid(layout.run, "kueue") is not None  # noqa: E731
-    procs.wait_until("kueue webhook certificate", copied, timeout, alive)
 
 
 def up(layout: Layout, node_spec: str = manifests.DEFAULT_NODES, timeout: float = 240.0) -> bool:
@@ -216,9 +214,8 @@ def _up(layout: Layout, node_spec: str, timeout: float) -> bool:
     names = _register_nodes(layout, node_spec)
     procs.start_and_wait(every["kwok"], layout.run, layout.logs, timeout)
     kubectl(layout, "wait", "--for=condition=Ready", f"--timeout={int(timeout)}s", *[f"node/{n}" for n in names])
-    procs.start(every["kueue"], layout.run, layout.logs)
-    _mount_kueue_certs(layout, timeout)
-    procs.wait_ready(every["kueue"], layout.run, layout.logs, timeout)
+    procs.start_and_wait(every["kueue"], layout.run, layout.logs, timeout)
+    _check_kueue_kept_our_certificate(layout)
     log.info("cluster up in %.0f s", time.monotonic() - started)
     return True
 

@@ -154,30 +154,30 @@ def kueue_configuration(health_port: int, metrics_port: int, webhook_port: int, 
     }
 
 
-def with_conversion_webhook(crd: dict[str, Any]) -> dict[str, Any]:
-    """Kueue's CRD with the conversion webhook stanza of its own kustomize patch (service, not URL).
+def with_conversion_webhook(crd: dict[str, Any], url: str) -> dict[str, Any]:
+    """Kueue's CRD with a conversion webhook at `url` (Kueue's webhook server on loopback), as its kustomize patch
+    adds for the same CRDs (there with a Service reference).
 
-    The base CRDs have none, and without it Kueue's certificate rotator never reports ready. The service does not
-    exist, so the apiserver never sends traffic for it: objects are only read and written in the storage version
-    (v1beta2), which needs no conversion.
+    The apiserver keeps a watch cache per served version and converts every object for it, so v1beta1 and v1beta2
+    both need a working webhook; and Kueue's certificate rotator only reports ready once it has injected its CA
+    into each of these CRDs.
     """
     if crd.get("metadata", {}).get("name") not in KUEUE_CONVERSION_CRDS:
         return crd
     patched = {**crd, "spec": dict(crd["spec"])}
     patched["spec"]["conversion"] = {
         "strategy": "Webhook",
-        "webhook": {
-            "clientConfig": {
-                "service": {"namespace": KUEUE_NAMESPACE, "name": KUEUE_WEBHOOK_SERVICE, "path": "/convert"}
-            },
-            "conversionReviewVersions": ["v1"],
-        },
+        "webhook": {"clientConfig": {"url": url}, "conversionReviewVersions": ["v1"]},
     }
     return patched
 
 
-def kueue_bootstrap_objects() -> list[dict[str, Any]]:
-    """The namespace and the empty Secret Kueue's certificate rotator fills in."""
+def kueue_bootstrap_objects(ca_crt: bytes, ca_key: bytes, tls_crt: bytes, tls_key: bytes) -> list[dict[str, Any]]:
+    """Kueue's namespace and its webhook Secret, seeded with our certificates (see pki.ensure_kueue_webhook_pki)."""
+
+    def b64(data: bytes) -> str:
+        return base64.b64encode(data).decode()
+
     return [
         {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": KUEUE_NAMESPACE}},
         {
@@ -185,5 +185,9 @@ def kueue_bootstrap_objects() -> list[dict[str, Any]]:
             "kind": "Secret",
             "metadata": {"name": KUEUE_WEBHOOK_SECRET, "namespace": KUEUE_NAMESPACE},
             "type": "Opaque",
+            "data": {"ca.crt": b64(ca_crt), "ca.key": b64(ca_key), "tls.crt": b64(tls_crt), "tls.key": b64(tls_key)},
         },
     ]
+
+
+KUEUE_WEBHOOK_DNS = f"{KUEUE_WEBHOOK_SERVICE}.{KUEUE_NAMESPACE}.svc"

@@ -1,8 +1,9 @@
 """Certificates and keys of the local control plane, made with the openssl command line.
 
-A CA; a separate request-header (front-proxy) CA and its client; the apiserver's serving certificate (SANs 127.0.0.1 and localhost); client certificates for the admin
-(group system:masters), the controller manager and the scheduler (the users RBAC's bootstrap roles name); and an RSA
-key pair that signs and verifies service-account tokens. Each file is made once and kept while the cluster lives.
+A CA; a separate request-header (front-proxy) CA and its client; the apiserver's serving certificate (SANs
+127.0.0.1 and localhost); client certificates for the admin (group system:masters), the controller manager and the
+scheduler (the users RBAC's bootstrap roles name); an RSA key pair that signs and verifies service-account tokens;
+and Kueue's webhook CA and certificate. Each file is made once and kept while the cluster lives.
 """
 
 from __future__ import annotations
@@ -77,12 +78,20 @@ def _key(path: Path) -> None:
     path.chmod(0o600)
 
 
-def _ca(pki: Path, stem: str, common_name: str) -> None:
-    _key(pki / f"{stem}.key")
+def _rsa_pkcs1_key(path: Path) -> None:
+    """An RSA key in PKCS#1 form: the only CA key form Kueue's certificate rotator parses."""
+    _openssl("genrsa", "-traditional", "-out", str(path), "2048")
+    path.chmod(0o600)
+
+
+def _ca(pki: Path, stem: str, common_name: str, organizations: tuple[str, ...] = (), san: str = "",
+        rsa_pkcs1: bool = False) -> None:  # fmt: skip
+    (_rsa_pkcs1_key if rsa_pkcs1 else _key)(pki / f"{stem}.key")
+    extra = ["-addext", f"subjectAltName={san}"] if san else []
     _openssl(
-        "req", "-x509", "-new", "-key", str(pki / f"{stem}.key"), "-subj", subject(common_name), "-days", DAYS,
-        "-sha256", "-addext", "basicConstraints=critical,CA:TRUE",
-        "-addext", "keyUsage=critical,keyCertSign,cRLSign,digitalSignature", "-out", str(pki / f"{stem}.crt"),
+        "req", "-x509", "-new", "-key", str(pki / f"{stem}.key"), "-subj", subject(common_name, organizations),
+        "-days", DAYS, "-sha256", "-addext", "basicConstraints=critical,CA:TRUE",
+        "-addext", "keyUsage=critical,keyCertSign,cRLSign,digitalSignature", *extra, "-out", str(pki / f"{stem}.crt"),
     )  # fmt: skip
 
 
@@ -120,3 +129,18 @@ def ensure_pki(pki: Path) -> None:
         _openssl("genpkey", "-algorithm", "RSA", "-pkeyopt", "rsa_keygen_bits:2048", "-out", str(pki / "sa.key"))
         (pki / "sa.key").chmod(0o600)
         _openssl("pkey", "-in", str(pki / "sa.key"), "-pubout", "-out", str(pki / "sa.pub"))
+
+
+def ensure_kueue_webhook_pki(pki: Path, service_dns: str) -> None:
+    """The CA and serving certificate of Kueue's webhook server, made the way its certificate rotator checks them.
+
+    Kueue's rotator (open-policy-agent/cert-controller) keeps a Secret's certificates when the CA verifies for the
+    DNS name "kueue-ca" and the server certificate for "<service>.<namespace>.svc"; ours also name 127.0.0.1, where
+    the apiserver reaches the conversion webhook. Seeding the Secret with them keeps the rotator from replacing them.
+    """
+    pki.mkdir(parents=True, exist_ok=True)
+    if not (pki / "kueue-ca.crt").exists():
+        _ca(pki, "kueue-ca", "kueue-ca", ("kueue",), san="DNS:kueue-ca", rsa_pkcs1=True)
+    if not (pki / "kueue-webhook.crt").exists():
+        sans = (f"DNS:{service_dns}", "IP:127.0.0.1")
+        _leaf(pki, "kueue-webhook", subject(service_dns), leaf_extensions(True, sans), ca="kueue-ca")
