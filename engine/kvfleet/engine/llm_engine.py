@@ -241,7 +241,8 @@ class LLMEngine:
         if step.done:
             self.scheduler.finish_requests(list(seqs), RequestStatus.FINISHED_STOPPED)
             self.runner.release(list(seqs))
-            g.beam_result = [self._beam_output(g, i, h) for i, h in enumerate(g.beam.best(g.params.n))]
+            best = g.beam.best(g.params.n, g.beam_live)
+            g.beam_result = [self._beam_output(g, i, h) for i, h in enumerate(best)]
             return
         used: set[str] = set()
         plan: list[tuple[Request, int, Beam]] = []

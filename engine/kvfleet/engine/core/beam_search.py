@@ -93,5 +93,9 @@ class BeamSearchState:
         done = not self.heuristic_unsatisfied or all_done or all(hits) or not next_beams
         return BeamStep(next_beams=[] if done else next_beams, done=done)
 
-    def best(self, n: int) -> list[Hypothesis]:
-        return self.finished[:n]
+    def best(self, n: int, running: list[Beam] = ()) -> list[Hypothesis]:
+        """The n best finished hypotheses (running beams stand in if none finished)."""
+        if self.finished:
+            return self.finished[:n]
+        lp = self.length_penalty
+        return [Hypothesis(b.tokens, b.score / (max(1, len(b.tokens)) ** lp), b.score) for b in running[:n]]
