@@ -75,7 +75,7 @@ def mdep_changed(namespace: str, name: str, **_: Any) -> None:
 @kopf.on.delete(GROUP, VERSION, MDEP_PLURAL, optional=True)
 def mdep_deleted(namespace: str, name: str, **_: Any) -> None:
     # Owner references let the garbage collector remove workloads, Deployments and the Service.
-    log.info("deleted", extra={"mdep": f"{namespace}/{name}"})
+    log.info("deleted mdep=%s/%s", namespace, name)
 
 
 @kopf.timer(GROUP, VERSION, MDEP_PLURAL, interval=30, initial_delay=30)

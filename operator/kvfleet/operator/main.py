@@ -13,6 +13,7 @@ import kopf
 from . import handlers as _handlers  # noqa: F401  (registers the handlers)
 from . import metrics
 from .constants import GROUP
+from .kube import bearer_token, load_client_configuration
 
 log = logging.getLogger("kvfleet.operator")
 
@@ -47,6 +48,18 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
         metrics.serve(port, os.environ.get("KVFLEET_METRICS_ADDR", "127.0.0.1"))
 
 
+@kopf.on.login()
+def login(**_: Any) -> kopf.ConnectionInfo:
+    """The same credentials as the operator's own client: in-cluster, else $KUBECONFIG (read now)."""
+    cfg = load_client_configuration()
+    token = bearer_token(cfg)
+    scheme, _, value = (token or "").partition(" ")
+    return kopf.ConnectionInfo(
+        server=cfg.host, ca_path=cfg.ssl_ca_cert, insecure=not cfg.verify_ssl,
+        certificate_path=cfg.cert_file, private_key_path=cfg.key_file,
+        scheme=scheme or None, token=value or None)
+
+
 @kopf.on.probe(id="reconciles")
 def probe_reconciles(**_: Any) -> float:
     """Reconciliations so far (shown by the liveness endpoint)."""
@@ -68,13 +81,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--log-level", default="INFO")
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    # Quiet by default: one line per API request (httpx) or per handler run (kopf) is noise.
+    if args.log_level.upper() != "DEBUG":
+        logging.getLogger("httpx").setLevel(logging.WARNING)
+        logging.getLogger("kopf.objects").setLevel(logging.WARNING)
     if args.kubeconfig:
         os.environ["KUBECONFIG"] = args.kubeconfig
     os.environ["KVFLEET_METRICS_PORT"] = str(args.metrics_port)
     os.environ["KVFLEET_METRICS_ADDR"] = args.metrics_addr
     os.environ["KVFLEET_PEERING_NAME"] = args.peering
-    kopf.run(clusterwide=True, liveness_endpoint=args.liveness or None, standalone=args.standalone or None,
-             peering_name=args.peering)
+    if args.metrics_port:
+        metrics.serve(args.metrics_port, args.metrics_addr)  # fail fast on a taken port
+    # A peering name makes peering mandatory in kopf, which would pause a standalone operator.
+    kopf.run(clusterwide=True, liveness_endpoint=args.liveness or None,
+             standalone=True if args.standalone else None,
+             peering_name=None if args.standalone else args.peering)
     return 0
 
 

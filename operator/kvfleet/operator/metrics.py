@@ -27,5 +27,12 @@ def timed(kind: str) -> Iterator[None]:
         DURATION.labels(kind).observe(time.perf_counter() - start)
 
 
+_serving: tuple[str, int] | None = None
+
+
 def serve(port: int, addr: str = "127.0.0.1") -> None:
-    start_http_server(port, addr=addr)
+    """Start the /metrics endpoint once per process (raises OSError if the port is taken)."""
+    global _serving
+    if _serving is None:
+        start_http_server(port, addr=addr)
+        _serving = (addr, port)

@@ -111,8 +111,8 @@ def reconcile_model_deployment(kube: Kube, config: OperatorConfig, namespace: st
             kube.apply(build_workload(mdep, spec, config, ordinal, resolved.queue_name, resolved.priority,
                                       pinned))
         if plan.create or plan.delete:
-            log.info("workloads", extra={"mdep": f"{namespace}/{name}", "desired": desired,
-                                         "created": list(plan.create), "deleted": list(plan.delete)})
+            log.info("workloads mdep=%s/%s desired=%d created=%s deleted=%s", namespace, name, desired,
+                     list(plan.create), list(plan.delete))
     obs = Observation(
         generation=int(mdep["metadata"].get("generation", 0)),
         desired=desired,
