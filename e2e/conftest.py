@@ -31,7 +31,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "cluster"))
 
-from localcluster import control  # noqa: E402
+from localcluster import control, sharing  # noqa: E402
 from localcluster.layout import Layout  # noqa: E402
 
 E2E_DIR = Path(__file__).resolve().parent
@@ -52,9 +52,9 @@ def cluster() -> Iterator[Layout]:
         pytest.fail(f"cluster binaries missing ({', '.join(missing)}): run `make cluster-build` (or `make e2e`)")
     started = control.up(layout)
     # Several test sessions may share one checkout's cluster: the last one out stops it, if a session started it.
-    control.add_user(layout)
+    sharing.add_user(layout)
     yield layout
-    last = control.release_user(layout)
+    last = sharing.release_user(layout)
     if started and last and os.environ.get("KVFLEET_KEEP_CLUSTER") != "1":
         control.down(layout)
 

@@ -2,26 +2,21 @@
 
 from __future__ import annotations
 
-import base64
-import contextlib
-import fcntl
 import json
 import logging
-import os
 import shutil
 import socket
 import subprocess
 import time
-from collections.abc import Iterator
-from pathlib import Path
 from dataclasses import dataclass
 from typing import Any
 
 import yaml
 
 from . import components as comps
-from . import manifests, pki, procs
+from . import kueue_setup, manifests, pki, procs
 from .layout import Layout
+from .sharing import locked
 
 log = logging.getLogger(__name__)
 
@@ -79,45 +74,6 @@ def busy_ports(layout: Layout) -> list[str]:
     return busy
 
 
-@contextlib.contextmanager
-def locked(layout: Layout, timeout: float = 600.0) -> Iterator[None]:
-    """Serialises up/down between processes sharing one checkout (several test sessions at once)."""
-    layout.state.mkdir(parents=True, exist_ok=True)
-    with open(layout.state / "lock", "w") as handle:
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"another process holds {layout.state / 'lock'} for {timeout:.0f} s") from None
-                time.sleep(0.5)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
-
-
-def _users_dir(layout: Layout) -> Path:
-    return layout.run / "users"
-
-
-def add_user(layout: Layout, pid: int | None = None) -> None:
-    """Records that process `pid` (default: this one) uses the cluster; see `release_user`."""
-    _users_dir(layout).mkdir(parents=True, exist_ok=True)
-    (_users_dir(layout) / str(pid or os.getpid())).touch()
-
-
-def release_user(layout: Layout, pid: int | None = None) -> bool:
-    """Forgets process `pid`; True when no other live process still uses the cluster."""
-    users = _users_dir(layout)
-    (users / str(pid or os.getpid())).unlink(missing_ok=True)
-    if not users.exists():
-        return True
-    return not [p for p in users.glob("*") if p.name.isdigit() and Path(f"/proc/{p.name}").exists()]
-
-
 def _write_kubeconfigs(layout: Layout) -> None:
     ca = (layout.pki / "ca.crt").read_bytes()
     targets = {
@@ -141,35 +97,6 @@ def _write_component_configs(layout: Layout) -> None:
         str(layout.run / "kueue-certs"),
     )  # fmt: skip
     (layout.run / "kueue-config.yaml").write_text(yaml.safe_dump(kueue_config, sort_keys=False))
-
-
-def _install_kueue_api(layout: Layout) -> None:
-    pki.ensure_kueue_webhook_pki(layout.pki, manifests.KUEUE_WEBHOOK_DNS)
-    files = {name: (layout.pki / name).read_bytes() for name in
-             ("kueue-ca.crt", "kueue-ca.key", "kueue-webhook.crt", "kueue-webhook.key")}  # fmt: skip
-    # Kueue's webhook server reads its certificate from certDir (in a cluster, the Secret mounted there).
-    cert_dir = layout.run / "kueue-certs"
-    cert_dir.mkdir(parents=True, exist_ok=True)
-    copies = (("ca.crt", "kueue-ca.crt"), ("tls.crt", "kueue-webhook.crt"), ("tls.key", "kueue-webhook.key"))
-    for target, source in copies:
-        (cert_dir / target).write_bytes(files[source])
-        (cert_dir / target).chmod(0o600)
-    url = f"https://127.0.0.1:{layout.port('kueue_webhook')}/convert"
-    crd_files = sorted(layout.binary("kueue-crds").glob("*.yaml"))
-    crds = [manifests.with_conversion_webhook(yaml.safe_load(f.read_text()), url) for f in crd_files]
-    bootstrap = manifests.kueue_bootstrap_objects(*files.values())
-    # Server-side: the Workload CRD is too large for the last-applied annotation of client-side apply.
-    kubectl(layout, "apply", "--server-side", "--field-manager=kvfleet-cluster", "-f", "-",
-            stdin=dump_all(crds + bootstrap))  # fmt: skip
-    kubectl(layout, "wait", "--for=condition=Established", "--timeout=60s", "crd", "--all")
-
-
-def _check_kueue_kept_our_certificate(layout: Layout) -> None:
-    """Fails when Kueue's rotator replaced the seeded certificate (conversion via 127.0.0.1 would then fail)."""
-    out = kubectl(layout, "get", "secret", "-n", manifests.KUEUE_NAMESPACE, manifests.KUEUE_WEBHOOK_SECRET,
-                  "-o", "jsonpath={.data.tls\\.crt}")  # fmt: skip
-    if base64.b64decode(out) != (layout.pki / "kueue-webhook.crt").read_bytes():
-        raise RuntimeError("Kueue's certificate rotator replaced the seeded webhook certificate; see kueue.log")
 
 
 def _register_nodes(layout: Layout, node_spec: str) -> list[str]:
@@ -210,12 +137,12 @@ def _up(layout: Layout, node_spec: str, timeout: float) -> bool:
     every = comps.all_components(layout)
     for name in ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler"):
         procs.start_and_wait(every[name], layout.run, layout.logs, timeout)
-    _install_kueue_api(layout)
+    kueue_setup.install_api(layout, kubectl)
     names = _register_nodes(layout, node_spec)
     procs.start_and_wait(every["kwok"], layout.run, layout.logs, timeout)
     kubectl(layout, "wait", "--for=condition=Ready", f"--timeout={int(timeout)}s", *[f"node/{n}" for n in names])
     procs.start_and_wait(every["kueue"], layout.run, layout.logs, timeout)
-    _check_kueue_kept_our_certificate(layout)
+    kueue_setup.check_kept_our_certificate(layout, kubectl)
     log.info("cluster up in %.0f s", time.monotonic() - started)
     return True
 
