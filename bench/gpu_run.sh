@@ -45,6 +45,12 @@ bench() {  # bench NAME MAX_SECONDS ARGS...
     --out "/tmp/kvfleet-runs/$name.json" --label "$name" "$@"
   merge
 }
+bench_kv() {  # kvfleet at vLLM's H200 limits (1024 seqs); if that run fails, once more at 256 seqs
+  local name=$1 max=$2; shift 2
+  bench "$name" "$max" "$@"
+  [[ -f "/tmp/kvfleet-runs/$name.json" ]] || \
+    bench "$name-256seqs" "$max" "$@" --max-num-seqs 256 --max-num-batched-tokens 8192
+}
 
 { nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv
   $PY -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)"
@@ -54,10 +60,10 @@ for s in $STAGES; do case $s in
 kernels) step kernels 120 $PY bench/gpu_kernels.py "$OUT/kernels.json" ;;
 engine) step engine 120 $PY bench/gpu_engine_check.py "$OUT/engine_check.json" ;;
 kvfleet)
-  bench kvfleet-qwen3-0.6b-random-1024-128 120 --model bench/models/qwen3-0.6b --workload random-1024-128 --backend kvfleet --decode-probe 256x1024
-  bench kvfleet-qwen3-0.6b-chat-mix 120 --model bench/models/qwen3-0.6b --workload chat-mix --backend kvfleet
-  bench kvfleet-llama-3.1-8b-random-1024-128 150 --model bench/models/llama-3.1-8b --workload random-1024-128 --backend kvfleet --decode-probe 256x1024
-  bench kvfleet-llama-3.1-8b-chat-mix 150 --model bench/models/llama-3.1-8b --workload chat-mix --backend kvfleet ;;
+  bench_kv kvfleet-qwen3-0.6b-random-1024-128 120 --model bench/models/qwen3-0.6b --workload random-1024-128 --backend kvfleet --decode-probe 256x1024
+  bench_kv kvfleet-qwen3-0.6b-chat-mix 120 --model bench/models/qwen3-0.6b --workload chat-mix --backend kvfleet
+  bench_kv kvfleet-llama-3.1-8b-random-1024-128 150 --model bench/models/llama-3.1-8b --workload random-1024-128 --backend kvfleet --decode-probe 256x1024
+  bench_kv kvfleet-llama-3.1-8b-chat-mix 150 --model bench/models/llama-3.1-8b --workload chat-mix --backend kvfleet ;;
 hf)
   bench hf-llama-3.1-8b-random-1024-128 90 --model bench/models/llama-3.1-8b --workload random-1024-128 --backend hf --num-prompts 256 --hf-batch-size 64
   bench hf-llama-3.1-8b-chat-mix 240 --model bench/models/llama-3.1-8b --workload chat-mix --backend hf --num-prompts 64 --hf-batch-size 64
