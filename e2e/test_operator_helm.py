@@ -42,7 +42,8 @@ def test_helm_lint_is_clean(cluster: Any) -> None:
 def test_helm_template_renders(cluster: Any, tmp_path: Path) -> None:
     vals = tmp_path / "values.yaml"
     vals.write_text(yaml.safe_dump(values("t")))
-    out = helm(cluster, "template", "rel", str(CHART), "--namespace", "kvfleet-system", "-f", str(vals)).stdout
+    out = helm(cluster, "template", "rel", str(CHART), "--namespace", "kvfleet-system", "--kube-version", "v1.34.0",
+               "-f", str(vals)).stdout
     docs = [d for d in yaml.safe_load_all(out) if d]
     kinds = sorted(d["kind"] for d in docs)
     assert kinds == sorted(["ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Deployment", "ResourceFlavor",
@@ -80,7 +81,7 @@ def test_helm_install_on_the_cluster(cluster: Any, kube: Kube, operator: Operato
         cq = wait_for("ClusterQueue from the chart's tenant",
                       lambda: kube.get(KUEUE, "clusterqueues", f"helm-{sfx}"), timeout=60)
         gpu = cq["spec"]["resourceGroups"][0]["flavors"][0]["resources"][2]
-        assert gpu["nominalQuota"] == 4 and gpu["borrowingLimit"] == 2
+        assert str(gpu["nominalQuota"]) == "4" and str(gpu["borrowingLimit"]) == "2"
         wait_for("LocalQueue", lambda: kube.get(KUEUE, "localqueues", f"helm-{sfx}", f"helm-{sfx}"), timeout=30)
     finally:
         helm(cluster, "uninstall", release, "--namespace", ns, "--wait", "--timeout", "60s", check=False)

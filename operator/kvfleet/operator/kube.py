@@ -21,7 +21,7 @@ PLURALS = {
     "Role": "roles", "RoleBinding": "rolebindings",
     "Workload": "workloads", "ClusterQueue": "clusterqueues", "LocalQueue": "localqueues",
     "ResourceFlavor": "resourceflavors", "WorkloadPriorityClass": "workloadpriorityclasses",
-    "ModelDeployment": "modeldeployments", "Tenant": "tenants",
+    "ModelDeployment": "modeldeployments", "Tenant": "tenants", "ClusterKopfPeering": "clusterkopfpeerings",
 }
 
 
