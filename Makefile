@@ -46,7 +46,10 @@ cluster-status: install ## say what runs in the local cluster
 e2e: install cluster-build ## run the e2e tests against the local cluster (started when needed)
 	$(PY) -m pytest -q e2e $(PYTEST_ARGS)
 
+demo: cluster-up ## the story: chart + samples on the local cluster, quota waits and admission, engine chat on CPU
+	$(PY) e2e/demo.py
+
 clean: ## remove the virtualenv and caches
 	rm -rf $(VENV) .pytest_cache .hypothesis
 
-.PHONY: help install test test-unit clean cluster-build cluster-up cluster-down cluster-status e2e
+.PHONY: help install test test-unit clean cluster-build cluster-up cluster-down cluster-status e2e demo
