@@ -45,7 +45,9 @@ def table(runs: dict[str, Any]) -> list[str]:
                 lines.append(f"decode step {r['model']} B={p['batch']} ctx={p['ctx']}: {p['step_ms']:.2f} ms "
                              f"(eager {p['eager_step_ms']:.2f}), floor {p['floor_ms']:.2f} ms "
                              f"({p['weight_GB']:.1f} GB weights + {p['kv_read_GB']:.1f} GB KV at "
-                             f"{p['copy_bw_GBps']:.0f} GB/s) -> {p['x_floor']:.2f}x floor")
+                             f"{p['copy_bw_GBps']:.0f} GB/s) -> {p['x_floor']:.2f}x floor"
+                             + (f"; roofline {p['roofline_ms']:.2f} ms -> {p['x_roofline']:.2f}x"
+                                if "roofline_ms" in p else ""))
         if r["backend"] == "kvfleet":
             k = r.get("kv_peak", {})
             d = r.get("step_breakdown_ms", {}).get("decode")

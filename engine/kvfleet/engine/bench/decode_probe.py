@@ -1,7 +1,11 @@
 """Time one decode step of a loaded engine at a fixed batch and context, against its bandwidth floor.
 
-The floor is the bytes a decode step must read (every weight once, the K and V
-of every context token of every layer) over the measured copy bandwidth. The
+The floor is the bytes a decode step must read (every weight once, except an
+untied embedding table; the K and V of every context token of every layer) over
+the measured copy bandwidth. A roofline figure is given too: KV bytes over
+bandwidth plus, for the matmuls, the larger of their bytes over bandwidth and
+their FLOPs over the measured bf16 matmul rate (at batch 256 an 8B model's
+matmuls are compute-bound on an H200). The
 step is the model forward (a CUDA-graph replay when captured) plus the LM head
 on every row, timed with CUDA events (median).
 """
@@ -64,13 +68,40 @@ def probe_decode_step(engine: Any, batch: int, ctx: int, iters: int = 20) -> dic
 
     ms = _median_ms(step, iters)
     eager_ms = _median_ms(eager, max(5, iters // 4))
-    params = {p.data_ptr(): p.numel() * p.element_size() for p in model.parameters()}
-    weight_bytes = sum(params.values())
+    weight_bytes = decode_weight_bytes(model)
     elem = runner.kv_caches[0].element_size()
     kv_bytes = batch * ctx * cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * elem
     bw = copy_bandwidth(device)
     floor_ms = (weight_bytes + kv_bytes) / bw * 1e3
     used_graph = runner.graph_runner is not None and runner.graph_runner.can_run(batch, md)
+    # roofline per part: attention reads KV (bandwidth); the matmuls at this batch may be compute-bound
+    flops = 2 * (weight_bytes / runner.kv_caches[0].element_size()) * batch
+    peak = matmul_rate(device)
+    roofline_ms = (kv_bytes / bw + max(weight_bytes / bw, flops / peak)) * 1e3
     return {"batch": batch, "ctx": ctx, "step_ms": ms, "eager_step_ms": eager_ms, "cuda_graph": used_graph,
             "weight_GB": weight_bytes / 1e9, "kv_read_GB": kv_bytes / 1e9, "copy_bw_GBps": bw / 1e9,
-            "floor_ms": floor_ms, "x_floor": ms / floor_ms}
+            "floor_ms": floor_ms, "x_floor": ms / floor_ms, "matmul_TFLOPs": peak / 1e12,
+            "roofline_ms": roofline_ms, "x_roofline": ms / roofline_ms}
+
+
+def decode_weight_bytes(model: Any) -> int:
+    """Bytes of weights a decode step reads: every parameter once, except an untied input
+    embedding table, of which a step reads only its batch's rows."""
+    head = getattr(getattr(model, "lm_head", None), "weight", None)
+    total = 0
+    seen: set[int] = set()
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if p.data_ptr() in seen:
+            continue
+        seen.add(p.data_ptr())
+        if "embed_tokens" in name and (head is None or head.data_ptr() != p.data_ptr()):
+            continue
+        total += p.numel() * p.element_size()
+    return total
+
+
+def matmul_rate(device: torch.device, n: int = 8192) -> float:
+    """Measured bf16 matmul FLOP/s on random data."""
+    a = torch.randn(n, n, dtype=torch.bfloat16, device=device)
+    b = torch.randn(n, n, dtype=torch.bfloat16, device=device)
+    return 2 * n**3 / (_median_ms(lambda: a @ b, 10) / 1e3)
