@@ -199,6 +199,21 @@ def test_counters_match_requests_by_tenant(api_server: Server, client: openai.Op
     assert api_server.metric("kvfleet:num_requests_running") == 0
 
 
+def test_prefix_cache_is_per_tenant(api_server: Server, client: openai.OpenAI) -> None:
+    beta = openai.OpenAI(base_url=api_server.url + "/v1", api_key=BETA, max_retries=0)
+    prompt = list(range(100, 148))  # three full blocks of 16
+
+    def hits_after(c: openai.OpenAI) -> float:
+        c.completions.create(model="tiny", prompt=prompt, max_tokens=1)
+        return api_server.metric("kvfleet:prefix_cache_hits_total")
+
+    start = hits_after(client)            # alpha fills the cache (or hits an earlier alpha entry)
+    again = hits_after(client)
+    assert again - start >= 32            # alpha reuses its own blocks
+    assert hits_after(beta) == again      # beta never sees alpha's blocks
+    assert hits_after(beta) - again >= 32  # ... only its own
+
+
 def test_bench_serve_short_run(api_server: Server, tmp_path: Path) -> None:
     import subprocess
 

@@ -45,13 +45,16 @@ async def stream_request(state: ServerState, ticket: Ticket, prompt_ids: list[in
                          request_id: str, tenant: str, prompt_text: str | None = None) -> AsyncIterator[Any]:
     """`engine.generate` with bookkeeping: queue count until the first output, ITL, finish metrics."""
     engine = state.engine
+    # With tenant keys, each tenant's prompts hash into its own prefix-cache space: no tenant can
+    # reuse (or time) another's cached blocks.
+    salt = tenant if state.keys is not None else None
     finished, rejected = False, False
     last: Any = None
     prev_tokens, last_time = 0, None
     try:
         try:
             async for out in engine.generate({"prompt": prompt_text, "prompt_token_ids": prompt_ids}, params,
-                                             request_id):
+                                             request_id, cache_salt=salt):
                 now = time.monotonic()
                 ticket.started()
                 tokens = max((len(o.token_ids) for o in out.outputs), default=0)
