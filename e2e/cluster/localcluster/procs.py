@@ -1,8 +1,8 @@
 """Starting, probing and stopping the cluster's processes (the I/O edge of the cluster scripts).
 
 Each process runs in its own session (it outlives the command that started it), logs to `.cluster/logs/NAME.log`
-and is recorded in `.cluster/run/NAME.pid` with the path of its executable, so that stopping it can check the pid
-still belongs to that executable before signalling it.
+and is recorded in `.cluster/run/NAME.pid` with the program path it was started as, so that stopping it can check
+the pid still belongs to that program before signalling it.
 """
 
 from __future__ import annotations
@@ -59,23 +59,30 @@ def _pidfile(run: Path, name: str) -> Path:
     return run / f"{name}.pid"
 
 
-def _exe_of(pid: int) -> str | None:
+def _argv0_of(pid: int) -> str | None:
+    """The program path a live process was started as (None for a gone or zombie process)."""
     try:
-        return os.readlink(f"/proc/{pid}/exe")
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            raw = f.read()
     except OSError:
         return None
+    return raw.split(b"\0", 1)[0].decode(errors="replace") if raw else None
 
 
 def running_pid(run: Path, name: str) -> int | None:
-    """The pid of our process NAME when it is alive and still runs the executable it was started with."""
+    """The pid of our process NAME when it is alive and still runs the program it was started as.
+
+    Compared by argv[0] (the link in .cluster/bin), not by the resolved executable, so that rebuilding or moving
+    the cached binaries does not disown running processes.
+    """
     try:
         record = json.loads(_pidfile(run, name).read_text())
     except (OSError, ValueError):
         return None
-    pid, exe = record.get("pid"), record.get("exe")
-    if not isinstance(pid, int) or not exe:
+    pid, argv0 = record.get("pid"), record.get("argv0")
+    if not isinstance(pid, int) or not argv0:
         return None
-    return pid if _exe_of(pid) == exe else None
+    return pid if _argv0_of(pid) == argv0 else None
 
 
 def start(component: Component, run: Path, logs: Path) -> int:
@@ -95,7 +102,8 @@ def start(component: Component, run: Path, logs: Path) -> int:
             component.argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
             cwd=run, start_new_session=True,
         )  # fmt: skip
-    _pidfile(run, component.name).write_text(json.dumps({"pid": proc.pid, "exe": str(exe.resolve())}))
+    record = {"pid": proc.pid, "argv0": component.argv[0], "exe": str(exe.resolve())}
+    _pidfile(run, component.name).write_text(json.dumps(record))
     log.info("started %s (pid %d)", component.name, proc.pid)
     return proc.pid
 
@@ -141,9 +149,9 @@ def stop(run: Path, name: str, grace: float = 10.0) -> bool:
     try:
         os.kill(pid, signal.SIGTERM)
         deadline = time.monotonic() + grace
-        while _exe_of(pid) is not None and time.monotonic() < deadline:
+        while _argv0_of(pid) is not None and time.monotonic() < deadline:
             time.sleep(0.1)
-        if _exe_of(pid) is not None:
+        if _argv0_of(pid) is not None:
             os.kill(pid, signal.SIGKILL)
     except ProcessLookupError:
         pass
