@@ -31,7 +31,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "cluster"))
 
-from localcluster import control, sharing  # noqa: E402
+from localcluster import control, manifests, sharing  # noqa: E402
 from localcluster.layout import Layout  # noqa: E402
 
 E2E_DIR = Path(__file__).resolve().parent
@@ -50,7 +50,7 @@ def cluster() -> Iterator[Layout]:
     missing = control.missing_binaries(layout)
     if missing:
         pytest.fail(f"cluster binaries missing ({', '.join(missing)}): run `make cluster-build` (or `make e2e`)")
-    started = control.up(layout)
+    started = control.up(layout, os.environ.get("KVFLEET_CLUSTER_NODES", manifests.DEFAULT_NODES))
     # Several test sessions may share one checkout's cluster: the last one out stops it, if a session started it.
     sharing.add_user(layout)
     yield layout

@@ -4,6 +4,7 @@ Kueue admitting workloads against a GPU quota."""
 from __future__ import annotations
 
 import ipaddress
+import os
 import time
 from collections.abc import Callable
 from typing import Any
@@ -12,7 +13,7 @@ import pytest
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 from localcluster import layout as layout_mod
-from localcluster.manifests import FLAVOR_LABEL, FLAVORS, GPU_RESOURCE
+from localcluster.manifests import DEFAULT_NODES, FLAVOR_LABEL, FLAVORS, GPU_RESOURCE, parse_node_spec
 
 KUEUE = ("kueue.x-k8s.io", "v1beta2")
 
@@ -43,7 +44,8 @@ def test_gpu_nodes_are_ready_with_gpu_capacity(k8s: Any, cluster: Any) -> None:
     by_flavor: dict[str, list[Any]] = {}
     for node in nodes:
         by_flavor.setdefault(node.metadata.labels[FLAVOR_LABEL], []).append(node)
-    assert {f: len(n) for f, n in by_flavor.items()} == {"h200": 2, "l40s": 2}
+    requested = parse_node_spec(os.environ.get("KVFLEET_CLUSTER_NODES", DEFAULT_NODES))
+    assert {f: len(n) for f, n in by_flavor.items()} == {flavor.name: count for flavor, count in requested}
     for flavor, flavor_nodes in by_flavor.items():
         for node in flavor_nodes:
             ready = next(c for c in node.status.conditions if c.type == "Ready")
@@ -190,8 +192,6 @@ def test_apiserver_rejects_invalid_objects_with_its_own_validation(k8s: Any, nam
 
 
 def test_node_spec_parsing_names_the_bad_field() -> None:
-    from localcluster.manifests import parse_node_spec
-
     assert [(f.name, n) for f, n in parse_node_spec("h200=1, l40s=3")] == [("h200", 1), ("l40s", 3)]
     for bad, message in [("a100=1", "FLAVOR one of"), ("h200=0", "1-50"), ("h200", "FLAVOR=COUNT"), ("", "at least")]:
         with pytest.raises(ValueError, match=message):
