@@ -30,6 +30,15 @@ say() { printf '[cluster-build] %s\n' "$*"; }
 check_only=false
 [[ "${1:-}" == "--check" ]] && check_only=true
 
+# One build at a time per cache (two checkouts running `make test` at once share ~/.cache/kvfleet).
+if ! $check_only; then
+    exec 9>"$CACHE/build.lock"
+    if ! flock -n 9; then
+        say "another build holds $CACHE/build.lock; waiting for it ..."
+        flock 9
+    fi
+fi
+
 # progress NAME LOG: prints a line every 100 packages compiled (go build -v prints one per package).
 progress() {
     local name="$1" log="$2" n=0 line
