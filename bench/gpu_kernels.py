@@ -220,6 +220,16 @@ def main(argv: list[str]) -> int:
     res["ceilings"] = ceilings()
     res["checks"] = check_kernels()
     res["timings"] = time_kernels(res["ceilings"]["copy_bw_GBps"] * 1e9)
+    # the fastest decode tile at batch 256 (Llama heads) for the rest of this run (bench/gpu_run.sh)
+    sweep = [t for t in res["timings"] if t["kernel"].startswith("decode llama B=") and "BLOCK_N" in t["config"]
+             and "splits=1 " in t["config"]]
+    if sweep:
+        best = min(sweep, key=lambda t: t["ms"])
+        cfg = dict(kv.split("=") for kv in best["config"].split())
+        res["best_decode_tile"] = f"{cfg['BLOCK_N']},{cfg['warps']},{cfg['stages']}"
+        with open(os.environ.get("KVFLEET_TILE_FILE", "/tmp/kvfleet-decode-tile"), "w") as f:
+            f.write(res["best_decode_tile"])
+        print(f"best decode tile (BLOCK_N,warps,stages): {res['best_decode_tile']}")
     with open(out_path, "w") as f:
         json.dump(res, f, indent=1)
     print(f"ceilings: copy {res['ceilings']['copy_bw_GBps']:.0f} GB/s, "

@@ -57,7 +57,11 @@ bench_kv() {  # kvfleet at vLLM's H200 limits (1024 seqs); if that run fails, on
 } 2>&1 | tee -a "$LOG"
 
 for s in $STAGES; do case $s in
-kernels) step kernels 120 $PY bench/gpu_kernels.py "$OUT/kernels.json" ;;
+kernels)
+  step kernels 120 $PY bench/gpu_kernels.py "$OUT/kernels.json"
+  # the engine runs below use the decode tile this sweep found fastest
+  [[ -s /tmp/kvfleet-decode-tile ]] && export KVFLEET_DECODE_TILE=$(cat /tmp/kvfleet-decode-tile)
+  echo "KVFLEET_DECODE_TILE=${KVFLEET_DECODE_TILE:-default}" | tee -a "$LOG" ;;
 engine) step engine 120 $PY bench/gpu_engine_check.py "$OUT/engine_check.json" ;;
 kvfleet)
   bench_kv kvfleet-qwen3-0.6b-random-1024-128 120 --model bench/models/qwen3-0.6b --workload random-1024-128 --backend kvfleet --decode-probe 256x1024

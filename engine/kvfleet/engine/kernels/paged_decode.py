@@ -14,6 +14,7 @@ kernel handles them), so one mixed batch can be served by both kernels.
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 import triton
@@ -22,6 +23,24 @@ import triton.language as tl
 from ._common import SUPPORTED_DTYPES, check, check_tensor, dot_precision, next_pow2, upcast_dots
 
 LOG2E = 1.4426950408889634
+
+
+def _tile_from_env() -> tuple[int, int, int]:
+    """(BLOCK_N, num_warps, num_stages): KVFLEET_DECODE_TILE="64,4,3" overrides the default, which
+    was the fastest of the H200 sweep in bench/NOTES.md (bench/gpu_run.sh sets it from its own sweep)."""
+    raw = os.environ.get("KVFLEET_DECODE_TILE", "").strip()
+    if not raw:
+        return 64, 4, 3
+    try:
+        bn, warps, stages = (int(x) for x in raw.split(","))
+    except ValueError as e:
+        raise ValueError(f"KVFLEET_DECODE_TILE: expected 'BLOCK_N,num_warps,num_stages', got {raw!r}") from e
+    check(bn in (16, 32, 64, 128, 256) and warps in (1, 2, 4, 8, 16) and 1 <= stages <= 6,
+          "KVFLEET_DECODE_TILE", f"unsupported tile {raw!r}")
+    return bn, warps, stages
+
+
+DEFAULT_BLOCK_N, DEFAULT_NUM_WARPS, DEFAULT_NUM_STAGES = _tile_from_env()
 
 
 @triton.jit
@@ -143,9 +162,9 @@ def paged_decode_attention(
     scale: float,
     out: torch.Tensor,
     num_splits: int = 1,
-    block_n: int = 64,
-    num_warps: int = 4,
-    num_stages: int = 3,  # measured on the H200: 1.20x vs 1.29x the KV-read floor with 2 (bench/NOTES.md)
+    block_n: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
 ) -> torch.Tensor:
     """Attention of the one query token of each decode sequence over its paged context.
 
@@ -169,6 +188,9 @@ def paged_decode_attention(
     check(num_splits >= 1, "num_splits", "must be >= 1")
     if batch == 0:
         return out
+    block_n = block_n or DEFAULT_BLOCK_N
+    num_warps = num_warps or DEFAULT_NUM_WARPS
+    num_stages = num_stages or DEFAULT_NUM_STAGES
     g = hq // hkv
     d_pad = next_pow2(d)
     if num_splits > 1:
