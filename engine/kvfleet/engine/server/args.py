@@ -51,14 +51,15 @@ SERVE_FLAGS: tuple[Flag, ...] = (
          choices=("auto", "cuda", "cpu")),
     Flag("--dtype", "Weight and activation dtype; auto = the model's (bfloat16 on GPU, float32 on CPU).",
          default="auto", choices=("auto", "float32", "float16", "bfloat16", "half", "float")),
-    Flag("--tensor-parallel-size", "Number of GPUs to shard the model over.", type=int, default=1),
+    Flag("--tensor-parallel-size", "Number of GPUs to shard the model over.", type=int, default=1, metavar="N"),
     Flag("--max-model-len", "Context length (prompt + output tokens); default: the model's.", type=int,
          metavar="N"),
     Flag("--gpu-memory-utilization", "Fraction of GPU memory the engine may use (weights + KV cache).",
-         type=float, default=0.9),
-    Flag("--max-num-seqs", "Most sequences batched in one step.", type=int, metavar="N"),
-    Flag("--max-num-batched-tokens", "Token budget of one step (chunked prefill).", type=int, metavar="N"),
-    Flag("--block-size", "Tokens per KV-cache block.", type=int, default=16),
+         type=float, default=0.9, metavar="FRACTION"),
+    Flag("--max-num-seqs", "Most sequences batched in one step (engine default 256).", type=int, metavar="N"),
+    Flag("--max-num-batched-tokens", "Token budget of one step (chunked prefill; engine default by device).",
+         type=int, metavar="N"),
+    Flag("--block-size", "Tokens per KV-cache block.", type=int, default=16, metavar="N"),
     Flag("--num-gpu-blocks-override", "Fix the number of KV-cache blocks instead of sizing from memory.", type=int,
          metavar="N"),
     Flag("--kv-cache-memory-bytes", "Bytes of KV cache (instead of --gpu-memory-utilization; on CPU the "
@@ -66,7 +67,7 @@ SERVE_FLAGS: tuple[Flag, ...] = (
     Flag("--enable-chunked-prefill", "Split long prompts over several steps.", boolean=True, default=True),
     Flag("--enable-prefix-caching", "Reuse KV blocks of shared prompt prefixes.", boolean=True, default=True),
     Flag("--enforce-eager", "Never capture CUDA graphs.", boolean=True, default=False),
-    Flag("--seed", "Engine random seed.", type=int, default=0),
+    Flag("--seed", "Engine random seed.", type=int, default=0, metavar="N"),
     Flag("--load-format", "auto: read the weights (safetensors or GGUF); dummy: random weights of the right "
          "shapes (benchmarks).", default="auto", choices=("auto", "safetensors", "gguf", "dummy")),
     Flag("--chat-template", "Jinja chat template file overriding the tokenizer's.", metavar="FILE"),
@@ -75,7 +76,7 @@ SERVE_FLAGS: tuple[Flag, ...] = (
     Flag("--api-keys-file", "YAML or JSON file mapping API key -> tenant name; requests without a listed "
          "key get 401 and the tenant labels the request metrics.", metavar="FILE"),
     Flag("--max-queue-len", "Most requests waiting for their first token; beyond it a request gets 429 with "
-         "Retry-After.", type=int, metavar="N"),
+         "Retry-After (default: no limit).", type=int, metavar="N"),
     Flag("--shutdown-grace-period", "Seconds running requests may take to finish after SIGTERM (new ones "
          "get 503).", type=float, default=30.0, metavar="SECONDS"),
     Flag("--log-level", "Log level of kvfleet and uvicorn.", default="info",
@@ -108,7 +109,8 @@ def add_serve_args(parser: argparse.ArgumentParser, env: Mapping[str, str] | Non
                              "dummy (env KVFLEET_MODEL; default: the embedded SmolLM2-135M-Instruct GGUF).")
     for flag in SERVE_FLAGS:
         default = _env_default(flag, env)
-        help_text = f"{flag.help} (env {env_name(flag.name)}; default: %(default)s)"
+        shown = "" if flag.default is None else "; default: %(default)s"
+        help_text = f"{flag.help} (env {env_name(flag.name)}{shown})"
         dest = flag.name.lstrip("-").replace("-", "_")
         if flag.boolean:
             parser.add_argument(flag.name, dest=dest, action=argparse.BooleanOptionalAction, default=default,
