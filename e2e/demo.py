@@ -89,7 +89,13 @@ def install(demo: Demo) -> None:
 def story(demo: Demo) -> None:
     say("Applying the samples: two tenants sharing the cohort 'gpus', one model each")
     demo.reset()
-    for f in ("tenants.yaml", "team-a-chat.yaml", "team-b-coder.yaml"):
+    demo.kubectl("apply", "-f", str(MANIFESTS / "tenants.yaml"))
+    note("kubectl apply -f manifests/tenants.yaml")
+    for tenant in ("team-a", "team-b"):  # the operator makes the namespaces, queues, policy and RBAC
+        wait_for(f"LocalQueue of {tenant}", lambda t=tenant: demo.kube.get("kueue.x-k8s.io/v1beta2", "localqueues",
+                                                                           t, t), timeout=60)
+    note("tenant namespaces team-a and team-b: LocalQueue, NetworkPolicy, RoleBinding ready")
+    for f in ("team-a-chat.yaml", "team-b-coder.yaml"):
         demo.kubectl("apply", "-f", str(MANIFESTS / f))
         note(f"kubectl apply -f manifests/{f}")
     note("team-a owns 4 H200 GPUs; team-b owns 2 and may borrow 2 more from the cohort")
@@ -120,8 +126,11 @@ def story(demo: Demo) -> None:
     st = demo.wait_ready("team-b", "summarizer", 1)
     note(f"team-b/summarizer: admitted (borrowing from the cohort) and Ready, endpoint {st['endpoint']}", GREEN)
     demo.show_mdeps()
-    tenant = demo.kube.get(API, "tenants", "team-b") or {}
-    for g in (tenant.get("status") or {}).get("gpus", []):
+    gpus = wait_for("team-b's usage", lambda: [g for g in ((demo.kube.get(API, "tenants", "team-b") or {})
+                                                           .get("status") or {}).get("gpus", [])
+                                               if g["flavor"] == "h200" and g["inUse"] == 4] and
+                    demo.kube.get(API, "tenants", "team-b")["status"]["gpus"], timeout=30)
+    for g in gpus:
         note(f"tenant team-b, flavor {g['flavor']}: {g['inUse']} GPUs in use (nominal {g['nominal']}), "
              f"{g['pending']} pending", DIM)
 

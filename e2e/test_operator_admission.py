@@ -50,13 +50,14 @@ def test_admitted_replicas_run_on_the_flavors_nodes(kube: Kube, tenants: Any, fl
     assert svc["spec"]["ports"][0]["port"] == 8000
 
     # The tenant's objects and its usage.
-    assert kube.get(KUEUE, "clusterqueues", tenant)["spec"]["resourceGroups"][0]["flavors"][0]["name"] == flavors["h200"]
+    cq = kube.get(KUEUE, "clusterqueues", tenant)
+    assert cq["spec"]["resourceGroups"][0]["flavors"][0]["name"] == flavors["h200"]
     assert kube.get("networking.k8s.io/v1", "networkpolicies", "kvfleet-tenant-isolation", ns)
     binding = kube.get("rbac.authorization.k8s.io/v1", "rolebindings", "kvfleet-modeldeployment-editor", ns)
     assert binding["subjects"][0]["name"] == "acme-devs"
     usage = wait_for("tenant usage", lambda: [g for g in (kube.get(API, "tenants", tenant).get("status") or {})
                                               .get("gpus", []) if g["flavor"] == flavors["h200"] and g["inUse"] == 4],
-                     timeout=30)
+                     timeout=15)
     assert usage[0]["pending"] == 0
 
     # Events and the operator's own metrics.

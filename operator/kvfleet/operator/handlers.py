@@ -14,8 +14,8 @@ import kopf
 
 from . import metrics
 from .config import OperatorConfig
-from .constants import (GROUP, KUEUE_GROUP, KUEUE_VERSION, LABEL_MANAGED_BY, LABEL_MDEP, MANAGED_BY_VALUE,
-                        MDEP_PLURAL, TENANT_PLURAL, VERSION)
+from .constants import (GROUP, KUEUE_GROUP, KUEUE_VERSION, LABEL_MANAGED_BY, LABEL_MDEP, LABEL_TENANT,
+                        MANAGED_BY_VALUE, MDEP_PLURAL, TENANT_PLURAL, VERSION)
 from .kube import Kube, KubeError
 from .reconcile import reconcile_model_deployment
 from .reconcile_tenant import reconcile_tenant
@@ -87,6 +87,11 @@ def mdep_resync(namespace: str, name: str, **_: Any) -> None:
                labels={LABEL_MANAGED_BY: MANAGED_BY_VALUE, LABEL_MDEP: kopf.PRESENT})
 def owned_workload_event(namespace: str, labels: dict[str, str], **_: Any) -> None:
     reconcile_now(namespace, labels[LABEL_MDEP])
+    # Admission changed the tenant's GPU usage: refresh its status now rather than at the next timer.
+    ns = kube().get("v1", "namespaces", namespace) or {}
+    tenant = ((ns.get("metadata") or {}).get("labels") or {}).get(LABEL_TENANT)
+    if tenant:
+        _guarded("Tenant", tenant, lambda: reconcile_tenant(kube(), tenant, converge=False))
 
 
 @kopf.on.event("apps", "v1", "deployments",
@@ -102,6 +107,6 @@ def tenant_changed(name: str, **_: Any) -> None:
     _guarded("Tenant", name, lambda: reconcile_tenant(kube(), name))
 
 
-@kopf.timer(GROUP, VERSION, TENANT_PLURAL, interval=10, initial_delay=5)
-def tenant_usage(name: str, **_: Any) -> None:
+@kopf.timer(GROUP, VERSION, TENANT_PLURAL, interval=30, initial_delay=10)
+def tenant_resync(name: str, **_: Any) -> None:
     _guarded("Tenant", name, lambda: reconcile_tenant(kube(), name))

@@ -12,7 +12,7 @@ from .errors import SpecError
 from .events import build_event
 from .kube import PLURALS, Kube
 from .reconcile import utcnow
-from .spec import parse_tenant
+from .spec import TenantSpec, parse_tenant
 from .tenant_status import compute_tenant_status
 
 log = logging.getLogger("kvfleet.operator.tenant")
@@ -40,7 +40,8 @@ def _cleanup(kube: Kube, tenant_name: str, wanted: dict[str, set[tuple[str, str]
             kube.apply({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns["metadata"]["name"]}})
 
 
-def reconcile_tenant(kube: Kube, name: str) -> dict[str, Any] | None:
+def reconcile_tenant(kube: Kube, name: str, converge: bool = True) -> dict[str, Any] | None:
+    """Apply what the Tenant becomes (unless `converge` is False: then only refresh its status)."""
     tenant = kube.get(API_VERSION, TENANT_PLURAL, name)
     if tenant is None or tenant["metadata"].get("deletionTimestamp"):
         return None
@@ -51,15 +52,8 @@ def reconcile_tenant(kube: Kube, name: str) -> dict[str, Any] | None:
     except SpecError as exc:
         status = compute_tenant_status(tenant, None, exc.message, [], now)
     else:
-        kube.apply(build_cluster_queue(tenant, spec))
-        wanted: dict[str, set[tuple[str, str]]] = {}
-        for ns in spec.namespaces:
-            objs = [build_namespace(name, ns), build_local_queue(tenant, ns), build_network_policy(tenant, ns),
-                    *build_rbac(tenant, spec, ns)]
-            for obj in objs:
-                kube.apply(obj)
-            wanted[ns] = {(PLURALS[o["kind"]], o["metadata"]["name"]) for o in objs[1:]}
-        _cleanup(kube, name, wanted)
+        if converge:
+            _converge(kube, tenant, spec)
         workloads = [w for ns in spec.namespaces for w in kube.list(KUEUE_API_VERSION, "workloads", ns)]
         status = compute_tenant_status(tenant, spec, None, workloads, now)
     if {k: old_status.get(k) for k in status} != status:
@@ -70,4 +64,17 @@ def reconcile_tenant(kube: Kube, name: str) -> dict[str, Any] | None:
             kind = "Normal" if ready["status"] == "True" else "Warning"
             kube.create(build_event(tenant, kind, ready["reason"], ready["message"], now))
     return status
+
+
+def _converge(kube: Kube, tenant: dict[str, Any], spec: TenantSpec) -> None:
+    name = tenant["metadata"]["name"]
+    kube.apply(build_cluster_queue(tenant, spec))
+    wanted: dict[str, set[tuple[str, str]]] = {}
+    for ns in spec.namespaces:
+        objs = [build_namespace(name, ns), build_local_queue(tenant, ns), build_network_policy(tenant, ns),
+                *build_rbac(tenant, spec, ns)]
+        for obj in objs:
+            kube.apply(obj)
+        wanted[ns] = {(PLURALS[o["kind"]], o["metadata"]["name"]) for o in objs[1:]}
+    _cleanup(kube, name, wanted)
 
