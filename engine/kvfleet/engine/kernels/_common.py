@@ -10,6 +10,7 @@ float32 first when interpreting; compiled kernels keep the native dtype.
 from __future__ import annotations
 
 import os
+from typing import NoReturn
 
 import torch
 
@@ -58,6 +59,9 @@ def triton_usable(device: torch.device | str) -> bool:
     return interpret_mode()
 
 
+_INTERPRET = interpret_mode()  # fixed at import: Triton picks the interpreter when kernels are decorated
+
+
 def dot_precision(dtype: torch.dtype) -> str:
     """float32 inputs get exact IEEE products (Triton defaults to tf32)."""
     return "ieee" if dtype == torch.float32 else "tf32"
@@ -65,17 +69,23 @@ def dot_precision(dtype: torch.dtype) -> str:
 
 def upcast_dots(dtype: torch.dtype) -> bool:
     """Upcast tl.dot operands to float32 only in the interpreter, for bf16."""
-    return interpret_mode() and dtype == torch.bfloat16
+    return _INTERPRET and dtype == torch.bfloat16
 
 
 def next_pow2(n: int) -> int:
     return 1 if n <= 1 else 1 << (n - 1).bit_length()
 
 
+def fail(name: str, msg: str) -> NoReturn:
+    """Raise ``ValueError`` naming the offending argument (callers test first, so the
+    message is only formatted on failure: these wrappers run hundreds of times a step)."""
+    raise ValueError(f"{name}: {msg}")
+
+
 def check(cond: bool, name: str, msg: str) -> None:
     """Raise ``ValueError`` naming the offending argument."""
     if not cond:
-        raise ValueError(f"{name}: {msg}")
+        fail(name, msg)
 
 
 def check_tensor(
@@ -88,13 +98,18 @@ def check_tensor(
     last_contiguous: bool = True,
 ) -> None:
     """Validate a kernel argument's rank, dtype, device and innermost stride."""
-    check(isinstance(t, torch.Tensor), name, f"expected a tensor, got {type(t).__name__}")
+    if not (isinstance(t, torch.Tensor)):
+        fail(name, f"expected a tensor, got {type(t).__name__}")
     if ndim is not None:
-        check(t.dim() == ndim, name, f"expected {ndim} dims, got shape {tuple(t.shape)}")
+        if not (t.dim() == ndim):
+            fail(name, f"expected {ndim} dims, got shape {tuple(t.shape)}")
     if dtype is not None:
         allowed = dtype if isinstance(dtype, tuple) else (dtype,)
-        check(t.dtype in allowed, name, f"dtype {t.dtype} not in {allowed}")
+        if not (t.dtype in allowed):
+            fail(name, f"dtype {t.dtype} not in {allowed}")
     if device is not None:
-        check(t.device == device, name, f"on {t.device}, expected {device}")
+        if not (t.device == device):
+            fail(name, f"on {t.device}, expected {device}")
     if last_contiguous and t.numel() > 0:
-        check(t.stride(-1) == 1, name, f"innermost stride must be 1, got {t.stride()}")
+        if not (t.stride(-1) == 1):
+            fail(name, f"innermost stride must be 1, got {t.stride()}")

@@ -10,19 +10,19 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import SUPPORTED_DTYPES, check, check_tensor
+from ._common import SUPPORTED_DTYPES, fail, check_tensor
 
 
 @triton.jit
 def _silu_mul_kernel(
-    gate_ptr, up_ptr, out_ptr, stride_g, stride_u, stride_o, n_cols,
+    gate_ptr, up_ptr, out_ptr, stride_g, stride_u, stride_o, n_cols, up_offset,
     BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n_cols
     g = tl.load(gate_ptr + row * stride_g + cols, mask=mask, other=0.0)
-    u = tl.load(up_ptr + row * stride_u + cols, mask=mask, other=0.0)
+    u = tl.load(up_ptr + row * stride_u + up_offset + cols, mask=mask, other=0.0)
     gf = g.to(tl.float32)
     act = (gf / (1.0 + tl.exp(-gf))).to(g.dtype)
     y = act.to(tl.float32) * u.to(tl.float32)
@@ -33,26 +33,37 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """``silu(gate) * up`` for ``[..., I]`` tensors."""
     check_tensor("gate", gate, dtype=SUPPORTED_DTYPES)
     check_tensor("up", up, dtype=gate.dtype, device=gate.device)
-    check(gate.shape == up.shape, "up", f"shape {tuple(up.shape)} != gate {tuple(gate.shape)}")
-    check(gate.dim() >= 1, "gate", "needs at least one dim")
+    if not (gate.shape == up.shape):
+        fail("up", f"shape {tuple(up.shape)} != gate {tuple(gate.shape)}")
+    if not (gate.dim() >= 1):
+        fail("gate", "needs at least one dim")
     n = gate.shape[-1]
     g2, u2 = gate.reshape(-1, n), up.reshape(-1, n)
     out = torch.empty(g2.shape, dtype=gate.dtype, device=gate.device)
     rows = g2.shape[0]
+    _launch(g2, u2, out, 0)
+    return out.view(gate.shape)
+
+
+def _launch(g2: torch.Tensor, u2: torch.Tensor, out: torch.Tensor, up_offset: int) -> None:
+    rows, n = out.shape
     if rows > 0 and n > 0:
         block = 1024
         _silu_mul_kernel[(rows, triton.cdiv(n, block))](
-            g2, u2, out, g2.stride(0), u2.stride(0), out.stride(0), n, BLOCK=block, num_warps=4,
+            g2, u2, out, g2.stride(0), u2.stride(0), out.stride(0), n, up_offset, BLOCK=block, num_warps=4,
         )
-    return out.view(gate.shape)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """``[..., 2I] -> [..., I]``: first half is the gate, second half the up projection."""
     check_tensor("x", x, dtype=SUPPORTED_DTYPES)
-    check(x.shape[-1] % 2 == 0, "x", f"last dim {x.shape[-1]} must be even")
+    if not (x.dim() >= 1 and x.shape[-1] % 2 == 0):
+        fail("x", f"last dim of shape {tuple(x.shape)} must be even")
     half = x.shape[-1] // 2
-    return silu_mul(x[..., :half], x[..., half:])
+    x2 = x.reshape(-1, x.shape[-1])
+    out = torch.empty((x2.shape[0], half), dtype=x.dtype, device=x.device)
+    _launch(x2, x2, out, half)  # one pointer: the up half starts `half` columns in
+    return out.view(*x.shape[:-1], half)
 
 
 def silu_mul_ref(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:

@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import SUPPORTED_DTYPES, check, check_tensor, dot_precision, next_pow2, upcast_dots
+from ._common import SUPPORTED_DTYPES, fail, check_tensor, dot_precision, next_pow2, upcast_dots
 
 LOG2E = 1.4426950408889634
 
@@ -35,8 +35,8 @@ def _tile_from_env() -> tuple[int, int, int]:
         bn, warps, stages = (int(x) for x in raw.split(","))
     except ValueError as e:
         raise ValueError(f"KVFLEET_DECODE_TILE: expected 'BLOCK_N,num_warps,num_stages', got {raw!r}") from e
-    check(bn in (16, 32, 64, 128, 256) and warps in (1, 2, 4, 8, 16) and 1 <= stages <= 6,
-          "KVFLEET_DECODE_TILE", f"unsupported tile {raw!r}")
+    if not (bn in (16, 32, 64, 128, 256) and warps in (1, 2, 4, 8, 16) and 1 <= stages <= 6):
+        fail("KVFLEET_DECODE_TILE", f"unsupported tile {raw!r}")
     return bn, warps, stages
 
 
@@ -173,19 +173,25 @@ def paged_decode_attention(
     """
     check_tensor("q", q, ndim=3, dtype=SUPPORTED_DTYPES)
     check_tensor("out", out, ndim=3, dtype=q.dtype, device=q.device)
-    check(out.shape == q.shape, "out", f"shape {tuple(out.shape)} != q {tuple(q.shape)}")
+    if not (out.shape == q.shape):
+        fail("out", f"shape {tuple(out.shape)} != q {tuple(q.shape)}")
     check_tensor("kv_cache", kv_cache, ndim=5, dtype=q.dtype, device=q.device)
     _, _, block_size, hkv, d = kv_cache.shape
     hq = q.shape[1]
-    check(q.shape[2] == d, "q", f"head_dim {q.shape[2]} != cache head_dim {d}")
-    check(hq % hkv == 0, "q", f"{hq} query heads not a multiple of {hkv} KV heads")
+    if not (q.shape[2] == d):
+        fail("q", f"head_dim {q.shape[2]} != cache head_dim {d}")
+    if not (hq % hkv == 0):
+        fail("q", f"{hq} query heads not a multiple of {hkv} KV heads")
     check_tensor("block_tables", block_tables, ndim=2, dtype=torch.int32, device=q.device)
     check_tensor("seq_lens", seq_lens, ndim=1, dtype=torch.int32, device=q.device)
     check_tensor("query_start_loc", query_start_loc, ndim=1, dtype=torch.int32, device=q.device)
     batch = seq_lens.shape[0]
-    check(query_start_loc.shape[0] == batch + 1, "query_start_loc", f"length must be B+1 = {batch + 1}")
-    check(block_tables.shape[0] >= batch, "block_tables", f"{block_tables.shape[0]} rows < batch {batch}")
-    check(num_splits >= 1, "num_splits", "must be >= 1")
+    if not (query_start_loc.shape[0] == batch + 1):
+        fail("query_start_loc", f"length must be B+1 = {batch + 1}")
+    if not (block_tables.shape[0] >= batch):
+        fail("block_tables", f"{block_tables.shape[0]} rows < batch {batch}")
+    if not (num_splits >= 1):
+        fail("num_splits", "must be >= 1")
     if batch == 0:
         return out
     block_n = block_n or DEFAULT_BLOCK_N

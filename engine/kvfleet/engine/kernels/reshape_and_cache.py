@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import SUPPORTED_DTYPES, check, check_tensor, next_pow2
+from ._common import SUPPORTED_DTYPES, fail, check_tensor, next_pow2
 
 
 @triton.jit
@@ -43,15 +43,20 @@ def reshape_and_cache(
 ) -> None:
     """Scatter ``k``/``v`` ``[T, Hkv, D]`` into ``kv_cache`` at ``slot_mapping`` (in place)."""
     check_tensor("kv_cache", kv_cache, ndim=5, dtype=SUPPORTED_DTYPES)
-    check(kv_cache.shape[0] == 2, "kv_cache", f"first dim must be 2 (K, V), got {kv_cache.shape[0]}")
+    if not (kv_cache.shape[0] == 2):
+        fail("kv_cache", f"first dim must be 2 (K, V), got {kv_cache.shape[0]}")
     _, num_blocks, block_size, hkv, d = kv_cache.shape
     for name, t in (("k", k), ("v", v)):
         check_tensor(name, t, ndim=3, dtype=kv_cache.dtype, device=kv_cache.device)
-        check(t.shape[1:] == (hkv, d), name, f"shape {tuple(t.shape)} does not match cache heads/dim {(hkv, d)}")
-    check(k.shape[0] == v.shape[0], "v", "k and v must have the same number of tokens")
+        if not (t.shape[1:] == (hkv, d)):
+            fail(name, f"shape {tuple(t.shape)} does not match cache heads/dim {(hkv, d)}")
+    if not (k.shape[0] == v.shape[0]):
+        fail("v", "k and v must have the same number of tokens")
     check_tensor("slot_mapping", slot_mapping, ndim=1, dtype=(torch.int64, torch.int32), device=kv_cache.device)
-    check(slot_mapping.shape[0] == k.shape[0], "slot_mapping", f"length {slot_mapping.shape[0]} != tokens {k.shape[0]}")
-    check(kv_cache.stride(4) == 1, "kv_cache", "head_dim must be contiguous")
+    if not (slot_mapping.shape[0] == k.shape[0]):
+        fail("slot_mapping", f"length {slot_mapping.shape[0]} != tokens {k.shape[0]}")
+    if not (kv_cache.stride(4) == 1):
+        fail("kv_cache", "head_dim must be contiguous")
     num_tokens = k.shape[0]
     if num_tokens == 0:
         return

@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import SUPPORTED_DTYPES, check, check_tensor, next_pow2
+from ._common import SUPPORTED_DTYPES, fail, check_tensor, next_pow2
 
 
 @triton.jit
@@ -40,17 +40,21 @@ def _rms_norm_kernel(
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None):
     check_tensor("x", x, dtype=SUPPORTED_DTYPES)
-    check(x.dim() >= 1, "x", "needs at least one dim")
+    if not (x.dim() >= 1):
+        fail("x", "needs at least one dim")
     n = x.shape[-1]
     check_tensor("weight", weight, ndim=1, device=x.device)
-    check(weight.shape[0] == n, "weight", f"size {weight.shape[0]} != hidden size {n}")
-    check(eps > 0, "eps", f"must be > 0, got {eps}")
+    if not (weight.shape[0] == n):
+        fail("weight", f"size {weight.shape[0]} != hidden size {n}")
+    if not (eps > 0):
+        fail("eps", f"must be > 0, got {eps}")
     x2 = x.reshape(-1, n)
     out = torch.empty_like(x2)
     rows = x2.shape[0]
     if residual is not None:
         check_tensor("residual", residual, dtype=x.dtype, device=x.device)
-        check(residual.shape == x.shape, "residual", f"shape {tuple(residual.shape)} != x {tuple(x.shape)}")
+        if not (residual.shape == x.shape):
+            fail("residual", f"shape {tuple(residual.shape)} != x {tuple(x.shape)}")
         r2 = residual.reshape(-1, n)
         res_out = torch.empty_like(x2)
     else:

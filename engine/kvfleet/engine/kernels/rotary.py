@@ -14,18 +14,21 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import SUPPORTED_DTYPES, check, check_tensor, next_pow2
+from ._common import SUPPORTED_DTYPES, fail, check_tensor, next_pow2
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None = None) -> torch.Tensor:
     """Inverse frequencies, with Llama-3 scaling when ``scaling['rope_type'] == 'llama3'``."""
-    check(head_dim > 0 and head_dim % 2 == 0, "head_dim", f"must be positive and even, got {head_dim}")
-    check(theta > 0, "rope_theta", f"must be > 0, got {theta}")
+    if not (head_dim > 0 and head_dim % 2 == 0):
+        fail("head_dim", f"must be positive and even, got {head_dim}")
+    if not (theta > 0):
+        fail("rope_theta", f"must be > 0, got {theta}")
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
     rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
     if rope_type in (None, "default"):
         return inv_freq
-    check(rope_type == "llama3", "rope_scaling", f"unsupported rope_type {rope_type!r}")
+    if not (rope_type == "llama3"):
+        fail("rope_scaling", f"unsupported rope_type {rope_type!r}")
     assert scaling is not None
     factor = float(scaling["factor"])
     low = float(scaling["low_freq_factor"])
@@ -86,9 +89,10 @@ def _rotary_kernel(
 def _check_qk(q: torch.Tensor, k: torch.Tensor) -> None:
     check_tensor("q", q, ndim=3, dtype=SUPPORTED_DTYPES)
     check_tensor("k", k, ndim=3, dtype=q.dtype, device=q.device)
-    check(k.shape[0] == q.shape[0] and k.shape[2] == q.shape[2], "k",
-          f"shape {tuple(k.shape)} does not match q {tuple(q.shape)}")
-    check(q.shape[2] % 2 == 0, "q", f"head_dim {q.shape[2]} must be even")
+    if not (k.shape[0] == q.shape[0] and k.shape[2] == q.shape[2]):
+        fail("k", f"shape {tuple(k.shape)} does not match q {tuple(q.shape)}")
+    if not (q.shape[2] % 2 == 0):
+        fail("q", f"head_dim {q.shape[2]} must be even")
 
 
 def _launch(positions: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor,
@@ -113,8 +117,10 @@ def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
     check_tensor("positions", positions, ndim=1, dtype=(torch.int64, torch.int32), device=q.device)
     check_tensor("cos_sin_cache", cos_sin_cache, ndim=2, dtype=torch.float32, device=q.device)
     d = q.shape[2]
-    check(positions.shape[0] == q.shape[0], "positions", f"length {positions.shape[0]} != tokens {q.shape[0]}")
-    check(cos_sin_cache.shape[1] == d, "cos_sin_cache", f"width {cos_sin_cache.shape[1]} != head_dim {d}")
+    if not (positions.shape[0] == q.shape[0]):
+        fail("positions", f"length {positions.shape[0]} != tokens {q.shape[0]}")
+    if not (cos_sin_cache.shape[1] == d):
+        fail("cos_sin_cache", f"width {cos_sin_cache.shape[1]} != head_dim {d}")
     _launch(positions, q, k, cos_sin_cache, cos_sin_cache[:, d // 2:])
 
 
@@ -125,7 +131,8 @@ def apply_rotary_cos_sin(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, si
     t, _, d = q.shape
     for name, x in (("cos", cos), ("sin", sin)):
         check_tensor(name, x, ndim=2, device=q.device)
-        check(x.shape[0] == t and x.shape[1] in (d, d // 2), name, f"shape {tuple(x.shape)} != ({t}, {d})")
+        if not (x.shape[0] == t and x.shape[1] in (d, d // 2)):
+            fail(name, f"shape {tuple(x.shape)} != ({t}, {d})")
     _launch(None, q, k, cos, sin)
 
 
