@@ -66,10 +66,10 @@ class Tenants:
         self.namespaces: list[str] = []
 
     def create(self, base: str, quotas: list[dict[str, Any]], cohort: str | None = None,
-               group: str | None = None) -> tuple[str, str]:
+               group: str | None = None, **extra: Any) -> tuple[str, str]:
         """A Tenant `<base>-<suffix>` with one namespace of the same name; returns (tenant, namespace)."""
         name = f"{base}-{self.suffix}"
-        spec: dict[str, Any] = {"namespaces": [name], "quotas": quotas}
+        spec: dict[str, Any] = {"namespaces": [name], "quotas": quotas, **extra}
         if cohort:
             spec["cohort"] = f"{cohort}-{self.suffix}"
         if group:
