@@ -60,6 +60,12 @@ def test_admitted_replicas_run_on_the_flavors_nodes(kube: Kube, tenants: Any, fl
                      timeout=15)
     assert usage[0]["pending"] == 0
 
+    # Self-healing: a deleted LocalQueue comes back; ModelDeployments carry no finalizer of ours.
+    kube.delete(KUEUE, "localqueues", tenant, ns)
+    wait_for("LocalQueue recreated", lambda: (q := kube.get(KUEUE, "localqueues", tenant, ns))
+             and not q["metadata"].get("deletionTimestamp"), timeout=30)
+    assert not kube.get(API, "modeldeployments", "chat", ns)["metadata"].get("finalizers")
+
     # Events and the operator's own metrics.
     events = kube.list("v1", "events", ns)
     assert any(e["reason"] == "AllReplicasAdmitted" and e["involvedObject"]["name"] == "chat" for e in events)

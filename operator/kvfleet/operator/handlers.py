@@ -1,8 +1,9 @@
 """kopf handlers: thin edges that call the reconcilers, serialised per object.
 
-ModelDeployments are reconciled on create/update/resume, on any event of a Workload or
-Deployment they own, and by a slow timer as a safety net. Tenants on create/update/resume
-and by a timer that refreshes their GPU usage.
+ModelDeployments are reconciled on create/update/resume and on any event of a Workload or
+Deployment they own. Tenants on create/update/resume, when one of their queues is deleted,
+and (status only) when a workload in their namespaces changes. No timers, so no finalizers:
+deleting a ModelDeployment or a Tenant never waits for the operator.
 """
 from __future__ import annotations
 
@@ -78,16 +79,11 @@ def mdep_deleted(namespace: str, name: str, **_: Any) -> None:
     log.info("deleted mdep=%s/%s", namespace, name)
 
 
-@kopf.timer(GROUP, VERSION, MDEP_PLURAL, interval=30, initial_delay=30)
-def mdep_resync(namespace: str, name: str, **_: Any) -> None:
-    reconcile_now(namespace, name)
-
-
 @kopf.on.event(KUEUE_GROUP, KUEUE_VERSION, "workloads",
                labels={LABEL_MANAGED_BY: MANAGED_BY_VALUE, LABEL_MDEP: kopf.PRESENT})
 def owned_workload_event(namespace: str, labels: dict[str, str], **_: Any) -> None:
     reconcile_now(namespace, labels[LABEL_MDEP])
-    # Admission changed the tenant's GPU usage: refresh its status now rather than at the next timer.
+    # Admission changed the tenant's GPU usage: refresh its status now.
     ns = kube().get("v1", "namespaces", namespace) or {}
     tenant = ((ns.get("metadata") or {}).get("labels") or {}).get(LABEL_TENANT)
     if tenant:
@@ -107,6 +103,12 @@ def tenant_changed(name: str, **_: Any) -> None:
     _guarded("Tenant", name, lambda: reconcile_tenant(kube(), name))
 
 
-@kopf.timer(GROUP, VERSION, TENANT_PLURAL, interval=30, initial_delay=10)
-def tenant_resync(name: str, **_: Any) -> None:
-    _guarded("Tenant", name, lambda: reconcile_tenant(kube(), name))
+@kopf.on.event(KUEUE_GROUP, KUEUE_VERSION, "clusterqueues",
+               labels={LABEL_MANAGED_BY: MANAGED_BY_VALUE, LABEL_TENANT: kopf.PRESENT})
+@kopf.on.event(KUEUE_GROUP, KUEUE_VERSION, "localqueues",
+               labels={LABEL_MANAGED_BY: MANAGED_BY_VALUE, LABEL_TENANT: kopf.PRESENT})
+def tenant_queue_event(type: str | None, labels: dict[str, str], **_: Any) -> None:  # noqa: A002 (kopf's name)
+    """A queue of a tenant was deleted by someone: put it back (self-healing without a timer)."""
+    if type == "DELETED":
+        tenant = labels[LABEL_TENANT]
+        _guarded("Tenant", tenant, lambda: reconcile_tenant(kube(), tenant))
