@@ -63,11 +63,11 @@ kernels)
   [[ -s /tmp/kvfleet-decode-tile ]] && export KVFLEET_DECODE_TILE=$(cat /tmp/kvfleet-decode-tile)
   echo "KVFLEET_DECODE_TILE=${KVFLEET_DECODE_TILE:-default}" | tee -a "$LOG" ;;
 engine) step engine 120 $PY bench/gpu_engine_check.py "$OUT/engine_check.json" ;;
-kvfleet)
-  bench_kv kvfleet-qwen3-0.6b-random-1024-128 120 --model bench/models/qwen3-0.6b --workload random-1024-128 --backend kvfleet --decode-probe 256x1024
+kvfleet)  # the runs expected to gain most from the last change first, in case the budget runs out
+  bench_kv kvfleet-llama-3.1-8b-chat-mix 150 --model bench/models/llama-3.1-8b --workload chat-mix --backend kvfleet
   bench_kv kvfleet-qwen3-0.6b-chat-mix 120 --model bench/models/qwen3-0.6b --workload chat-mix --backend kvfleet
   bench_kv kvfleet-llama-3.1-8b-random-1024-128 150 --model bench/models/llama-3.1-8b --workload random-1024-128 --backend kvfleet --decode-probe 256x1024
-  bench_kv kvfleet-llama-3.1-8b-chat-mix 150 --model bench/models/llama-3.1-8b --workload chat-mix --backend kvfleet ;;
+  bench_kv kvfleet-qwen3-0.6b-random-1024-128 120 --model bench/models/qwen3-0.6b --workload random-1024-128 --backend kvfleet --decode-probe 256x1024 ;;
 hf)
   bench hf-llama-3.1-8b-random-1024-128 90 --model bench/models/llama-3.1-8b --workload random-1024-128 --backend hf --num-prompts 256 --hf-batch-size 64
   bench hf-llama-3.1-8b-chat-mix 240 --model bench/models/llama-3.1-8b --workload chat-mix --backend hf --num-prompts 64 --hf-batch-size 64
