@@ -31,6 +31,7 @@ step() {  # step NAME MAX_SECONDS CMD...: run if it can finish in the budget (el
   local rc=$?
   echo "=== $name rc=$rc" | tee -a "$LOG"
   tail -n 25 "$LOG" | grep -E "^  |req in|error|Error" | tail -n 12
+  return $rc
 }
 merge() {
   $PY - "$OUT/results.json" /tmp/kvfleet-runs <<'PYEOF'
@@ -43,13 +44,17 @@ bench() {  # bench NAME MAX_SECONDS ARGS...
   local name=$1 max=$2; shift 2
   step "bench $name" "$max" $PY -m kvfleet.engine.bench.throughput --load-format dummy --dtype bfloat16 \
     --out "/tmp/kvfleet-runs/$name.json" --label "$name" "$@"
+  local rc=$?
   merge
+  return $rc
 }
 bench_kv() {  # kvfleet at vLLM's H200 limits (1024 seqs); if that run fails, once more at 256 seqs
   local name=$1 max=$2; shift 2
   bench "$name" "$max" "$@"
-  [[ -f "/tmp/kvfleet-runs/$name.json" ]] || \
+  local rc=$?  # 124: out of time (retrying would only eat the budget); anything else: a failure
+  if [[ ! -f "/tmp/kvfleet-runs/$name.json" && $rc -ne 124 ]]; then
     bench "$name-256seqs" "$max" "$@" --max-num-seqs 256 --max-num-batched-tokens 8192
+  fi
 }
 
 { nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv
