@@ -141,3 +141,36 @@ def test_worker_failing_at_startup_ends_the_driver_with_a_clear_error(tmp_path: 
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, env=env)
     assert proc.returncode == 70, proc.stderr[-2000:]
     assert "worker rank 1 exited (code 3) while loading the model" in proc.stderr
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+def test_two_gpus_nccl_match_one_gpu(tiny_model_factory) -> None:
+    """The same seam over NCCL (control messages over gloo), cuda:0 and cuda:1; float32 for exactness."""
+    folder = tiny_model_factory("qwen3")
+    dev = torch.device("cuda", 0)
+    cfg = ModelConfig.from_pretrained(folder, dtype="float32", device="cuda")
+
+    def steps_on_gpu(model: Any, heads: int) -> list[torch.Tensor]:
+        caches = [torch.zeros(2, 8, BLOCK, heads, cfg.head_dim, device=dev) for _ in range(cfg.num_layers)]
+        gen = torch.Generator().manual_seed(5)
+        tokens = [torch.randint(3, cfg.vocab_size, (16,), generator=gen).tolist() for _ in TABLES]
+        out = []
+        with torch.inference_mode():
+            for step in STEPS:
+                ids = sum((tokens[b][p : p + n] for b, (p, n) in enumerate(step)), [])
+                pos = sum((list(range(p, p + n)) for p, n in step), [])
+                md = build_attention_metadata([n for _, n in step], [p + n for p, n in step], TABLES, BLOCK, dev)
+                hidden = model(torch.tensor(ids, device=dev), torch.tensor(pos, device=dev), caches, md)
+                out.append(model.compute_logits(hidden).cpu())
+        return out
+
+    ref = steps_on_gpu(load_model(cfg, device=dev), cfg.num_kv_heads)
+    tp = load_model(cfg, _EngineConfig(), dev)
+    try:
+        for a, b in zip(steps_on_gpu(tp, tp.num_kv_heads), ref):
+            torch.testing.assert_close(a, b, atol=ATOL, rtol=0)
+    finally:
+        tp.shutdown()
+    assert [p.exitcode for p in tp.procs] == [0]  # the worker left on its own, not killed

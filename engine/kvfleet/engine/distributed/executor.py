@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from kvfleet.engine.attention.metadata import AttentionMetadata
 from kvfleet.engine.distributed.parallel_state import broadcast_object, destroy_tensor_parallel, local_kv_heads
-from kvfleet.engine.distributed.worker import WorkerSpec, build_shard, metadata_to, worker_main
+from kvfleet.engine.distributed.worker import StepHeader, WorkerSpec, build_shard, pack_step, worker_main
 
 logger = logging.getLogger(__name__)
 
@@ -64,10 +64,15 @@ class TensorParallelModel:
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[torch.Tensor], attn_metadata: AttentionMetadata) -> torch.Tensor:
         self._check_workers()
-        cpu = torch.device("cpu")
-        broadcast_object(("forward", input_ids.cpu(), positions.cpu(), metadata_to(attn_metadata, cpu),
-                          tuple(kv_caches[0].shape), len(kv_caches)))
-        return self.model(input_ids, positions, kv_caches, attn_metadata)
+        md = attn_metadata
+        header = StepHeader(
+            num_tokens=int(input_ids.shape[0]), num_seqs=len(md.seq_lens_cpu), table_width=int(md.block_tables.shape[1]),
+            max_query_len=md.max_query_len, max_seq_len=md.max_seq_len, query_start_loc_cpu=list(md.query_start_loc_cpu),
+            seq_lens_cpu=list(md.seq_lens_cpu), cache_shape=tuple(kv_caches[0].shape), num_layers=len(kv_caches),
+        )
+        broadcast_object(("forward", header))  # host data only: no wait for the device
+        dist.broadcast(pack_step(input_ids, positions, md), src=0)
+        return self.model(input_ids, positions, kv_caches, md)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         broadcast_object(("logits", tuple(hidden.shape)))
@@ -114,12 +119,14 @@ class TensorParallelModel:
                 broadcast_object(("shutdown",))
             except Exception as exc:  # a dead peer: nothing left to tell
                 logger.warning("tensor parallel shutdown broadcast failed: %s", exc)
+        # leave the group before waiting: the workers leave it too on their way out (NCCL pairs them)
+        destroy_tensor_parallel()
         for proc in alive:
             proc.join(timeout_s)
             if proc.exitcode is None:
+                logger.warning("tensor parallel worker %s did not exit; killing it", proc.name)
                 proc.kill()
                 proc.join(5)
-        destroy_tensor_parallel()
 
 
 def _watch_startup(procs: list[Any], started: threading.Event, on_death: Callable[[str], None]) -> None:

@@ -2,8 +2,11 @@
 
 The driver (rank 0, inside the engine) broadcasts one control message per call on
 the model; the worker runs the same call on its shards so the collectives inside
-the forward pair up. Messages: ("forward", ids, positions, metadata, cache_shape),
-("logits", rows_shape), ("copy_blocks", src, dst), ("shutdown",).
+the forward pair up. Control messages (small, host-only, over gloo):
+("forward", StepHeader), ("logits", rows_shape), ("copy_blocks", src, dst),
+("free_cache",), ("shutdown",). The step's tensors follow a "forward" header as one
+packed int64 tensor broadcast over the tensor group (NCCL on GPUs), so the driver
+never waits for the device to build a message.
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ import logging
 import os
 import threading
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -39,18 +42,44 @@ class WorkerSpec:
     timeout_s: float = 300.0
 
 
+@dataclass(frozen=True)
+class StepHeader:
+    """Host-side shape of one forward; the tensors travel packed (see pack_step)."""
+
+    num_tokens: int
+    num_seqs: int
+    table_width: int
+    max_query_len: int
+    max_seq_len: int
+    query_start_loc_cpu: list[int]
+    seq_lens_cpu: list[int]
+    cache_shape: tuple[int, ...]
+    num_layers: int
+
+    @property
+    def packed_len(self) -> int:
+        return 3 * self.num_tokens + 2 * self.num_seqs + 1 + self.num_seqs * self.table_width
+
+
+def pack_step(input_ids: torch.Tensor, positions: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
+    """ids | positions | slot_mapping | query_start_loc | seq_lens | block_tables, as one int64 tensor."""
+    parts = [input_ids, positions, md.slot_mapping, md.query_start_loc, md.seq_lens, md.block_tables.flatten()]
+    return torch.cat([p.to(torch.int64) for p in parts])
+
+
+def unpack_step(packed: torch.Tensor, h: StepHeader) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    t, b = h.num_tokens, h.num_seqs
+    ids, pos, slots, qsl, lens, tables = packed.split([t, t, t, b + 1, b, b * h.table_width])
+    md = AttentionMetadata(
+        slot_mapping=slots, query_start_loc=qsl.to(torch.int32), seq_lens=lens.to(torch.int32),
+        block_tables=tables.view(b, h.table_width).to(torch.int32), max_query_len=h.max_query_len,
+        max_seq_len=h.max_seq_len, query_start_loc_cpu=h.query_start_loc_cpu, seq_lens_cpu=h.seq_lens_cpu,
+    )
+    return ids, pos, md
+
+
 def rank_device(device_type: str, rank: int) -> torch.device:
     return torch.device("cuda", rank) if device_type == "cuda" else torch.device("cpu")
-
-
-def metadata_to(md: AttentionMetadata, device: torch.device) -> AttentionMetadata:
-    return replace(
-        md,
-        slot_mapping=md.slot_mapping.to(device),
-        query_start_loc=md.query_start_loc.to(device),
-        seq_lens=md.seq_lens.to(device),
-        block_tables=md.block_tables.to(device),
-    )
 
 
 def build_shard(spec: WorkerSpec, rank: int) -> tuple[torch.nn.Module, torch.device]:
@@ -83,10 +112,12 @@ class ShardWorker:
         """Run one driver call; False on shutdown."""
         cmd = msg[0]
         if cmd == "forward":
-            _, ids, positions, md, cache_shape, num_layers = msg
-            self._ensure_cache(cache_shape, num_layers)
-            self.hidden = self.model(ids.to(self.device), positions.to(self.device), self.kv_caches,
-                                     metadata_to(md, self.device))
+            header: StepHeader = msg[1]
+            packed = torch.empty(header.packed_len, dtype=torch.int64, device=self.device)
+            dist.broadcast(packed, src=0)
+            ids, positions, md = unpack_step(packed, header)
+            self._ensure_cache(header.cache_shape, header.num_layers)
+            self.hidden = self.model(ids, positions, self.kv_caches, md)
         elif cmd == "logits":
             rows = torch.empty(msg[1], dtype=self.dtype, device=self.device)
             dist.broadcast(rows, src=0)
