@@ -69,6 +69,16 @@ def _argv0_of(pid: int) -> str | None:
     return raw.split(b"\0", 1)[0].decode(errors="replace") if raw else None
 
 
+def pid_alive(pid: int) -> bool:
+    """True while process `pid` exists and has not exited (a zombie counts as exited)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return False
+    return stat.rsplit(b")", 1)[-1].split()[0] != b"Z"
+
+
 def running_pid(run: Path, name: str) -> int | None:
     """The pid of our process NAME when it is alive and still runs the program it was started as.
 
@@ -125,13 +135,23 @@ def wait_until(what: str, check: Callable[[], bool], timeout: float, alive: Call
 
 def wait_ready(component: Component, run: Path, logs: Path, timeout: float = 180.0) -> None:
     """Waits until our process answers its probe; shows the log's tail when it does not."""
-    alive = lambda: running_pid(run, component.name) is not None  # noqa: E731
+    pid = _recorded_pid(run, component.name)
+    # By pid, not running_pid(): right after exec /proc/PID/cmdline may not show the new program yet.
+    alive = lambda: pid is not None and pid_alive(pid)  # noqa: E731
     try:
         # Alive first: a process that lost a port race exits, while another one may answer the probe.
         wait_until(component.name, lambda: alive() and component.probe.ok(), timeout, alive)
     except (RuntimeError, TimeoutError) as err:
         tail = "".join((logs / f"{component.name}.log").read_text(errors="replace").splitlines(True)[-25:])
         raise RuntimeError(f"{err}; last lines of {logs / (component.name + '.log')}:\n{tail}") from err
+
+
+def _recorded_pid(run: Path, name: str) -> int | None:
+    try:
+        pid = json.loads(_pidfile(run, name).read_text()).get("pid")
+    except (OSError, ValueError):
+        return None
+    return pid if isinstance(pid, int) else None
 
 
 def start_and_wait(component: Component, run: Path, logs: Path, timeout: float = 180.0) -> None:
