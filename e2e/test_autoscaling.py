@@ -1,0 +1,426 @@
+"""Scenario: autoscaling from real engines' queue depth, through Kueue, within the tenant's quota.
+
+Each pod of the ModelDeployment that kwok marks Running gets a loopback IP; the ``engines`` fixture acts as
+the kubelet: it starts a real ``kvfleet serve`` (CPU, a tiny random-weight model) bound to that IP and the
+pod's port, and stops it when the pod goes away. ``kvfleet bench serve`` sends a burst to the first replica;
+the operator's autoscaler scrapes the engines' ``/metrics`` (loopback only), scales up in one decision,
+Kueue admits only what the tenant's quota allows, and after the load stops the deployment shrinks back
+after ``scaleDownDelaySeconds``. Replica counts are read from the API. The run writes
+``docs/autoscaling-run.md`` and ``docs/autoscaling-run.png`` (``KVFLEET_AUTOSCALING_REPORT_DIR`` overrides).
+"""
+from __future__ import annotations
+
+import ipaddress
+import json
+import os
+import signal
+import subprocess
+import sys
+import shutil
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+import httpx
+import pytest
+from operator_fixtures import (API, crds, engine_pods, flavors, kube, mdep_status,  # noqa: F401
+                               model_deployment, suffix, tenants, workloads)
+
+from kvfleet.operator.autoscaler.metrics import MetricsError, parse_load
+from kvfleet.operator.kube import Kube
+from kvfleet.operator.testing import REPO, OperatorProcess, condition, free_port, wait_for
+
+pytestmark = pytest.mark.timeout(420)
+
+INTERVAL_S = 2  # autoscaler timer in these runs (the default is 15 s)
+TARGET = 4  # targetQueueDepth per replica
+ENGINE_PORT = 8000
+PROMETHEUS = shutil.which("prometheus")
+
+
+@dataclass(frozen=True)
+class Scenario:
+    max_replicas: int
+    quota_gpus: int  # the tenant's nominal H200 quota; one GPU per replica
+    burst_prompts: int
+    delay_s: int  # scaleDownDelaySeconds
+    source: str = "scrape"
+
+
+SCRAPE = Scenario(max_replicas=5, quota_gpus=3, burst_prompts=400, delay_s=15)
+PROM = Scenario(max_replicas=3, quota_gpus=2, burst_prompts=250, delay_s=6, source="prometheus")
+
+
+@pytest.fixture
+def prometheus_server(tmp_path: Path) -> Iterator[tuple[str, Path]]:
+    """A real Prometheus (Debian package) scraping the targets the kubelet fixture writes; (url, sd file)."""
+    if PROMETHEUS is None:
+        pytest.skip("no prometheus binary (apt-get install prometheus)")
+    sd_file = tmp_path / "targets.json"
+    sd_file.write_text("[]")
+    config = tmp_path / "prometheus.yml"
+    config.write_text("global: {scrape_interval: 1s, evaluation_interval: 1s}\n"
+                      "scrape_configs:\n  - job_name: engines\n    file_sd_configs:\n"
+                      f"      - files: ['{sd_file}']\n        refresh_interval: 1s\n")
+    port = free_port()
+    proc = subprocess.Popen([PROMETHEUS, f"--config.file={config}", f"--storage.tsdb.path={tmp_path / 'db'}",  # noqa: S603
+                             f"--web.listen-address=127.0.0.1:{port}", "--log.level=warn"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_for("prometheus ready", lambda: _ok(f"{url}/-/ready"), timeout=30)
+        yield url, sd_file
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+def _ok(url: str) -> bool:
+    try:
+        return httpx.get(url, timeout=1, trust_env=False).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+@pytest.fixture
+def operator(crds: None, kubeconfig: str, cluster: Any, request: pytest.FixtureRequest) -> Iterator[OperatorProcess]:
+    """The operator with a short autoscaler interval and the loopback-only safety switch on; it reads
+    Prometheus when the test uses `prometheus_server`, else scrapes the pods."""
+    env = {"KVFLEET_AUTOSCALE_INTERVAL": str(INTERVAL_S), "KVFLEET_LOOPBACK_ONLY": "1"}
+    if "prometheus_server" in request.fixturenames:
+        url, _ = request.getfixturevalue("prometheus_server")
+        env.update(KVFLEET_AUTOSCALER_METRICS_SOURCE="prometheus", KVFLEET_AUTOSCALER_PROMETHEUS_URL=url)
+    log = Path(cluster.logs) / f"operator-{request.node.name}.log"
+    proc = OperatorProcess(kubeconfig, log, env=env).start()
+    yield proc
+    proc.stop()
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from kvfleet.engine.testing import make_tiny_model
+
+    return make_tiny_model("llama", tmp_path_factory.mktemp("models"))
+
+
+class EngineKubelet:
+    """Plays the kubelet for kwok pods: one real `kvfleet serve` per Running pod, bound to its loopback IP.
+
+    With `sd_file`, it also keeps a Prometheus file_sd target list of the engines, labelled with namespace and
+    pod (what a PodMonitor gives a real Prometheus)."""
+
+    def __init__(self, kube: Kube, namespace: str, mdep: str, model: Path, logs: Path,
+                 sd_file: Path | None = None) -> None:
+        self.kube, self.namespace, self.mdep, self.model, self.logs = kube, namespace, mdep, model, logs
+        self.sd_file = sd_file
+        self.procs: dict[str, tuple[str, subprocess.Popen[bytes]]] = {}  # pod -> (ip, process)
+        self.started: list[str] = []
+        self.errors: list[str] = []
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="engine-kubelet", daemon=True)
+
+    def __enter__(self) -> "EngineKubelet":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(10)
+        for pod in list(self.procs):
+            self._stop_engine(pod)
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                pods = engine_pods(self.kube, self.namespace, self.mdep)
+            except Exception:  # the apiserver was busy: try again on the next tick
+                pods = None
+            if pods is not None:
+                live = {p["metadata"]["name"]: p["status"]["podIP"] for p in pods
+                        if (p.get("status") or {}).get("phase") == "Running" and p["status"].get("podIP")}
+                changed = False
+                for name in set(self.procs) - set(live):
+                    self._stop_engine(name)
+                    changed = True
+                for name, ip in live.items():
+                    if name not in self.procs and ip not in self.errors:
+                        changed |= self._start_engine(name, ip)
+                if changed and self.sd_file is not None:
+                    self._write_targets()
+            self._stop.wait(0.5)
+
+    def _start_engine(self, pod: str, ip: str) -> bool:
+        if not ipaddress.ip_address(ip).is_loopback:  # never bind or send anything off loopback
+            self.errors.append(ip)
+            return False
+        argv = [sys.executable, "-m", "kvfleet.engine.cli", "serve", str(self.model), "--host", ip,
+                "--port", str(ENGINE_PORT), "--device", "cpu", "--max-num-seqs", "2",
+                "--shutdown-grace-period", "1", "--log-level", "warning", "--disable-log-requests"]
+        log = open(self.logs / f"engine-{pod}.log", "ab")  # noqa: SIM115 (the child owns it)
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=str(REPO),  # noqa: S603
+                                start_new_session=True)
+        log.close()
+        with self._lock:
+            self.procs[pod] = (ip, proc)
+        self.started.append(pod)
+        return True
+
+    def _stop_engine(self, pod: str) -> None:
+        with self._lock:
+            _, proc = self.procs.pop(pod)
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(5)
+
+    def _write_targets(self) -> None:
+        assert self.sd_file is not None
+        groups = [{"targets": [f"{ip}:{ENGINE_PORT}"], "labels": {"namespace": self.namespace, "pod": pod}}
+                  for pod, ip in self.ips().items()]
+        tmp = self.sd_file.with_suffix(".tmp")
+        tmp.write_text(json.dumps(groups))
+        tmp.replace(self.sd_file)  # atomic: Prometheus never reads half a file
+
+    def ips(self) -> dict[str, str]:
+        with self._lock:
+            return {pod: ip for pod, (ip, _) in self.procs.items()}
+
+    def urls(self) -> dict[str, str]:
+        return {pod: f"http://{ip}:{ENGINE_PORT}" for pod, ip in self.ips().items()}
+
+
+def scrape_depth(urls: dict[str, str]) -> float | None:
+    """Waiting + running over the engines, read by the test itself; None when none could be read."""
+    total, read = 0.0, 0
+    for url in urls.values():
+        try:
+            waiting, running = parse_load(httpx.get(f"{url}/metrics", timeout=1, trust_env=False).text)
+        except (httpx.HTTPError, MetricsError):
+            continue
+        total, read = total + waiting + running, read + 1
+    return total if read else None
+
+
+class Recorder:
+    """Samples the ModelDeployment (from the API) and the engines' queue depth once a second."""
+
+    def __init__(self, kube: Kube, namespace: str, mdep: str, kubelet: EngineKubelet) -> None:
+        self.kube, self.namespace, self.mdep, self.kubelet = kube, namespace, mdep, kubelet
+        self.rows: list[dict[str, Any]] = []
+        self.t0 = time.monotonic()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="recorder", daemon=True)
+
+    def __enter__(self) -> "Recorder":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(10)
+
+    def mark(self) -> float:
+        return round(time.monotonic() - self.t0, 1)
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                st = mdep_status(self.kube, self.namespace, self.mdep)
+                wls = len(workloads(self.kube, self.namespace, self.mdep))
+            except Exception:
+                st, wls = None, None
+            if st is not None:
+                inputs = (st.get("autoscaler") or {}).get("inputs") or {}
+                self.rows.append({
+                    "t": self.mark(), "engine_depth": scrape_depth(self.kubelet.urls()),
+                    "observed_depth": inputs.get("queueDepth"), "unknown": len(inputs.get("podsUnknown") or []),
+                    "desired": st.get("desiredReplicas"), "workloads": wls,
+                    "admitted": st.get("admittedReplicas"), "ready": st.get("readyReplicas"),
+                })
+            self._stop.wait(1.0)
+
+
+def report_dir() -> Path:
+    return Path(os.environ.get("KVFLEET_AUTOSCALING_REPORT_DIR") or REPO / "docs")
+
+
+def write_report(rows: list[dict[str, Any]], marks: dict[str, float], sc: Scenario, out: Path) -> None:
+    """docs/autoscaling-run.md (table) and .png (plot), from the recorded samples only."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out.mkdir(parents=True, exist_ok=True)
+    ts = [r["t"] for r in rows]
+    fig, ax1 = plt.subplots(figsize=(7, 3.2), dpi=90)
+    ax1.plot(ts, [r["engine_depth"] if r["engine_depth"] is not None else float("nan") for r in rows],
+             color="tab:orange", label="queue depth (waiting+running)")
+    ax1.set_xlabel("seconds")
+    ax1.set_ylabel("requests")
+    ax2 = ax1.twinx()
+    for key, style in (("desired", "-"), ("admitted", "--"), ("ready", ":")):
+        ax2.step(ts, [r[key] or 0 for r in rows], style, where="post", label=f"{key} replicas")
+    ax2.axhline(sc.quota_gpus, color="tab:red", linewidth=0.6, label="tenant quota (replicas)")
+    ax2.set_ylabel("replicas")
+    ax2.set_ylim(0, sc.max_replicas + 1)
+    for name, t in marks.items():
+        ax1.axvline(t, color="grey", linewidth=0.6)
+        ax1.text(t, ax1.get_ylim()[1] * 0.95, name, fontsize=7, rotation=90, va="top")
+    lines = ax1.get_legend_handles_labels()[0] + ax2.get_legend_handles_labels()[0]
+    ax1.legend(lines, [ln.get_label() for ln in lines], fontsize=7, loc="center right")
+    fig.tight_layout()
+    fig.savefig(out / "autoscaling-run.png")
+    plt.close(fig)
+
+    def cell(v: Any) -> str:
+        return "–" if v is None else f"{v:g}" if isinstance(v, float) else str(v)
+
+    head = ["t (s)", "engine queue depth", "autoscaler saw", "unknown pods", "desired", "workloads", "admitted",
+            "ready"]
+    keys = ["t", "engine_depth", "observed_depth", "unknown", "desired", "workloads", "admitted", "ready"]
+    table = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    prev, last_t = None, None
+    for r in rows:  # keep a row when something changed, and at least one every 5 s
+        sig = tuple(r[k] for k in keys[1:])
+        if sig != prev or last_t is None or r["t"] - last_t >= 5:
+            table.append("| " + " | ".join(cell(r[k]) for k in keys) + " |")
+            last_t = r["t"]
+        prev = sig
+    text = [
+        "# Autoscaling run (generated by `e2e/test_autoscaling.py`)",
+        "",
+        "Real `kvfleet serve` engines (CPU, tiny random-weight llama, `--max-num-seqs 2`) bound to the loopback IPs",
+        "kwok gave the ModelDeployment's pods; `kvfleet bench serve` sent a burst of "
+        f"{sc.burst_prompts} requests to the first replica.",
+        f"Autoscaling: minReplicas 1, maxReplicas {sc.max_replicas}, targetQueueDepth {TARGET}, "
+        f"scaleDownDelaySeconds {sc.delay_s}, interval {INTERVAL_S} s, metrics from `{sc.source}`; "
+        f"tenant quota {sc.quota_gpus} GPUs (1 per replica).",
+        "Replica counts are read from the ModelDeployment's status; *engine queue depth* is scraped from the",
+        "engines by the test, *autoscaler saw* is `status.autoscaler.inputs.queueDepth`.",
+        "",
+        "Marks: " + ", ".join(f"{k} at {v:g} s" for k, v in marks.items()) + ".",
+        "",
+        "![queue depth and replicas over time](autoscaling-run.png)",
+        "",
+        *table,
+        "",
+    ]
+    (out / "autoscaling-run.md").write_text("\n".join(text), encoding="utf-8")
+
+
+@pytest.fixture
+def children() -> Iterator[list[subprocess.Popen[bytes]]]:
+    """Processes a test starts; killed afterwards if a failed assertion left them running."""
+    procs: list[subprocess.Popen[bytes]] = []
+    yield procs
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+
+
+def run_scenario(sc: Scenario, kube: Kube, tenants: Any, flavor: str, operator: OperatorProcess, model: Path,
+                 logs: Path, children: list[Any], sd_file: Path | None = None
+                 ) -> tuple[list[dict[str, Any]], dict[str, float]]:
+    """Burst -> one scale-up decision to maxReplicas -> Kueue admits the quota -> load stops -> scale-down after
+    the delay. Returns the recorded samples and the time marks."""
+    _, ns = tenants.create("autoscale", [{"flavor": flavor, "nominal": sc.quota_gpus}])
+    autoscaling = {"enabled": True, "minReplicas": 1, "maxReplicas": sc.max_replicas, "targetQueueDepth": TARGET,
+                   "scaleDownDelaySeconds": sc.delay_s}
+    kube.apply(model_deployment("chat", ns, flavor, replicas=1, tp=1, autoscaling=autoscaling))
+    marks: dict[str, float] = {}
+
+    def auto() -> dict[str, Any]:
+        return mdep_status(kube, ns, "chat").get("autoscaler") or {}
+
+    with EngineKubelet(kube, ns, "chat", model, logs, sd_file) as kubelet, \
+            Recorder(kube, ns, "chat", kubelet) as rec:
+        # One replica, its engine serving, and the autoscaler reading it.
+        wait_for("one engine serving", lambda: len(kubelet.urls()) == 1 and scrape_depth(kubelet.urls()) == 0,
+                 timeout=120)
+        wait_for("autoscaler reads the engine", lambda: (auto().get("inputs") or {}).get("podsRead") == 1,
+                 timeout=60)
+        assert auto()["inputs"]["metricSource"] == sc.source
+        assert mdep_status(kube, ns, "chat")["desiredReplicas"] == 1
+        [first_url] = kubelet.urls().values()
+
+        marks["burst"] = rec.mark()
+        bench_out, bench_log = logs / f"bench-{ns}.json", logs / f"bench-{ns}.log"
+        with open(bench_log, "wb") as log:
+            bench = subprocess.Popen([sys.executable, "-m", "kvfleet.engine.cli", "bench", "serve",  # noqa: S603
+                                      "--base-url", first_url, "--num-prompts", str(sc.burst_prompts),
+                                      "--out", str(bench_out)],
+                                     stdout=log, stderr=subprocess.STDOUT, cwd=str(REPO))
+        children.append(bench)
+
+        # Scale-up: the queue is deep, so one decision asks for maxReplicas (not one at a time);
+        # Kueue admits only the tenant's quota and the rest wait with Kueue's reason.
+        mdep = wait_for("scale-up to maxReplicas", lambda: (m := kube.get(API, "modeldeployments", "chat", ns))
+                        and m["status"].get("desiredReplicas") == sc.max_replicas and m, timeout=60)
+        marks["scaled up"] = rec.mark()
+        decision = mdep["status"]["autoscaler"]["lastDecision"]
+        assert (decision["action"], decision["from"], decision["to"]) == ("scale_up", 1, sc.max_replicas), decision
+        assert mdep["status"]["autoscaler"]["inputs"]["queueDepth"] > TARGET * (sc.max_replicas - 1)
+        mdep = wait_for("quota caps admission", lambda: (m := kube.get(API, "modeldeployments", "chat", ns))
+                        and m["status"].get("admittedReplicas") == sc.quota_gpus
+                        and m["status"].get("readyReplicas") == sc.quota_gpus and m, timeout=60)
+        assert mdep["status"]["pendingReplicas"] == sc.max_replicas - sc.quota_gpus
+        assert condition(mdep, "QuotaExceeded")["status"] == "True"
+        wait_for("an engine on every admitted pod", lambda: len(kubelet.urls()) == sc.quota_gpus, timeout=30)
+        for _ in range(3):  # the autoscaler never asks for more workloads than maxReplicas
+            assert len(workloads(kube, ns, "chat")) == sc.max_replicas
+            assert len(engine_pods(kube, ns, "chat")) <= sc.quota_gpus
+            time.sleep(INTERVAL_S)
+
+        assert bench.wait(240) == 0, bench_log.read_text(errors="replace")[-2000:]
+        marks["load done"] = rec.mark()
+        summary = json.loads(bench_out.read_text())
+        assert summary["completed"] == sc.burst_prompts and summary["failed"] == 0
+
+        # Scale-down: only after the delay, back to minReplicas, and the quota is released.
+        load_done = time.monotonic()
+        wait_for("scale-down to minReplicas", lambda: mdep_status(kube, ns, "chat").get("desiredReplicas") == 1,
+                 timeout=sc.delay_s + 60)
+        assert time.monotonic() - load_done >= sc.delay_s - INTERVAL_S
+        marks["scaled down"] = rec.mark()
+        wait_for("one workload and one pod left", lambda: len(workloads(kube, ns, "chat")) == 1
+                 and len(engine_pods(kube, ns, "chat")) == 1, timeout=60)
+        wait_for("one engine left", lambda: len(kubelet.urls()) == 1, timeout=30)
+        time.sleep(3)  # a few more samples for the record
+        st = mdep_status(kube, ns, "chat")
+        assert (st["desiredReplicas"], st["admittedReplicas"]) == (1, 1)
+        assert not kubelet.errors, f"non-loopback pod IPs: {kubelet.errors}"
+
+    reasons = [e["reason"] for e in kube.list("v1", "events", ns)]
+    assert "ScaledUp" in reasons and "ScaledDown" in reasons, reasons
+    metrics = operator.metrics()
+    assert f'kvfleet_operator_desired_replicas{{name="chat",namespace="{ns}"}} 1.0' in metrics
+    assert "kvfleet_operator_queue_depth{" in metrics
+    rows = rec.rows
+    assert max(r["engine_depth"] or 0 for r in rows) > TARGET * sc.max_replicas
+    assert max(r["admitted"] or 0 for r in rows) == sc.quota_gpus  # never above quota, even while scaling
+    assert len(kubelet.started) >= sc.quota_gpus
+    return rows, marks
+
+
+def test_burst_scales_up_within_quota_and_back_down(kube: Kube, tenants: Any, flavors: dict[str, str],
+                                                    operator: OperatorProcess, tiny_model: Path,
+                                                    cluster: Any, children: list[Any]) -> None:
+    rows, marks = run_scenario(SCRAPE, kube, tenants, flavors["h200"], operator, tiny_model, Path(cluster.logs),
+                               children)
+    write_report(rows, marks, SCRAPE, report_dir())
+
+
+def test_prometheus_source_scales_the_same_way(prometheus_server: tuple[str, Path], kube: Kube, tenants: Any,
+                                               flavors: dict[str, str], operator: OperatorProcess,
+                                               tiny_model: Path, cluster: Any, children: list[Any]) -> None:
+    _, sd_file = prometheus_server
+    run_scenario(PROM, kube, tenants, flavors["h200"], operator, tiny_model, Path(cluster.logs), children, sd_file)
