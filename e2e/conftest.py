@@ -51,6 +51,7 @@ def cluster() -> Iterator[Layout]:
     if missing:
         pytest.fail(f"cluster binaries missing ({', '.join(missing)}): run `make cluster-build` (or `make e2e`)")
     started = control.up(layout, os.environ.get("KVFLEET_CLUSTER_NODES", manifests.DEFAULT_NODES))
+    layout = Layout.for_checkout()  # up may have moved to a free block of ports
     # Several test sessions may share one checkout's cluster: the last one out stops it, if a session started it.
     sharing.add_user(layout)
     yield layout

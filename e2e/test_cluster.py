@@ -212,15 +212,18 @@ def test_every_address_of_the_cluster_is_loopback_and_nodes_are_distinct() -> No
     assert len({layout.port(p) for p in ("etcd_client", "apiserver", "kueue_webhook")}) == 3
 
 
-def test_port_base_override_is_validated() -> None:
-    from pathlib import Path
+def test_port_base_override_is_validated(tmp_path: Any) -> None:
+    from localcluster.layout import Layout, port_base
 
-    from localcluster.layout import port_base
-
-    assert port_base(Path("/x"), {"KVFLEET_CLUSTER_PORT_BASE": "31000"}) == 31000
-    assert 20000 <= port_base(Path("/x"), {}) < 29000
+    assert port_base(tmp_path, {"KVFLEET_CLUSTER_PORT_BASE": "31000"}) == 31000
+    hashed = port_base(tmp_path, {})
+    assert 20000 <= hashed < 29000 and hashed % 100 == 0
+    (tmp_path / ".cluster").mkdir()
+    (tmp_path / ".cluster" / "port-base").write_text("24500\n")  # what cluster-up writes after moving
+    assert port_base(tmp_path, {}) == 24500
+    assert Layout(tmp_path, 24500).pod_cidr == "127.145.0.0/17"  # the pod network moves with the ports
     with pytest.raises(ValueError, match="KVFLEET_CLUSTER_PORT_BASE"):
-        port_base(Path("/x"), {"KVFLEET_CLUSTER_PORT_BASE": "80"})
+        port_base(tmp_path, {"KVFLEET_CLUSTER_PORT_BASE": "80"})
 
 
 def test_only_kueues_converted_crds_get_the_conversion_stanza() -> None:

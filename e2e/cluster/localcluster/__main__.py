@@ -30,6 +30,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "up":
             started = control.up(layout, args.nodes, args.timeout)
+            layout = Layout.for_checkout()  # up may have moved to a free block of ports
             print(control.describe(layout))
             print(("cluster started. " if started else "cluster already running. ") + "To use it:")
             print(control.usage(layout))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import shutil
 import socket
 import subprocess
@@ -15,7 +16,7 @@ import yaml
 
 from . import components as comps
 from . import kueue_setup, manifests, pki, procs
-from .layout import Layout
+from .layout import PORT_BASE_FILE, Layout, block_base
 from .sharing import locked
 
 log = logging.getLogger(__name__)
@@ -116,6 +117,25 @@ def up(layout: Layout, node_spec: str = manifests.DEFAULT_NODES, timeout: float 
         return _up(layout, node_spec, timeout)
 
 
+def _free_layout(layout: Layout) -> Layout:
+    """The layout itself when its ports are free, else the next free block of 100 ports, remembered in
+    .cluster/port-base (two checkouts whose paths hash to one block, or a port taken by something else)."""
+    busy = busy_ports(layout)
+    if not busy:
+        return layout
+    if os.environ.get("KVFLEET_CLUSTER_PORT_BASE"):
+        raise RuntimeError(f"ports already in use: {', '.join(busy)} (KVFLEET_CLUSTER_PORT_BASE is set)")
+    first = (layout.base - 20000) // 100
+    for step in range(1, 90):
+        candidate = layout.with_base(block_base(first + step))
+        if not busy_ports(candidate):
+            log.info("ports %d-%d are taken (%s); using %d-%d", layout.base + 1, layout.base + 9, ", ".join(busy),
+                     candidate.base + 1, candidate.base + 9)  # fmt: skip
+            (layout.root / PORT_BASE_FILE).write_text(f"{candidate.base}\n")
+            return candidate
+    raise RuntimeError(f"no free block of ports in 20000-28999 (first tried: {', '.join(busy)})")
+
+
 def _up(layout: Layout, node_spec: str, timeout: float) -> bool:
     missing = missing_binaries(layout)
     if missing:
@@ -125,9 +145,18 @@ def _up(layout: Layout, node_spec: str, timeout: float) -> bool:
         return False
     # Something is missing or broken: start again from a clean slate (a throw-away test cluster).
     _down(layout)
-    busy = busy_ports(layout)
-    if busy:
-        raise RuntimeError(f"ports already in use: {', '.join(busy)} (set KVFLEET_CLUSTER_PORT_BASE to move them)")
+    layout = _free_layout(layout)
+    try:
+        _start_everything(layout, node_spec, timeout)
+    except BaseException:
+        # Leave nothing half-started behind (CI runs on a shared machine); the logs stay for the post-mortem.
+        log.error("cluster up failed; stopping what was started (logs in %s)", layout.logs)
+        _down(layout)
+        raise
+    return True
+
+
+def _start_everything(layout: Layout, node_spec: str, timeout: float) -> None:
     started = time.monotonic()
     for d in (layout.run, layout.logs):
         d.mkdir(parents=True, exist_ok=True)
@@ -144,7 +173,6 @@ def _up(layout: Layout, node_spec: str, timeout: float) -> bool:
     procs.start_and_wait(every["kueue"], layout.run, layout.logs, timeout)
     kueue_setup.check_kept_our_certificate(layout, kubectl)
     log.info("cluster up in %.0f s", time.monotonic() - started)
-    return True
 
 
 def down(layout: Layout) -> list[str]:

@@ -48,14 +48,28 @@ def checkout_index(root: Path) -> int:
     return int.from_bytes(digest[:4], "big") % 90
 
 
+PORT_BASE_FILE = ".cluster/port-base"
+
+
+def block_base(index: int) -> int:
+    """First port of block `index` (0..89): 20000, 20100, ... 28900."""
+    return 20000 + 100 * (index % 90)
+
+
 def port_base(root: Path, env: dict[str, str] | os._Environ[str] = os.environ) -> int:
-    """First port of the checkout's block of 100 (20000-28999), or KVFLEET_CLUSTER_PORT_BASE."""
+    """First port of the checkout's block of 100: KVFLEET_CLUSTER_PORT_BASE, else the block the last cluster-up
+    chose (.cluster/port-base), else the block the checkout's path hashes to."""
     override = env.get("KVFLEET_CLUSTER_PORT_BASE")
     if override:
         if not override.isdigit() or not 1024 <= int(override) <= 65000:
             raise ValueError(f"KVFLEET_CLUSTER_PORT_BASE must be a port number 1024-65000, got {override!r}")
         return int(override)
-    return 20000 + 100 * checkout_index(root)
+    chosen = root / PORT_BASE_FILE
+    if chosen.exists():
+        text = chosen.read_text().strip()
+        if text.isdigit() and 1024 <= int(text) <= 65000:
+            return int(text)
+    return block_base(checkout_index(root))
 
 
 @dataclass(frozen=True)
@@ -64,11 +78,18 @@ class Layout:
 
     root: Path
     base: int
-    index: int
 
     @classmethod
     def for_checkout(cls, root: Path = ROOT) -> "Layout":
-        return cls(root=root, base=port_base(root), index=checkout_index(root))
+        return cls(root=root, base=port_base(root))
+
+    def with_base(self, base: int) -> "Layout":
+        return Layout(root=self.root, base=base)
+
+    @property
+    def index(self) -> int:
+        """0..89, from the port block: picks the loopback pod network, so it moves with the ports."""
+        return ((self.base - 20000) // 100) % 90
 
     # --- files -----------------------------------------------------------------------------------------------
     @property
