@@ -198,8 +198,17 @@ def describe(layout: Layout) -> str:
         lines.append(f"  {s.name:<24} {status}{f' (pid {s.pid})' if s.pid else ''}")
     api = next(s for s in component_states if s.name == "kube-apiserver")
     if api.healthy:
-        lines.append(kubectl(layout, "get", "nodes", "-L", f"{manifests.FLAVOR_LABEL},nvidia.com/gpu.count",
-                             check=False).rstrip())  # fmt: skip
+        columns = ",".join((
+            "NODE:.metadata.name",
+            "READY:.status.conditions[?(@.type=='Ready')].status",
+            "FLAVOR:.metadata.labels.kvfleet\\.dev/gpu-flavor",
+            "PRODUCT:.metadata.labels.nvidia\\.com/gpu\\.product",
+            "GPUS:.status.allocatable.nvidia\\.com/gpu",
+            "CPU:.status.allocatable.cpu",
+            "MEMORY:.status.allocatable.memory",
+            "IP:.status.addresses[?(@.type=='InternalIP')].address",
+        ))  # fmt: skip
+        lines.append(kubectl(layout, "get", "nodes", "-o", f"custom-columns={columns}", check=False).rstrip())
     return "\n".join(lines)
 
 
@@ -207,7 +216,8 @@ def usage(layout: Layout) -> str:
     return (
         f"export KUBECONFIG={layout.kubeconfig}\n"
         f"export PATH={layout.bin}:$PATH\n"
-        "kubectl get nodes    # fake GPU nodes (kwok): pods are scheduled and marked Running, no container runs\n"
+        "kubectl get nodes -L kvfleet.dev/gpu-flavor   # kwok GPU nodes: pods get scheduled and Running, no container runs\n"
+        "make cluster-status                           # components, and each node's GPUs, CPU, memory and IP\n"
         f"logs: {layout.logs}/    stop: make cluster-down"
     )
 
