@@ -216,7 +216,7 @@ def usage(layout: Layout) -> str:
     return (
         f"export KUBECONFIG={layout.kubeconfig}\n"
         f"export PATH={layout.bin}:$PATH\n"
-        "kubectl get nodes -L kvfleet.dev/gpu-flavor   # kwok GPU nodes: pods get scheduled and Running, no container runs\n"
+        "kubectl get nodes -L kvfleet.dev/gpu-flavor   # kwok GPU nodes: pods run as far as the API shows\n"
         "make cluster-status                           # components, and each node's GPUs, CPU, memory and IP\n"
         f"logs: {layout.logs}/    stop: make cluster-down"
     )
