@@ -52,16 +52,23 @@ def test_invalid_tenant_rejected(crds: None, kubectl: Callable[..., Any], spec: 
 
 
 def test_unknown_flavor_is_a_condition_and_event(kube: Kube, tenants: Any, flavors: dict[str, str],
-                                                 operator: OperatorProcess) -> None:
-    _, ns = tenants.create("val", [{"flavor": flavors["h200"], "nominal": 2}])
-    kube.apply(model_deployment("ghost", ns, "no-such-flavor"))
+                                                 operator: OperatorProcess, cluster_objects: Any) -> None:
+    late = f"late-{tenants.suffix}"
+    _, ns = tenants.create("val", [{"flavor": flavors["h200"], "nominal": 2}, {"flavor": late, "nominal": 2}])
+    kube.apply(model_deployment("ghost", ns, late))
     st = wait_for("FlavorNotFound", lambda: (s := mdep_status(kube, ns, "ghost")) and any(
         c["type"] == "Admitted" and c["reason"] == "FlavorNotFound" for c in s.get("conditions", [])) and s,
         timeout=60)
     msg = next(c["message"] for c in st["conditions"] if c["type"] == "Admitted")
-    assert "spec.resources.gpuFlavor" in msg and "no-such-flavor" in msg
+    assert "spec.resources.gpuFlavor" in msg and late in msg
     assert st["admittedReplicas"] == 0
     assert not kube.list("kueue.x-k8s.io/v1beta2", "workloads", ns)
     events = wait_for("Warning event", lambda: [e for e in kube.list("v1", "events", ns)
                                                 if e["reason"] == "FlavorNotFound"], timeout=30)
     assert events[0]["type"] == "Warning"
+    # Once the flavor exists, the operator's retry admits the model without any change to it.
+    cluster_objects.create("kueue.x-k8s.io", "v1beta2", "resourceflavors", {
+        "apiVersion": "kueue.x-k8s.io/v1beta2", "kind": "ResourceFlavor", "metadata": {"name": late},
+        "spec": {"nodeLabels": {"kvfleet.dev/gpu-flavor": "l40s"}}})
+    wait_for("admitted on the late flavor", lambda: mdep_status(kube, ns, "ghost").get("readyReplicas") == 1,
+             timeout=60)

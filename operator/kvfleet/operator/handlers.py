@@ -60,6 +60,19 @@ def _guarded(kind: str, key: str, fn: Callable[[], Any]) -> Any:
             raise kopf.TemporaryError(f"{kind} {key}: {exc}", delay=1 if exc.status == 409 else 5) from exc
 
 
+# Problems that go away when something else appears (the spec itself is fine): retried.
+RETRY_REASONS = frozenset({"FlavorNotFound", "QueueNotFound", "NotATenantNamespace", "PriorityClassNotFound"})
+RETRY_DELAY_SECONDS = 10
+
+
+def waiting_reason(status: dict[str, Any] | None) -> str | None:
+    """The Admitted condition's reason when it is one that a later retry may clear."""
+    for cond in (status or {}).get("conditions") or ():
+        if cond.get("type") == "Admitted" and cond.get("reason") in RETRY_REASONS:
+            return str(cond["reason"])
+    return None
+
+
 def reconcile_now(namespace: str, name: str) -> Any:
     """Reconcile one ModelDeployment now (the autoscaler calls this after a decision)."""
     return _guarded("ModelDeployment", f"{namespace}/{name}",
@@ -70,7 +83,11 @@ def reconcile_now(namespace: str, name: str) -> Any:
 @kopf.on.update(GROUP, VERSION, MDEP_PLURAL)
 @kopf.on.resume(GROUP, VERSION, MDEP_PLURAL)
 def mdep_changed(namespace: str, name: str, **_: Any) -> None:
-    reconcile_now(namespace, name)
+    status = reconcile_now(namespace, name)
+    reason = waiting_reason(status)
+    if reason:
+        # What it waits for (a flavor, a queue, a tenant) is not watched: kopf retries until it exists.
+        raise kopf.TemporaryError(f"{namespace}/{name} waits: {reason}", delay=RETRY_DELAY_SECONDS)
 
 
 @kopf.on.delete(GROUP, VERSION, MDEP_PLURAL, optional=True)
