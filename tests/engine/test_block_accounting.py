@@ -107,3 +107,15 @@ def test_seeded_sampling_same_alone_and_in_a_busy_batch(llm: LLM) -> None:
     assert busy[2].outputs[0].token_ids == alone
     unseeded = llm.generate([prompt] * 2, SamplingParams(temperature=1.0, max_tokens=16, ignore_eos=True))
     assert unseeded[0].outputs[0].token_ids != unseeded[1].outputs[0].token_ids
+
+
+def test_beam_search_params_api(llm: LLM) -> None:
+    from kvfleet.engine import BeamSearchParams
+
+    prompt = [9, 8, 7, 6, 5]
+    res = llm.beam_search([prompt], BeamSearchParams(beam_width=3, max_tokens=6))[0]
+    old = llm.generate([prompt], SamplingParams(n=3, use_beam_search=True, max_tokens=6))[0]
+    assert [s.tokens for s in res.sequences] == [prompt + c.token_ids for c in old.outputs]
+    scores = [s.cum_logprob for s in res.sequences]
+    assert len(scores) == 3 and all(isinstance(x, float) for x in scores)
+    assert_no_leak(llm)

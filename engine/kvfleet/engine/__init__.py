@@ -8,14 +8,15 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from kvfleet.engine.outputs import CompletionOutput, Logprob, RequestOutput
-from kvfleet.engine.sampling_params import SamplingParams
+from kvfleet.engine.outputs import BeamSearchOutput, CompletionOutput, Logprob, RequestOutput
+from kvfleet.engine.sampling_params import BeamSearchParams, SamplingParams
 
 if TYPE_CHECKING:
     from kvfleet.engine.async_llm import AsyncLLM
     from kvfleet.engine.llm import LLM
 
-__all__ = ["AsyncLLM", "AsyncLLMEngine", "CompletionOutput", "LLM", "Logprob", "RequestOutput", "SamplingParams"]
+__all__ = ["AsyncLLM", "AsyncLLMEngine", "BeamSearchOutput", "BeamSearchParams", "CompletionOutput", "LLM",
+           "Logprob", "RequestOutput", "SamplingParams"]
 
 
 def __getattr__(name: str) -> Any:

@@ -9,8 +9,8 @@ from typing import Any, Optional, Sequence, Union
 from kvfleet.engine.config import EngineConfig
 from kvfleet.engine.core.inputs import PromptType
 from kvfleet.engine.llm_engine import LLMEngine
-from kvfleet.engine.outputs import RequestOutput
-from kvfleet.engine.sampling_params import SamplingParams
+from kvfleet.engine.outputs import BeamSearchOutput, BeamSearchSequence, RequestOutput
+from kvfleet.engine.sampling_params import BeamSearchParams, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -98,6 +98,13 @@ class LLM:
             engine.abort_request(list(pending))
             raise
         return [final[i] for i in ids]
+
+    def beam_search(self, prompts: Any, params: BeamSearchParams) -> list[BeamSearchOutput]:
+        """vLLM's `LLM.beam_search`: the `beam_width` best beams of each prompt, best first."""
+        outs = self.generate(prompts, params.to_sampling_params())
+        return [BeamSearchOutput([BeamSearchSequence(o.prompt_token_ids + c.token_ids, c.text,
+                                                     c.cumulative_logprob or 0.0, c.finish_reason)
+                                  for c in o.outputs]) for o in outs]
 
     def chat(self, messages: Union[Conversation, list[Conversation]],
              sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,

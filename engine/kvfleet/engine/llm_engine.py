@@ -236,6 +236,8 @@ class LLMEngine:
         if any(b.key not in g.beam_pending for b in g.beam_live):
             return
         step = g.beam.step(g.beam_live, g.beam_pending)
+        if g.metrics.first_token_time is None:
+            g.metrics.first_token_time = time.monotonic()
         g.beam_pending.clear()
         seqs = {st.seq.request_id: st.seq for st in g.seqs.values()}
         if step.done:

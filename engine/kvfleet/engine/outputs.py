@@ -31,6 +31,19 @@ class CompletionOutput:
 
 
 @dataclass
+class BeamSearchSequence:
+    tokens: list[int]            # prompt + generated, as vLLM's
+    text: str                    # the generated text
+    cum_logprob: float
+    finish_reason: Optional[str] = None
+
+
+@dataclass
+class BeamSearchOutput:
+    sequences: list[BeamSearchSequence]   # best first
+
+
+@dataclass
 class RequestMetrics:
     """time.monotonic() stamps, for TTFT and inter-token latency."""
 

@@ -125,3 +125,23 @@ class SamplingParams:
         if not isinstance(self.early_stopping, bool) and self.early_stopping != "never":
             _fail("early_stopping", f"must be True, False or 'never', got {self.early_stopping!r}")
         return self
+
+
+@dataclass
+class BeamSearchParams:
+    """vLLM's separate beam-search parameters (`LLM.beam_search`)."""
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+    include_stop_str_in_output: bool = False
+
+    def to_sampling_params(self) -> SamplingParams:
+        if not isinstance(self.beam_width, int) or self.beam_width < 1:
+            _fail("beam_width", f"must be at least 1, got {self.beam_width!r}")
+        return SamplingParams(n=self.beam_width, best_of=self.beam_width, use_beam_search=True,
+                              max_tokens=self.max_tokens, ignore_eos=self.ignore_eos,
+                              temperature=self.temperature, length_penalty=self.length_penalty,
+                              include_stop_str_in_output=self.include_stop_str_in_output)
