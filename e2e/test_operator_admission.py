@@ -12,9 +12,12 @@ from kvfleet.operator.testing import OperatorProcess, condition, wait_for
 
 
 def test_admitted_replicas_run_on_the_flavors_nodes(kube: Kube, tenants: Any, flavors: dict[str, str],
-                                                     operator: OperatorProcess) -> None:
+                                                     operator: OperatorProcess, cluster_objects: Any) -> None:
     tenant, ns = tenants.create("acme", [{"flavor": flavors["h200"], "nominal": 4}], group="acme-devs")
-    kube.apply(model_deployment("chat", ns, flavors["h200"], replicas=2, tp=2))
+    priority = f"serving-{tenants.suffix}"
+    cluster_objects.create("kueue.x-k8s.io", "v1beta2", "workloadpriorityclasses", {
+        "apiVersion": KUEUE, "kind": "WorkloadPriorityClass", "metadata": {"name": priority}, "value": 1000})
+    kube.apply(model_deployment("chat", ns, flavors["h200"], replicas=2, tp=2, priorityClassName=priority))
 
     mdep = wait_for("chat Available", lambda: (m := kube.get(API, "modeldeployments", "chat", ns))
                     and (condition(m, "Available") or {}).get("status") == "True"
@@ -34,6 +37,7 @@ def test_admitted_replicas_run_on_the_flavors_nodes(kube: Kube, tenants: Any, fl
         (psa,) = wl["status"]["admission"]["podSetAssignments"]
         assert psa["flavors"]["nvidia.com/gpu"] == flavors["h200"]
         assert wl["metadata"]["ownerReferences"][0]["uid"] == mdep["metadata"]["uid"]
+        assert wl["spec"]["priority"] == 1000 and wl["spec"]["priorityClassRef"]["name"] == priority
 
     # Pods: Running on H200 nodes, 2 GPUs each; the Deployment asks for exactly the admitted count.
     pods = engine_pods(kube, ns, "chat")
