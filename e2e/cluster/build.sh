@@ -50,6 +50,19 @@ progress() {
     say "$name: $n packages compiled"
 }
 
+require_go() {
+    if ! command -v go >/dev/null; then
+        say "the Go toolchain is needed (1.26+: etcd 3.6.16, kwok 0.8.0 and helm 3.22 say go 1.26.0); none on PATH"
+        exit 1
+    fi
+    local have
+    have="$(go env GOVERSION)"
+    if [[ "$(printf '%s\n' go1.26 "$have" | sort -V | head -1)" != go1.26 ]]; then
+        say "Go 1.26+ is needed (GOTOOLCHAIN=local never downloads another); this machine has $have"
+        exit 1
+    fi
+}
+
 # build_component NAME VERSION FUNCTION: runs FUNCTION OUTDIR unless $BIN_CACHE/NAME-VERSION exists.
 missing=()
 build_component() {
@@ -63,6 +76,7 @@ build_component() {
         missing+=("$name-$version")
         return 0
     fi
+    require_go
     local log="$LOGS/build-$name-$version.log" start=$SECONDS
     say "$name $version: building (log: $log) ..."
     rm -rf "$dir.tmp" && mkdir -p "$dir.tmp"
