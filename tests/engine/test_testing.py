@@ -51,3 +51,11 @@ def test_bad_arguments() -> None:
 
 def test_default_model_is_found(smollm2_path: Path) -> None:
     assert smollm2_path.name == "SmolLM2-135M-Instruct.Q4_1.gguf" and smollm2_path.stat().st_size > 50e6
+
+
+def test_hub_id_without_network_names_the_model(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvfleet.engine.model_config import ModelConfig
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # no hub here: a hub id that is not cached must fail clearly
+    with pytest.raises(ValueError, match="model: 'kvfleet-test/not-a-model' is no local folder"):
+        ModelConfig.from_pretrained("kvfleet-test/not-a-model")

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -69,8 +70,14 @@ def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+# What a hub download fetches: configs, safetensors weights, tokenizer files and chat templates.
+_HUB_PATTERNS = ["*.json", "*.safetensors", "tokenizer*", "*.jinja", "*.txt", "*.model"]
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+
+
 def split_model_path(path_or_gguf: str | os.PathLike[str]) -> tuple[Path, str | None]:
-    """-> (folder, gguf file name or None). Raises ValueError naming `model` when nothing is there."""
+    """-> (local folder, gguf file name or None) for a folder, a .gguf file, or a hub id
+    ("org/name", downloaded where the machine has network). Raises ValueError naming `model`."""
     path = Path(path_or_gguf).expanduser()
     if path.is_file() and path.suffix == ".gguf":
         return path.parent, path.name
@@ -81,7 +88,22 @@ def split_model_path(path_or_gguf: str | os.PathLike[str]) -> tuple[Path, str | 
         if len(ggufs) == 1:
             return path, ggufs[0].name
         raise ValueError(f"model: {path} has no config.json (and not exactly one .gguf file)")
-    raise ValueError(f"model: {str(path_or_gguf)!r} is neither a model folder nor a .gguf file")
+    name = str(path_or_gguf)
+    if _HUB_ID.fullmatch(name) and not path.exists():
+        return _download_from_hub(name), None
+    raise ValueError(f"model: {name!r} is neither a model folder nor a .gguf file")
+
+
+def _download_from_hub(repo_id: str) -> Path:
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(repo_id, allow_patterns=_HUB_PATTERNS))
+    except Exception as exc:  # offline, unknown repo, gated model...
+        raise ValueError(
+            f"model: {repo_id!r} is no local folder or .gguf file, and the hub could not provide it "
+            f"({type(exc).__name__}: {str(exc)[:200]})"
+        ) from None
 
 
 def _eos_ids(hf_config: Any, folder: Path) -> list[int]:
@@ -140,12 +162,11 @@ class ModelConfig:
         dtype: str | torch.dtype | None = "auto",
         device: str | torch.device | None = None,
     ) -> "ModelConfig":
-        os.environ.setdefault("HF_HUB_OFFLINE", "1")
         from transformers import AutoConfig
 
         folder, gguf_file = split_model_path(path_or_gguf)
         kwargs = {"gguf_file": gguf_file} if gguf_file else {}
-        hf = AutoConfig.from_pretrained(str(folder), **kwargs)
+        hf = AutoConfig.from_pretrained(str(folder), local_files_only=True, **kwargs)
         return cls.from_hf_config(hf, str(path_or_gguf), folder, gguf_file, max_model_len, dtype, device)
 
     @classmethod

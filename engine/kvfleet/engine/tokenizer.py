@@ -14,13 +14,12 @@ DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 def load_tokenizer(model_path: str | os.PathLike[str]) -> Any:
-    """HF tokenizer (apply_chat_template, encode, decode) for a model folder or a .gguf file, offline."""
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    """HF tokenizer (apply_chat_template, encode, decode) for a model folder, a .gguf file or a hub id."""
     from transformers import AutoTokenizer
 
     folder, gguf_file = split_model_path(model_path)
     kwargs = {"gguf_file": gguf_file} if gguf_file else {}
-    return AutoTokenizer.from_pretrained(str(folder), **kwargs)
+    return AutoTokenizer.from_pretrained(str(folder), local_files_only=True, **kwargs)
 
 
 def find_default_model() -> Path:
