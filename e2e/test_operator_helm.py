@@ -5,11 +5,11 @@ from __future__ import annotations
 import subprocess
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import pytest
 import yaml
-from operator_fixtures import API, KUEUE, crds, kube, operator  # noqa: F401
+from operator_fixtures import API, KUEUE, crds, kube  # noqa: F401
 
 from kvfleet.operator.kube import Kube
 from kvfleet.operator.testing import REPO, OperatorProcess, wait_for
@@ -63,11 +63,28 @@ def test_helm_template_renders(cluster: Any, tmp_path: Path) -> None:
         assert d["metadata"]["labels"]["app.kubernetes.io/instance"] == "rel"
 
 
-def test_helm_install_on_the_cluster(cluster: Any, kube: Kube, operator: OperatorProcess, tmp_path: Path) -> None:
+def service_account_kubeconfig(cluster: Any, kubectl: Callable[..., Any], sa: str, ns: str, path: Path) -> str:
+    """A kubeconfig that authenticates as the chart's ServiceAccount (a TokenRequest token)."""
+    token = kubectl("create", "token", sa, "--namespace", ns, "--duration=1h").stdout.strip()
+    admin = yaml.safe_load(Path(cluster.kubeconfig).read_text())
+    path.write_text(yaml.safe_dump({
+        "apiVersion": "v1", "kind": "Config", "current-context": "sa",
+        "clusters": [{"name": "local", "cluster": admin["clusters"][0]["cluster"]}],
+        "users": [{"name": "sa", "user": {"token": token}}],
+        "contexts": [{"name": "sa", "context": {"cluster": "local", "user": "sa"}}],
+    }))
+    return str(path)
+
+
+def test_helm_install_on_the_cluster(cluster: Any, kube: Kube, crds: None, kubectl: Callable[..., Any],
+                                     tmp_path: Path) -> None:
+    """Install for real, then run the operator with the chart's ServiceAccount: the least-privilege
+    ClusterRole must be enough to turn the chart's tenant and a ModelDeployment into running replicas."""
     sfx = uuid.uuid4().hex[:5]
-    release, ns = f"kvfleet-{sfx}", f"kvfleet-system-{sfx}"
+    release, ns, tenant = f"kvfleet-{sfx}", f"kvfleet-system-{sfx}", f"helm-{sfx}"
     vals = tmp_path / "values.yaml"
     vals.write_text(yaml.safe_dump(values(sfx)))
+    operator = None
     try:
         helm(cluster, "install", release, str(CHART), "--namespace", ns, "--create-namespace", "-f", str(vals),
              "--wait", "--timeout", "90s")
@@ -77,18 +94,33 @@ def test_helm_install_on_the_cluster(cluster: Any, kube: Kube, operator: Operato
             "kvfleet.dev/gpu-flavor": "h200"}
         dep = kube.get("apps/v1", "deployments", f"{release}-operator", ns)
         assert dep["status"].get("availableReplicas") == 1  # a kwok pod: scheduled and Ready, never run
-        # The chart's tenant becomes a ClusterQueue and a LocalQueue through the (local) operator.
-        cq = wait_for("ClusterQueue from the chart's tenant",
-                      lambda: kube.get(KUEUE, "clusterqueues", f"helm-{sfx}"), timeout=60)
+
+        sa_config = service_account_kubeconfig(cluster, kubectl, release, ns, tmp_path / "sa.kubeconfig")
+        operator = OperatorProcess(sa_config, Path(cluster.logs) / "operator-helm-sa.log",
+                                   peering=f"kvfleet-helm-{sfx}", identity=f"helm-{sfx}").start()
+        cq = wait_for("ClusterQueue from the chart's tenant", lambda: kube.get(KUEUE, "clusterqueues", tenant),
+                      timeout=60)
         gpu = cq["spec"]["resourceGroups"][0]["flavors"][0]["resources"][2]
         assert str(gpu["nominalQuota"]) == "4" and str(gpu["borrowingLimit"]) == "2"
-        wait_for("LocalQueue", lambda: kube.get(KUEUE, "localqueues", f"helm-{sfx}", f"helm-{sfx}"), timeout=30)
+        wait_for("LocalQueue", lambda: kube.get(KUEUE, "localqueues", tenant, tenant), timeout=30)
+        assert kube.get("rbac.authorization.k8s.io/v1", "rolebindings", "kvfleet-modeldeployment-editor", tenant)
+        kube.apply({"apiVersion": API, "kind": "ModelDeployment", "metadata": {"name": "m", "namespace": tenant},
+                    "spec": {"model": {"source": "org/m"}, "resources": {"gpuFlavor": f"h200-helm-{sfx}"}}})
+        wait_for("ModelDeployment ready under the chart's RBAC",
+                 lambda: ((kube.get(API, "modeldeployments", "m", tenant) or {}).get("status") or {})
+                 .get("readyReplicas") == 1, timeout=60)
+        assert "Forbidden" not in operator.log_tail(200), operator.log_tail(30)
     finally:
+        if operator is not None:
+            kube.delete(API, "modeldeployments", "m", tenant)
+            wait_for("ModelDeployment gone", lambda: kube.get(API, "modeldeployments", "m", tenant) is None,
+                     timeout=60)
+            operator.stop()
         helm(cluster, "uninstall", release, "--namespace", ns, "--wait", "--timeout", "60s", check=False)
         kube.delete("v1", "namespaces", ns)
-        kube.delete("v1", "namespaces", f"helm-{sfx}")
-    wait_for("Tenant removed with the release", lambda: kube.get(API, "tenants", f"helm-{sfx}") is None, timeout=60)
-    wait_for("ClusterQueue collected", lambda: kube.get(KUEUE, "clusterqueues", f"helm-{sfx}") is None, timeout=60)
+        kube.delete("v1", "namespaces", tenant)
+    wait_for("Tenant removed with the release", lambda: kube.get(API, "tenants", tenant) is None, timeout=60)
+    wait_for("ClusterQueue collected", lambda: kube.get(KUEUE, "clusterqueues", tenant) is None, timeout=60)
 
 
 pytestmark = pytest.mark.e2e
