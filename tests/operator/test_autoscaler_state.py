@@ -45,7 +45,11 @@ def test_missing_or_malformed_state_is_fresh() -> None:
 
 def test_unknown_pods_show_in_status_and_event() -> None:
     d = decide(SPEC, 2, [PodLoad("a", 0, 0), PodLoad("b", None, None, "timeout")], AutoscalerState(), 0)
-    assert status_patch(d, "scrape")["autoscaler"]["inputs"]["podsUnknown"] == ["b"]
+    inputs = status_patch(d, "scrape", {"b": "ConnectError: refused"})["autoscaler"]["inputs"]
+    assert inputs["podsUnknown"] == ["b"]
+    assert inputs["podsUnknownReasons"] == ["b: ConnectError: refused"]
+    assert status_patch(decide(SPEC, 2, [PodLoad("a", 0, 0)], AutoscalerState(), 0), "scrape")[
+        "autoscaler"]["inputs"]["podsUnknownReasons"] == []
     assert "unknown pods: b" in event_message(d)
 
 

@@ -105,7 +105,7 @@ async def autoscale_once(kube: Any, namespace: str, name: str, settings: Autosca
     else:
         loads = await scrape_pods(targets, spec.engine_kind)
     decision = decide(policy_spec, current, loads, state_from_status(status), now or time.time())
-    patch = status_patch(decision, settings.source)
+    patch = status_patch(decision, settings.source, {p.pod: p.error for p in loads if not p.known})
     await asyncio.to_thread(kube.merge_patch, mdep, {"status": patch}, "status")
     await _post_events(kube, mdep, decision, old_auto)
     GAUGES.record(namespace, name, decision, replica_count(status, "admittedReplicas"),

@@ -30,8 +30,11 @@ def state_from_status(status: Optional[Mapping[str, Any]]) -> AutoscalerState:
     return AutoscalerState(low_demand_since=float(since), window_peak=peak)
 
 
-def status_patch(decision: Decision, metric_source: str) -> dict[str, Any]:
-    """``status.autoscaler`` for a decision: its inputs, the outcome and the saved state."""
+def status_patch(decision: Decision, metric_source: str,
+                 errors: Optional[Mapping[str, str]] = None) -> dict[str, Any]:
+    """``status.autoscaler`` for a decision: its inputs (with why each unknown pod could not be read),
+    the outcome and the saved state."""
+    reasons = [f"{pod}: {(errors or {}).get(pod, 'unknown')}"[:240] for pod in decision.unknown_pods]
     state: dict[str, Any] = {"lowDemandSince": decision.state.low_demand_since,
                              "windowPeak": decision.state.window_peak}
     return {
@@ -53,6 +56,8 @@ def status_patch(decision: Decision, metric_source: str) -> dict[str, Any]:
                 "busyReplicas": decision.busy,
                 "podsRead": decision.known_pods,
                 "podsUnknown": list(decision.unknown_pods),
+                # A list, not a map: a merge patch replaces lists whole, so old pods never linger.
+                "podsUnknownReasons": reasons,
             },
             "state": state,
         }
