@@ -98,3 +98,22 @@ def test_tensor_parallel_engine_matches_single_process(tiny_model_dir) -> None:
         assert tp.stats()["kv_blocks_used"] == 0
     finally:
         tp.shutdown()
+
+
+def test_cache_salt_keeps_tenants_apart(tiny_model_dir) -> None:
+    llm = LLM(str(tiny_model_dir), num_kv_blocks=64)
+    eng = llm.llm_engine
+    prompt = list(range(1, 40))               # two full blocks before the last token
+    params = SamplingParams(max_tokens=2, ignore_eos=True)
+
+    def run(rid: str, salt: str | None) -> int:
+        before = eng.stats()["prefix_cache_hits"]
+        eng.add_request(rid, prompt, params, cache_salt=salt)
+        while eng.has_unfinished_requests():
+            eng.step()
+        return eng.stats()["prefix_cache_hits"] - before
+
+    assert run("a1", "tenant-a") == 0
+    assert run("b1", "tenant-b") == 0          # same tokens, other tenant: nothing shared
+    assert run("a2", "tenant-a") == 32         # same tenant: both full blocks reused
+    assert run("n1", None) == 0
