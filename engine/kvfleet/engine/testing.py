@@ -152,7 +152,6 @@ def make_tiny_model(
     marker = folder / "kvfleet-tiny.json"
     if marker.is_file():
         return folder
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import torch
     import transformers
 
@@ -162,8 +161,16 @@ def make_tiny_model(
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     _randomize(model, seed, std)
     tmp = folder.with_name(folder.name + f".tmp{os.getpid()}")
-    model.save_pretrained(tmp, safe_serialization=True)
-    tokenizer.save_pretrained(tmp)
+    from transformers.utils import logging as hf_logging
+
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # quiet test logs
+    try:
+        model.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+    finally:
+        if bars:
+            hf_logging.enable_progress_bar()
     (tmp / "kvfleet-tiny.json").write_text(json.dumps(spec, indent=1))
     try:
         tmp.rename(folder)  # atomic: concurrent builders never see half a folder
