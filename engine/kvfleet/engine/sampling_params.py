@@ -7,7 +7,7 @@ engine calls it before a request reaches the scheduler.
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional, Union
 
 _GREEDY_EPS = 1e-5  # vLLM treats temperature below this as greedy
@@ -42,8 +42,6 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     spaces_between_special_tokens: bool = True
-    # Filled by the engine: all token ids that end a sequence (eos + stop_token_ids).
-    _all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
