@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import pytest
 
 from kvfleet.operator.autoscaler.policy import (
@@ -25,7 +27,7 @@ def pods(*loads: tuple[float, float] | None) -> list[PodLoad]:
     ]
 
 
-def run(spec: AutoscalingSpec, current: int, ticks: list[tuple[float, list[PodLoad]]]) -> list[Decision]:
+def run(spec: AutoscalingSpec, current: int, ticks: Sequence[tuple[float, list[PodLoad]]]) -> list[Decision]:
     """Feed a sequence of (time, pods) through the policy, applying each decision."""
     state = AutoscalerState()
     out = []
