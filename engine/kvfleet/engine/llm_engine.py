@@ -19,7 +19,7 @@ from kvfleet.engine.core.inputs import PromptType, check_prompt, split_prompt
 from kvfleet.engine.core.kv_cache_manager import KVCacheManager
 from kvfleet.engine.core.request import Request, RequestStatus
 from kvfleet.engine.core.request_group import RequestGroup
-from kvfleet.engine.core.scheduler import ModelRunnerOutput, RequestUpdate, Scheduler, SchedulerOutput
+from kvfleet.engine.core.scheduler import ModelRunnerOutput, RequestUpdate, Scheduler
 from kvfleet.engine.model_config import ModelConfig
 from kvfleet.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from kvfleet.engine.sampling_params import SamplingParams
