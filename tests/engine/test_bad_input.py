@@ -57,6 +57,10 @@ def test_bad_prompts_rejected_before_scheduling(llm: LLM) -> None:
         assert not eng.scheduler.has_unfinished() and not eng.groups
     with pytest.raises(ValueError, match=r"top_k: must be -1"):
         llm.generate(["hello"], SamplingParams(top_k=0))
+    with pytest.raises(ValueError, match=r"n: 100000 sequences exceed max_num_seqs=256"):
+        llm.generate([[1, 2]], SamplingParams(n=100000))
+    with pytest.raises(ValueError, match=r"best_of: 300 sequences exceed max_num_seqs=256"):
+        llm.generate([[1, 2]], SamplingParams(n=2, best_of=300))
     # A batch with one bad prompt adds nothing at all.
     with pytest.raises(ValueError, match=r"prompt: must not be empty"):
         llm.generate([[1, 2, 3], []], SamplingParams(max_tokens=4))

@@ -88,6 +88,9 @@ class LLMEngine:
         """Validate and tokenize (no engine state touched): (text, ids, params copy, max_tokens)."""
         params = (params or SamplingParams()).clone()
         params.validate(self.model_config.vocab_size)
+        if params.num_samples > self.config.max_num_seqs:
+            name = "n" if params.n >= params.num_samples else "best_of"
+            raise ValueError(f"{name}: {params.num_samples} sequences exceed max_num_seqs={self.config.max_num_seqs}")
         text, ids = self.tokenize(prompt)
         kv_tokens = self.kv.num_blocks * self.config.block_size
         beams = params.beam_width if params.use_beam_search else 1
