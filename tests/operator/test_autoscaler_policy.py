@@ -139,6 +139,8 @@ def test_out_of_bounds_current_is_moved_into_range() -> None:
     assert decide(spec, 1, pods((0, 0)), AutoscalerState(), 0).desired == 2
     d = decide(spec, 6, pods(*[(0, 1)] * 6), AutoscalerState(), 0)
     assert (d.action, d.desired) == ("scale_down", 3)  # max wins over busy pods
+    d = decide(spec, 0, pods((9, 2)), AutoscalerState(), 0)
+    assert (d.action, d.desired) == ("scale_up", 3)  # below min with demand: straight to the need
 
 
 def test_zero_delay_scales_down_on_first_quiet_tick() -> None:
@@ -171,3 +173,44 @@ def test_from_spec_reads_camel_case() -> None:
     s = AutoscalingSpec.from_spec({"enabled": True, "minReplicas": 1, "maxReplicas": 5,
                                    "targetQueueDepth": 2, "scaleDownDelaySeconds": 30})
     assert s == AutoscalingSpec(1, 5, 2.0, 30.0)
+
+
+# --- invariants over random observations (hypothesis) ---------------------------------------------
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+_load = st.one_of(st.none(), st.tuples(st.integers(0, 40), st.integers(0, 8)))
+
+
+@st.composite
+def _cases(draw: st.DrawFn) -> tuple[AutoscalingSpec, int, list[PodLoad], AutoscalerState, float]:
+    lo = draw(st.integers(0, 4))
+    spec = AutoscalingSpec(lo, draw(st.integers(max(lo, 1), 10)), draw(st.integers(1, 10)),
+                           draw(st.integers(0, 120)))
+    current = draw(st.integers(0, 12))
+    loads = draw(st.lists(_load, max_size=10))
+    since = draw(st.one_of(st.none(), st.floats(0, 1000)))
+    state = AutoscalerState(since, draw(st.integers(0, 12)) if since is not None else 0)
+    return spec, current, pods(*loads), state, draw(st.floats(1000, 2000))
+
+
+@settings(max_examples=300, deadline=None)
+@given(_cases())
+def test_policy_invariants(case: tuple[AutoscalingSpec, int, list[PodLoad], AutoscalerState, float]) -> None:
+    spec, current, observed, state, now = case
+    d = decide(spec, current, observed, state, now)
+    in_range = spec.min_replicas <= current <= spec.max_replicas
+    assert spec.min_replicas <= d.desired <= spec.max_replicas
+    assert d.action == ("scale_up" if d.desired > current else "scale_down" if d.desired < current else "hold")
+    if in_range and d.needed > current:
+        assert d.desired == d.needed  # all the way up in one decision
+    if in_range and d.action == "scale_down":
+        assert not d.unknown_pods  # unknown is never read as zero
+        assert d.desired >= max(d.busy, d.needed) or d.desired == spec.max_replicas
+        since = now if state.low_demand_since is None else state.low_demand_since  # a window opening now
+        assert now - since >= spec.scale_down_delay_seconds
+    # Same inputs, same decision; and a decision taken again at once changes nothing more.
+    assert decide(spec, current, observed, state, now) == d
+    again = decide(spec, d.desired, observed, d.state, now)
+    assert again.action == "hold" or (d.action == "scale_down" and again.desired <= d.desired), (spec, current, d, again)

@@ -156,12 +156,12 @@ def decide(
     )
     demand = f"queue depth {waiting + running:g} ({waiting:g} waiting, {running:g} running)"
 
-    # Bounds first: a spec change moves the count into range at once.
+    # Bounds first: a spec change moves the count into range at once (up to the need, if higher).
     if current < spec.min_replicas or current > spec.max_replicas:
-        target = max(spec.min_replicas, min(spec.max_replicas, current))
+        target = max(spec.min_replicas, needed) if current < spec.min_replicas else spec.max_replicas
         return replace(
             base, action="scale_up" if target > current else "scale_down", desired=target,
-            reason=f"replicas {current} outside [{spec.min_replicas}, {spec.max_replicas}]",
+            reason=f"replicas {current} outside [{spec.min_replicas}, {spec.max_replicas}]; {demand}",
         )
     if needed > current:
         return replace(
