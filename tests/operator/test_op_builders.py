@@ -98,6 +98,9 @@ def test_workload_hash_tracks_immutable_parts(op_config: OperatorConfig) -> None
     assert workload_hash(t1, "q", None) != workload_hash(t2, "q", None)
     assert workload_hash(t1, "q", None) != workload_hash(t1, "other", None)
     assert workload_hash(t1, "q", None) != workload_hash(t1, "q", ("p", 1))
+    # A new image rolls the Deployment; it must not replace admitted workloads.
+    t3 = workload_pod_template(_spec(engine={"tensorParallelSize": 2, "image": "other:1"}), op_config, None)
+    assert workload_hash(t3, "q", None) == workload_hash(t1, "q", None)
     wl = build_workload(make_mdep(), _spec(), op_config, 0, "q")
     assert wl["metadata"]["labels"][LABEL_WORKLOAD_HASH] == workload_hash(t1, "q", None)
     assert "priorityClassRef" not in wl["spec"]

@@ -54,6 +54,7 @@ class OperatorProcess:
         self.health_port = free_port()
         self.metrics_port = free_port()
         self.proc: subprocess.Popen[bytes] | None = None
+        self._log_offset: int | None = None
 
     def argv(self) -> list[str]:
         argv = [sys.executable, "-m", "kvfleet.operator", "--kubeconfig", self.kubeconfig,
@@ -67,6 +68,8 @@ class OperatorProcess:
         if self.identity:
             env["POD_ID"] = self.identity  # kopf's peering identity survives a restart
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        if self._log_offset is None:  # restarts append; log_text() covers them all
+            self._log_offset = self.log_path.stat().st_size if self.log_path.exists() else 0
         log = open(self.log_path, "ab")  # noqa: SIM115 (the child owns it)
         self.proc = subprocess.Popen(self.argv(), stdout=log, stderr=subprocess.STDOUT, env=env,  # noqa: S603
                                      cwd=str(REPO), start_new_session=True)
@@ -103,6 +106,12 @@ class OperatorProcess:
                 self.proc.wait(20)
             except subprocess.TimeoutExpired:
                 self.kill()
+
+    def log_text(self) -> str:
+        """What this operator (and its restarts) wrote, not earlier runs sharing the file."""
+        with open(self.log_path, "rb") as f:
+            f.seek(self._log_offset or 0)
+            return f.read().decode(errors="replace")
 
     def log_tail(self, lines: int = 40) -> str:
         try:

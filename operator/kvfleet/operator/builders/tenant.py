@@ -108,7 +108,8 @@ def build_rbac(tenant: Mapping[str, Any], spec: TenantSpec, namespace: str) -> l
         "rules": [
             {"apiGroups": [GROUP], "resources": [MDEP_PLURAL, f"{MDEP_PLURAL}/scale"],
              "verbs": ["get", "list", "watch", "create", "update", "patch", "delete"]},
-            {"apiGroups": [GROUP], "resources": [f"{MDEP_PLURAL}/status"], "verbs": ["get", "list", "watch"]},
+            # Only verbs the operator holds itself (RBAC forbids granting more); status is read with get.
+            {"apiGroups": [GROUP], "resources": [f"{MDEP_PLURAL}/status"], "verbs": ["get"]},
         ],
     }
     if not spec.group:

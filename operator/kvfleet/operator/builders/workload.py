@@ -10,7 +10,7 @@ from ..constants import (GPU_TOLERATION, KUEUE_API_VERSION, KUEUE_GROUP, LABEL_F
                          LABEL_WORKLOAD_HASH, POD_SET_NAME)
 from ..spec import ModelDeploymentSpec
 from .meta import mdep_labels, owner_reference
-from .pod import container_resources, engine_image
+from .pod import container_resources
 
 
 def workload_name(mdep_name: str, ordinal: int) -> str:
@@ -26,10 +26,11 @@ def workload_pod_template(
     Kueue only assigns flavors whose nodeLabels match the pod set's nodeSelector, so a
     `gpuFlavor` in the spec pins the flavor through the node selector.
     """
+    # No image: it does not change what Kueue counts, and a new image must roll the Deployment, not
+    # replace admitted workloads (which would give their quota back to the queue).
     pod_spec: dict[str, Any] = {
         "containers": [{
             "name": "engine",
-            "image": engine_image(spec, config),
             "resources": {"requests": container_resources(spec)["requests"]},
         }],
         "tolerations": [dict(GPU_TOLERATION)],
