@@ -1,6 +1,7 @@
 """Throughput by backend and workload (with the issue's vLLM figures) as a PNG.
 
-Usage: python bench/plot.py [RESULTS_DIR] [OUT.png]   (default bench/results/final, bench/results/throughput.png)
+Usage: python bench/plot.py OUT.png RESULTS_DIR [RESULTS_DIR ...]
+(one kvfleet series per results folder, named after it; hf runs from any folder)
 """
 
 from __future__ import annotations
@@ -18,34 +19,41 @@ from summarize import VLLM, load_runs  # noqa: E402
 
 MODELS = ("llama-3.1-8b", "qwen3-0.6b")
 WORKLOADS = ("random-1024-128", "chat-mix")
-SERIES = (("kvfleet", "#1f77b4"), ("vLLM 0.26 (issue)", "#999999"), ("hf static batches", "#d62728"))
+KV_COLORS = ("#1f77b4", "#2ca02c", "#9467bd")
 
 
-def collect(folder: Path) -> dict[tuple[str, str, str], tuple[float, float]]:
-    """(series, model, workload) -> (output tok/s, total tok/s)."""
+def collect(folders: list[Path]) -> tuple[dict[tuple[str, str, str], tuple[float, float]], list[tuple[str, str]]]:
+    """(series, model, workload) -> (output tok/s, total tok/s), and the series with their colours."""
     data: dict[tuple[str, str, str], tuple[float, float]] = {}
-    for r in load_runs(folder).values():
-        series = "kvfleet" if r["backend"] == "kvfleet" else "hf static batches"
-        data[(series, r["model"], r["workload"])] = (r["output_tokens_per_s"], r["total_tokens_per_s"])
+    series: list[tuple[str, str]] = []
+    for i, folder in enumerate(folders):
+        kv = f"kvfleet {folder.name}"
+        for r in load_runs(folder).values():
+            name = kv if r["backend"] == "kvfleet" else "hf static batches"
+            data[(name, r["model"], r["workload"])] = (r["output_tokens_per_s"], r["total_tokens_per_s"])
+            if r["backend"] == "kvfleet" and (kv, KV_COLORS[i % 3]) not in series:
+                series.append((kv, KV_COLORS[i % 3]))
+    series += [("vLLM 0.26 (issue)", "#999999"), ("hf static batches", "#d62728")]
     for (model, wl), (out, tot) in VLLM.items():
         data[("vLLM 0.26 (issue)", model, wl)] = (float(out), float(tot))
-    return data
+    return data, series
 
 
-def plot(folder: Path, out_png: Path) -> None:
-    data = collect(folder)
+def plot(folders: list[Path], out_png: Path) -> None:
+    data, series_list = collect(folders)
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     for ax, metric, title in ((axes[0], 0, "output tokens/s"), (axes[1], 1, "total tokens/s")):
         groups = [(m, w) for m in MODELS for w in WORKLOADS]
-        width = 0.27
-        for i, (series, color) in enumerate(SERIES):
+        width = 0.8 / len(series_list)
+        for i, (series, color) in enumerate(series_list):
             xs, ys = [], []
             for g, (m, w) in enumerate(groups):
                 if (series, m, w) in data:
-                    xs.append(g + (i - 1) * width)
+                    xs.append(g + (i - (len(series_list) - 1) / 2) * width)
                     ys.append(data[(series, m, w)][metric])
             bars = ax.bar(xs, ys, width, label=series, color=color)
-            ax.bar_label(bars, labels=[f"{y / 1000:.1f}k" if y >= 1000 else f"{y:.0f}" for y in ys], fontsize=7, padding=1)
+            ax.bar_label(bars, labels=[f"{y / 1000:.1f}k" if y >= 1000 else f"{y:.0f}" for y in ys], fontsize=6,
+                         padding=1)
         ax.set_xticks(range(len(groups)), [f"{m}\n{w}" for m, w in groups], fontsize=8)
         ax.set_yscale("log")
         ax.set_title(f"{title} (H200, bf16, dummy weights; hf on a subset)")
@@ -57,9 +65,11 @@ def plot(folder: Path, out_png: Path) -> None:
 
 
 def main(argv: list[str]) -> int:
-    folder = Path(argv[1] if len(argv) > 1 else "bench/results/final")
-    out = Path(argv[2] if len(argv) > 2 else "bench/results/throughput.png")
-    plot(folder, out)
+    if len(argv) < 3:
+        print(__doc__, file=sys.stderr)
+        return 2
+    out = Path(argv[1])
+    plot([Path(a) for a in argv[2:]], out)
     print(out)
     return 0
 
