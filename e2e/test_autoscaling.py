@@ -330,9 +330,9 @@ def children() -> Iterator[list[subprocess.Popen[bytes]]]:
 
 def run_scenario(sc: Scenario, kube: Kube, tenants: Any, flavor: str, operator: OperatorProcess, model: Path,
                  logs: Path, children: list[Any], sd_file: Path | None = None
-                 ) -> tuple[list[dict[str, Any]], dict[str, float]]:
+                 ) -> tuple[str, list[dict[str, Any]], dict[str, float]]:
     """Burst -> one scale-up decision to maxReplicas -> Kueue admits the quota -> load stops -> scale-down after
-    the delay. Returns the recorded samples and the time marks."""
+    the delay. Returns the namespace, the recorded samples and the time marks."""
     _, ns = tenants.create("autoscale", [{"flavor": flavor, "nominal": sc.quota_gpus}])
     autoscaling = {"enabled": True, "minReplicas": 1, "maxReplicas": sc.max_replicas, "targetQueueDepth": TARGET,
                    "scaleDownDelaySeconds": sc.delay_s}
@@ -411,19 +411,25 @@ def run_scenario(sc: Scenario, kube: Kube, tenants: Any, flavor: str, operator: 
     assert max(r["engine_depth"] or 0 for r in rows) > TARGET * sc.max_replicas
     assert max(r["admitted"] or 0 for r in rows) == sc.quota_gpus  # never above quota, even while scaling
     assert len(kubelet.started) >= sc.quota_gpus
-    return rows, marks
+    return ns, rows, marks
 
 
 def test_burst_scales_up_within_quota_and_back_down(kube: Kube, tenants: Any, flavors: dict[str, str],
                                                     operator: OperatorProcess, tiny_model: Path,
                                                     cluster: Any, children: list[Any]) -> None:
-    rows, marks = run_scenario(SCRAPE, kube, tenants, flavors["h200"], operator, tiny_model, Path(cluster.logs),
-                               children)
+    ns, rows, marks = run_scenario(SCRAPE, kube, tenants, flavors["h200"], operator, tiny_model,
+                                   Path(cluster.logs), children)
     write_report(rows, marks, SCRAPE, report_dir())
+    # Autoscaling off: its status goes, and the spec's replica count rules again.
+    kube.merge_patch({"apiVersion": API, "kind": "ModelDeployment", "metadata": {"name": "chat", "namespace": ns}},
+                     {"spec": {"replicas": 2, "autoscaling": {"enabled": False}}})
+    wait_for("autoscaler status dropped, spec replicas used", lambda: (st := mdep_status(kube, ns, "chat"))
+             and "autoscaler" not in st and st.get("desiredReplicas") == 2, timeout=30)
 
 
 def test_prometheus_source_scales_the_same_way(prometheus_server: tuple[str, Path], kube: Kube, tenants: Any,
                                                flavors: dict[str, str], operator: OperatorProcess,
                                                tiny_model: Path, cluster: Any, children: list[Any]) -> None:
     _, sd_file = prometheus_server
-    run_scenario(PROM, kube, tenants, flavors["h200"], operator, tiny_model, Path(cluster.logs), children, sd_file)
+    run_scenario(PROM, kube, tenants, flavors["h200"], operator, tiny_model, Path(cluster.logs), children,
+                 sd_file)

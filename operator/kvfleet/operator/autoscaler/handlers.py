@@ -142,6 +142,20 @@ async def autoscale(namespace: str, name: str, **_: Any) -> None:
         await asyncio.to_thread(operator_handlers.reconcile_now, namespace, name)
 
 
+@kopf.on.field(GROUP, VERSION, MDEP_PLURAL, field="spec.autoscaling.enabled", id="autoscaler-toggled")
+def toggled(new: Any, namespace: str, name: str, body: Mapping[str, Any], **_: Any) -> None:
+    """Autoscaling turned off: drop its status (and saved window) so nothing stale is shown or resumed."""
+    if new or not (body.get("status") or {}).get("autoscaler"):
+        return
+    from kvfleet.operator import handlers as operator_handlers
+
+    ref = {"apiVersion": API_VERSION, "kind": "ModelDeployment",
+           "metadata": {"name": name, "namespace": namespace}}
+    operator_handlers.kube().merge_patch(ref, {"status": {"autoscaler": None}}, "status")
+    GAUGES.forget(namespace, name)
+    log.info("autoscaling disabled", extra={"mdep": f"{namespace}/{name}"})
+
+
 @kopf.on.delete(GROUP, VERSION, MDEP_PLURAL, optional=True, id="autoscaler-forget")
 def forget(namespace: str, name: str, **_: Any) -> None:
     GAUGES.forget(namespace, name)
