@@ -121,6 +121,11 @@ def engine_pods(kube: Kube, namespace: str, name: str) -> list[dict[str, Any]]:
     return [p for p in pods if not p["metadata"].get("deletionTimestamp")]
 
 
+def deployments(kube: Kube, namespace: str, name: str) -> list[dict[str, Any]]:
+    """The ModelDeployment's Deployments (one per flavor and workload shape)."""
+    return kube.list("apps/v1", "deployments", namespace, f"serving.kvfleet.dev/modeldeployment={name}")
+
+
 def workloads(kube: Kube, namespace: str, name: str) -> list[dict[str, Any]]:
     return kube.list(KUEUE, "workloads", namespace, f"serving.kvfleet.dev/modeldeployment={name}")
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from operator_fixtures import (API, KUEUE, crds, engine_pods, flavors, kube, mdep_status,  # noqa: F401
+from operator_fixtures import (API, KUEUE, crds, deployments, engine_pods, flavors, kube, mdep_status,  # noqa: F401
                                model_deployment, operator, suffix, tenants, workloads)
 
 from kvfleet.operator.kube import Kube
@@ -48,8 +48,8 @@ def test_admitted_replicas_run_on_the_flavors_nodes(kube: Kube, tenants: Any, fl
         assert node["metadata"]["labels"]["kvfleet.dev/gpu-flavor"] == "h200"
         assert pod["spec"]["containers"][0]["resources"]["requests"]["nvidia.com/gpu"] == "2"
         assert pod["spec"]["containers"][0]["command"] == ["kvfleet", "serve"]
-    dep = kube.get("apps/v1", "deployments", f"chat-{flavors['h200']}", ns)
-    assert dep["spec"]["replicas"] == 2
+    (dep,) = deployments(kube, ns, "chat")
+    assert dep["metadata"]["name"].startswith(f"chat-{flavors['h200']}-") and dep["spec"]["replicas"] == 2
     svc = kube.get("v1", "services", "chat", ns)
     assert svc["spec"]["ports"][0]["port"] == 8000
 

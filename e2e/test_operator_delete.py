@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from operator_fixtures import (API, KUEUE, crds, engine_pods, flavors, kube, mdep_status,  # noqa: F401
+from operator_fixtures import (API, KUEUE, crds, deployments, engine_pods, flavors, kube, mdep_status,  # noqa: F401
                                model_deployment, operator, suffix, tenants, workloads)
 
 from kvfleet.operator.kube import Kube
@@ -27,8 +27,7 @@ def test_delete_frees_everything(kube: Kube, tenants: Any, flavors: dict[str, st
              timeout=90)
     wait_for("first's workloads gone", lambda: not workloads(kube, ns, "first"), timeout=60)
     wait_for("first's Service gone", lambda: kube.get("v1", "services", "first", ns) is None, timeout=60)
-    wait_for("first's Deployment gone",
-             lambda: kube.get("apps/v1", "deployments", f"first-{h200}", ns) is None, timeout=60)
+    wait_for("first's Deployment gone", lambda: not deployments(kube, ns, "first"), timeout=60)
     # The freed quota admits the waiting model.
     wait_for("second ready", lambda: mdep_status(kube, ns, "second").get("readyReplicas") == 1, timeout=90)
     assert len(engine_pods(kube, ns, "second")) == 1

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from operator_fixtures import (crds, engine_pods, flavors, kube, mdep_status, model_deployment,  # noqa: F401
-                               operator, suffix, tenants, workloads)
+from operator_fixtures import (crds, engine_pods, flavors, kube, mdep_status, model_deployment, operator,  # noqa: F401
+                               suffix, tenants, workloads)
 
 from kvfleet.operator.kube import Kube
 from kvfleet.operator.testing import OperatorProcess, wait_for

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from typing import Any, Callable
 
-from operator_fixtures import (API, crds, engine_pods, flavors, kube, mdep_status,  # noqa: F401
+from operator_fixtures import (API, crds, deployments, engine_pods, flavors, kube, mdep_status,  # noqa: F401
                                model_deployment, operator, suffix, tenants, workloads)
 
 from kvfleet.operator.kube import Kube
@@ -36,7 +36,7 @@ def test_scale_beyond_quota_waits_and_never_runs(kube: Kube, tenants: Any, flavo
     while time.monotonic() < deadline:
         assert len(engine_pods(kube, ns_a, "llm")) <= 1
         time.sleep(0.5)
-    assert kube.get("apps/v1", "deployments", f"llm-{h200}", ns_a)["spec"]["replicas"] == 1
+    assert [d["spec"]["replicas"] for d in deployments(kube, ns_a, "llm")] == [1]
     events = kube.list("v1", "events", ns_a)
     assert any(e["reason"] == "InsufficientQuota" and e["type"] == "Warning" for e in events)
 

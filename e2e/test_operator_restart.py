@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import pytest
-from operator_fixtures import (API, crds, engine_pods, flavors, kube, mdep_status,  # noqa: F401
+from operator_fixtures import (API, crds, deployments, engine_pods, flavors, kube, mdep_status,  # noqa: F401
                                model_deployment, suffix, tenants, workloads)
 
 from kvfleet.operator.kube import Kube
@@ -40,8 +40,8 @@ def test_kill_mid_reconcile_then_converge(kube: Kube, tenants: Any, flavors: dic
                   and s.get("admittedReplicas") == 3 and s, timeout=120)
     assert st["desiredReplicas"] == 3
     assert sorted(w["metadata"]["name"] for w in workloads(kube, ns, "svc")) == ["svc-0", "svc-1", "svc-2"]
-    deps = kube.list("apps/v1", "deployments", ns, "serving.kvfleet.dev/modeldeployment=svc")
-    assert [d["metadata"]["name"] for d in deps] == [f"svc-{h200}"]
+    (dep,) = deployments(kube, ns, "svc")
+    assert dep["metadata"]["name"].startswith(f"svc-{h200}-") and dep["spec"]["replicas"] == 3
     assert len(engine_pods(kube, ns, "svc")) == 3
     assert len(kube.list("v1", "services", ns, "serving.kvfleet.dev/modeldeployment=svc")) == 1
 

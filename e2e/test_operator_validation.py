@@ -6,8 +6,8 @@ import json
 from typing import Any, Callable
 
 import pytest
-from operator_fixtures import (API, crds, flavors, kube, mdep_status, model_deployment, operator,  # noqa: F401
-                               suffix, tenants)
+from operator_fixtures import (API, crds, flavors, kube, mdep_status, model_deployment, operator, suffix,  # noqa: F401
+                               tenants)
 
 from kvfleet.operator.kube import Kube
 from kvfleet.operator.testing import OperatorProcess, wait_for

@@ -108,11 +108,11 @@ def test_workload_hash_tracks_immutable_parts(op_config: OperatorConfig) -> None
 
 def test_deployment_never_surges_and_selects_its_flavor(op_config: OperatorConfig) -> None:
     mdep = make_mdep()
-    dep = build_deployment(mdep, _spec(), op_config, "h200", 3, {"gpu": "h200"})
-    assert dep["metadata"]["name"] == "llama-h200" and dep["spec"]["replicas"] == 3
+    dep = build_deployment(mdep, _spec(), op_config, "h200", 3, {"gpu": "h200"}, shape_hash="abcdef123")
+    assert dep["metadata"]["name"] == "llama-h200-abcdef" and dep["spec"]["replicas"] == 3
     assert dep["spec"]["strategy"]["rollingUpdate"] == {"maxSurge": 0, "maxUnavailable": 1}
     sel = dep["spec"]["selector"]["matchLabels"]
-    assert sel[LABEL_FLAVOR] == "h200"
+    assert sel[LABEL_FLAVOR] == "h200" and sel[LABEL_WORKLOAD_HASH] == "abcdef123"
     assert sel.items() <= dep["spec"]["template"]["metadata"]["labels"].items()
     assert dep["spec"]["template"]["spec"]["nodeSelector"] == {"gpu": "h200"}
 

@@ -75,8 +75,24 @@ def test_flavors_split_and_emptied_flavor_goes_to_zero() -> None:
     plan = plan_workloads(3, obs(make_workload(0, admitted=True, flavor="h200"),
                                  make_workload(1, admitted=True, flavor="l40s"),
                                  make_workload(2, admitted=True, flavor="l40s")), "h")
-    assert plan_deployment_replicas(plan.admitted_by_flavor, ["h200", "a100"]) == {
-        "a100": 0, "h200": 1, "l40s": 2}
+    assert plan.admitted_by_flavor == {"h200": 1, "l40s": 2}
+    assert plan_deployment_replicas(plan.admitted_by_shape, [("h200", "h"), ("a100", "h")]) == {
+        ("a100", "h"): 0, ("h200", "h"): 1, ("l40s", "h"): 2}
+
+
+def test_a_resource_change_rolls_shape_by_shape() -> None:
+    """Pods of the old shape shrink as their workloads are replaced; the new shape grows on admission."""
+    state = [make_workload(0, admitted=True, flavor="a", spec_hash="old"),
+             make_workload(1, admitted=True, flavor="a", spec_hash="old")]
+    plan = plan_workloads(2, obs(*state), "new")
+    assert plan.delete == ("llama-0",)
+    assert plan_deployment_replicas(plan.admitted_by_shape, [("a", "old")]) == {("a", "old"): 1}
+    state = [make_workload(0, admitted=True, flavor="a", spec_hash="new"),
+             make_workload(1, admitted=True, flavor="a", spec_hash="old")]
+    plan = plan_workloads(2, obs(*state), "new")
+    assert plan.delete == ("llama-1",)
+    assert plan_deployment_replicas(plan.admitted_by_shape, [("a", "old"), ("a", "new")]) == {
+        ("a", "new"): 1, ("a", "old"): 0}
 
 
 def test_frozen_plan_changes_nothing_and_keeps_admitted() -> None:

@@ -6,7 +6,9 @@ Rules (each replica is one Workload named `<mdep>-<ordinal>`):
 - a workload whose immutable part changed (resources, queue, priority) is replaced: at once
   while pending, one at a time while admitted (a rolling replacement);
 - a missing ordinal below desired is created, unless its old workload is still terminating;
-- each flavor's Deployment runs exactly the workloads admitted with that flavor.
+- one Deployment per shape (assigned flavor, workload hash) runs exactly the workloads admitted with that
+  flavor and that hash: a pod never asks for more than the workload Kueue admitted for it, even while a
+  change of resources rolls through.
 """
 from __future__ import annotations
 
@@ -20,12 +22,31 @@ from .kueue_state import ObservedWorkload
 class WorkloadPlan:
     create: tuple[int, ...] = ()
     delete: tuple[str, ...] = ()
-    admitted_by_flavor: dict[str, int] = field(default_factory=dict)
+    # (flavor, workload hash) -> admitted workloads of that shape
+    admitted_by_shape: dict[tuple[str, str], int] = field(default_factory=dict)
     pending: tuple[ObservedWorkload, ...] = ()
 
     @property
     def admitted(self) -> int:
-        return sum(self.admitted_by_flavor.values())
+        return sum(self.admitted_by_shape.values())
+
+    @property
+    def admitted_by_flavor(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for (flavor, _), n in self.admitted_by_shape.items():
+            out[flavor] = out.get(flavor, 0) + n
+        return out
+
+
+def shape_of(w: ObservedWorkload) -> tuple[str, str]:
+    return (w.flavor or "default", w.spec_hash or "")
+
+
+def _count_shapes(workloads: Iterable[ObservedWorkload]) -> dict[tuple[str, str], int]:
+    out: dict[tuple[str, str], int] = {}
+    for w in workloads:
+        out[shape_of(w)] = out.get(shape_of(w), 0) + 1
+    return out
 
 
 def plan_workloads(desired: int, observed: Sequence[ObservedWorkload], spec_hash: str) -> WorkloadPlan:
@@ -54,38 +75,27 @@ def plan_workloads(desired: int, observed: Sequence[ObservedWorkload], spec_hash
         delete.append(first.name)
         kept.remove(first)
     create = tuple(i for i in range(desired) if i not in taken)
-    admitted_by_flavor: dict[str, int] = {}
-    for w in kept:
-        if w.running_allowed:
-            flavor = w.flavor or "default"
-            admitted_by_flavor[flavor] = admitted_by_flavor.get(flavor, 0) + 1
     pending = tuple(w for w in kept if not w.running_allowed)
-    return WorkloadPlan(create=create, delete=tuple(delete), admitted_by_flavor=admitted_by_flavor,
-                        pending=pending)
+    return WorkloadPlan(create=create, delete=tuple(delete),
+                        admitted_by_shape=_count_shapes(w for w in kept if w.running_allowed), pending=pending)
 
 
 def _is_scale_down(name: str, live: Iterable[ObservedWorkload], desired: int) -> bool:
     return any(w.name == name and (w.ordinal is None or w.ordinal >= desired) for w in live)
 
 
-def plan_deployment_replicas(admitted_by_flavor: dict[str, int], existing_flavors: Iterable[str]) -> dict[str, int]:
-    """Replicas per flavor Deployment; a flavor that lost all its workloads goes to 0."""
-    replicas = {flavor: 0 for flavor in existing_flavors}
-    replicas.update(admitted_by_flavor)
+def plan_deployment_replicas(admitted_by_shape: dict[tuple[str, str], int],
+                             existing_shapes: Iterable[tuple[str, str]]) -> dict[tuple[str, str], int]:
+    """Replicas per shape's Deployment; a shape that lost all its workloads goes to 0."""
+    replicas = {shape: 0 for shape in existing_shapes}
+    replicas.update(admitted_by_shape)
     return dict(sorted(replicas.items()))
 
 
 def frozen_plan(desired: int, observed: Sequence[ObservedWorkload]) -> WorkloadPlan:
     """The plan while the spec can't be acted on (unknown flavor, queue...): change no workload,
     keep running what Kueue admitted."""
-    admitted_by_flavor: dict[str, int] = {}
-    pending = []
-    for w in observed:
-        if w.terminating:
-            continue
-        if w.running_allowed and w.ordinal is not None and w.ordinal < desired:
-            flavor = w.flavor or "default"
-            admitted_by_flavor[flavor] = admitted_by_flavor.get(flavor, 0) + 1
-        elif not w.running_allowed:
-            pending.append(w)
-    return WorkloadPlan(admitted_by_flavor=admitted_by_flavor, pending=tuple(pending))
+    live = [w for w in observed if not w.terminating]
+    running = [w for w in live if w.running_allowed and w.ordinal is not None and w.ordinal < desired]
+    pending = tuple(w for w in live if not w.running_allowed)
+    return WorkloadPlan(admitted_by_shape=_count_shapes(running), pending=pending)

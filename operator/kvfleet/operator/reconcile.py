@@ -17,7 +17,7 @@ from .builders.tenant import local_queue_name
 from .builders.workload import workload_pod_template
 from .config import OperatorConfig
 from .constants import (API_VERSION, KUEUE_API_VERSION, LABEL_FLAVOR, LABEL_MDEP, LABEL_TENANT,
-                        MDEP_PLURAL)
+                        LABEL_WORKLOAD_HASH, MDEP_PLURAL)
 from .errors import SpecError
 from .events import build_event
 from .kube import Kube
@@ -99,11 +99,27 @@ def reconcile_model_deployment(kube: Kube, config: OperatorConfig, namespace: st
         spec_hash = workload_hash(template, resolved.queue_name, resolved.priority)
         plan = plan_workloads(desired, observed, spec_hash)
         kube.apply(build_service(mdep))
-        existing = [d["metadata"].get("labels", {}).get(LABEL_FLAVOR) for d in deployments]
-        for flavor, replicas in plan_deployment_replicas(plan.admitted_by_flavor,
-                                                         [f for f in existing if f]).items():
-            labels, tolerations = _flavor_placement(resolved.flavors.get(flavor, {}))
-            kube.apply(build_deployment(mdep, spec, config, flavor, replicas, labels, tolerations))
+        existing = {}
+        for d in deployments:
+            labels = d["metadata"].get("labels") or {}
+            if labels.get(LABEL_FLAVOR):
+                existing[(labels[LABEL_FLAVOR], labels.get(LABEL_WORKLOAD_HASH, ""))] = d
+        for (flavor, shape), replicas in plan_deployment_replicas(plan.admitted_by_shape, existing).items():
+            if shape == spec_hash:
+                labels, tolerations = _flavor_placement(resolved.flavors.get(flavor, {}))
+                kube.apply(build_deployment(mdep, spec, config, flavor, replicas, labels, tolerations, shape))
+            elif (flavor, shape) in existing:
+                # An older shape keeps its template (its pods match their admitted workloads) and only
+                # shrinks as those workloads are replaced.
+                old = existing[(flavor, shape)]
+                old_name = old["metadata"]["name"]
+                if replicas == 0:
+                    kube.delete("apps/v1", "deployments", old_name, namespace)
+                elif (old.get("spec") or {}).get("replicas") != replicas:
+                    ref = {"apiVersion": "apps/v1", "kind": "Deployment",
+                           "metadata": {"name": old_name, "namespace": namespace}}
+                    kube.merge_patch(ref, {"spec": {"replicas": replicas}})
+            # else: admitted with an old shape whose Deployment is gone; it runs once replaced.
         # Pods go first (above), then the quota: a freed GPU is never still in use by us.
         for wl_name in plan.delete:
             kube.delete(KUEUE_API_VERSION, "workloads", wl_name, namespace)

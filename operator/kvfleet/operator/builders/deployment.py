@@ -4,15 +4,16 @@ from __future__ import annotations
 from typing import Any, Mapping, Sequence
 
 from ..config import OperatorConfig
-from ..constants import ENGINE_PORT, LABEL_FLAVOR
+from ..constants import ENGINE_PORT, LABEL_FLAVOR, LABEL_WORKLOAD_HASH
 from ..spec import ModelDeploymentSpec
 from .meta import mdep_labels, owner_reference, selector_labels
 from .pod import build_pod_template
 
 
-def deployment_name(mdep_name: str, flavor: str) -> str:
-    """One Deployment per assigned flavor: each flavor has its own node selector."""
-    return f"{mdep_name}-{flavor}"
+def deployment_name(mdep_name: str, flavor: str, shape_hash: str) -> str:
+    """One Deployment per shape: the assigned flavor (its node selector) and the workload hash (the
+    requests Kueue admitted), so pods of one shape only ever run for workloads of that shape."""
+    return f"{mdep_name}-{flavor}-{shape_hash[:6]}" if shape_hash else f"{mdep_name}-{flavor}"
 
 
 def build_deployment(
@@ -23,6 +24,7 @@ def build_deployment(
     replicas: int,
     node_labels: Mapping[str, str] | None = None,
     tolerations: Sequence[Mapping[str, Any]] = (),
+    shape_hash: str = "",
 ) -> dict[str, Any]:
     """A Deployment of `replicas` pods (= workloads admitted with `flavor`) on the flavor's nodes.
 
@@ -30,15 +32,16 @@ def build_deployment(
     granted is never exceeded, not even for a moment.
     """
     name = mdep["metadata"]["name"]
-    selector = {**selector_labels(name), LABEL_FLAVOR: flavor}
-    template = build_pod_template(name, spec, config, node_labels, tolerations, {LABEL_FLAVOR: flavor})
+    shape = {LABEL_FLAVOR: flavor, LABEL_WORKLOAD_HASH: shape_hash}
+    selector = {**selector_labels(name), **shape}
+    template = build_pod_template(name, spec, config, node_labels, tolerations, shape)
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
         "metadata": {
-            "name": deployment_name(name, flavor),
+            "name": deployment_name(name, flavor, shape_hash),
             "namespace": mdep["metadata"]["namespace"],
-            "labels": {**mdep_labels(name, "engine"), LABEL_FLAVOR: flavor},
+            "labels": {**mdep_labels(name, "engine"), **shape},
             "ownerReferences": [owner_reference(mdep)],
         },
         "spec": {
