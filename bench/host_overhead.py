@@ -3,7 +3,7 @@
 The H200 runs (bench/NOTES.md) showed the engine bound by host Python at large
 batches. This drives a real `LLMEngine` (scheduler, KV manager, model runner input
 preparation, sampler, outputs) with a tiny Qwen3 config and dummy weights, and
-replaces only the model's forward by zeros of the right shape, so what is timed is
+replaces only the model's forward by random hidden states (seeded), so what is timed is
 the host work a GPU step pays on top of its kernels:
 
 - schedule: `Scheduler.schedule()`
@@ -46,7 +46,7 @@ import torch
 from kvfleet.engine.config import EngineConfig
 from kvfleet.engine.llm_engine import LLMEngine
 from kvfleet.engine.sampling_params import SamplingParams
-from kvfleet.engine.testing import tiny_config
+from kvfleet.engine.testing import build_tokenizer, tiny_config
 
 logger = logging.getLogger("host_overhead")
 PARTS = ("schedule", "prepare", "update", "outputs")
@@ -61,14 +61,17 @@ CLOCK: Callable[[], float] = time.thread_time
 
 
 def write_model_dir(root: Path) -> Path:
-    """A config-only folder (dummy weights, no tokenizer: prompts are token ids, as on the H200)."""
-    cfg = tiny_config("qwen3", vocab_size=512, num_layers=1, max_position_embeddings=MAX_MODEL_LEN, num_kv_heads=1)
+    """Config + the tiny byte-level BPE tokenizer (dummy weights): outputs are detokenized as in serving."""
+    tok = build_tokenizer(512)
+    cfg = tiny_config("qwen3", vocab_size=len(tok), num_layers=1, max_position_embeddings=MAX_MODEL_LEN,
+                      num_kv_heads=1)
     cfg.save_pretrained(root)
+    tok.save_pretrained(root)
     return root
 
 
 class StepParts:
-    """Timers around the engine's step parts; the forward becomes zeros (not timed as host)."""
+    """Timers around the engine's step parts; the forward becomes random hidden states (not host time)."""
 
     def __init__(self, engine: LLMEngine) -> None:
         self.cur: dict[str, float] = {}
@@ -84,8 +87,11 @@ class StepParts:
                     self.cur[name] = self.cur.get(name, 0.0) + CLOCK() - t
             return wrapper
 
+        gen = torch.Generator().manual_seed(0)
+
         def fake_forward(input_ids: torch.Tensor, positions: torch.Tensor, md: Any) -> torch.Tensor:
-            return torch.zeros(input_ids.shape[0], hidden, dtype=runner.dtype)
+            # Random hidden states: varied tokens (so detokenization does real work), repeatable.
+            return torch.randn(input_ids.shape[0], hidden, generator=gen, dtype=runner.dtype)
 
         orig_schedule = timed("schedule", sched.schedule)
 
