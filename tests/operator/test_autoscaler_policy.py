@@ -77,13 +77,29 @@ def test_scale_down_waits_for_the_delay() -> None:
     assert decisions[3].state == AutoscalerState()  # window closed after reaching the need
 
 
-def test_scale_down_goes_to_the_peak_need_of_the_window() -> None:
-    ticks = [(0, pods((6, 4), (0, 0), (0, 0), (0, 0))),   # needs 3 of 4
-             (30, pods((1, 1), (0, 0), (0, 0), (0, 0))),   # needs 1
-             (60, pods((0, 0), (0, 0), (0, 0), (0, 0)))]   # needs 1, delay over
+def test_scale_down_follows_the_highest_need_of_the_last_delay() -> None:
+    """Like the HPA's stabilisation window: the target is the highest need of the last delay seconds."""
+    idle = (0, 0)
+    ticks = [(0, pods((0, 1), idle, idle, idle)),    # needs 1 of 4: the window opens
+             (20, pods((6, 4), idle, idle, idle)),   # needs 3
+             (40, pods((1, 1), idle, idle, idle)),   # needs 1
+             (60, pods(idle, idle, idle, idle)),     # delay over; need 3 (t=20) is still in the window
+             (70, pods(idle, idle, idle, idle)),     # still in (10, 70]
+             (80, pods(idle, idle, idle)),           # t=20 has left the window
+             ]
     decisions = run(SPEC, 4, ticks)
     assert decisions[1].state.window_peak == 3
-    assert (decisions[2].action, decisions[2].desired) == ("scale_down", 3)
+    assert [d.desired for d in decisions] == [4, 4, 4, 3, 3, 1]
+    assert decisions[3].state.low_demand_since == 0  # still open: the peak, not the need, held it at 3
+    assert decisions[5].state == AutoscalerState()
+
+
+def test_window_keeps_few_entries() -> None:
+    state = AutoscalerState()
+    for t in range(0, 600, 15):  # 40 ticks of falling then flat demand, 8 replicas
+        d = decide(AutoscalingSpec(1, 8, 1, 300), 8, pods((max(0, 7 - t // 60), 0)), state, float(t))
+        state = d.state
+    assert len(state.peaks) <= 8
 
 
 def test_demand_back_at_current_restarts_the_window() -> None:
@@ -109,13 +125,13 @@ def test_never_below_busy_replicas() -> None:
 
 def test_busy_pods_can_block_scale_down_entirely() -> None:
     busy = pods((0, 1), (0, 1))
-    d = decide(SPEC, 2, busy, AutoscalerState(low_demand_since=0, window_peak=1), now=100)
+    d = decide(SPEC, 2, busy, AutoscalerState(low_demand_since=0, peaks=((90, 1),)), now=100)
     assert (d.action, d.desired) == ("hold", 2)
     assert "busy" in d.reason
 
 
 def test_unknown_pod_blocks_scale_down_and_restarts_window() -> None:
-    state = AutoscalerState(low_demand_since=0, window_peak=1)
+    state = AutoscalerState(low_demand_since=0, peaks=((490, 1),))
     d = decide(SPEC, 3, pods((0, 0), None, (0, 0)), state, now=500)
     assert (d.action, d.desired) == ("hold", 3)
     assert d.unknown_pods == ("p1",) and d.known_pods == 2
@@ -150,7 +166,7 @@ def test_zero_delay_scales_down_on_first_quiet_tick() -> None:
 
 
 def test_decision_is_pure() -> None:
-    args = (SPEC, 3, pods((1, 1), (0, 0), None), AutoscalerState(5, 2), 30.0)
+    args = (SPEC, 3, pods((1, 1), (0, 0), None), AutoscalerState(5, ((5, 2), (20, 1))), 30.0)
     assert decide(*args) == decide(*args)
 
 
@@ -191,7 +207,9 @@ def _cases(draw: st.DrawFn) -> tuple[AutoscalingSpec, int, list[PodLoad], Autosc
     current = draw(st.integers(0, 12))
     loads = draw(st.lists(_load, max_size=10))
     since = draw(st.one_of(st.none(), st.floats(0, 1000)))
-    state = AutoscalerState(since, draw(st.integers(0, 12)) if since is not None else 0)
+    needs = sorted(set(draw(st.lists(st.integers(0, 12), max_size=4))), reverse=True)
+    times = sorted(draw(st.lists(st.floats(0, 1000), min_size=len(needs), max_size=len(needs))))
+    state = AutoscalerState(since, tuple(zip(times, needs)) if since is not None else ())
     return spec, current, pods(*loads), state, draw(st.floats(1000, 2000))
 
 

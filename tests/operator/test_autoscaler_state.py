@@ -12,7 +12,8 @@ from kvfleet.operator.autoscaler.policy import (
     PodLoad,
     decide,
 )
-from kvfleet.operator.autoscaler.state import event_message, state_from_status, status_patch
+from kvfleet.operator.autoscaler.state import (event_message, state_from_status, status_patch,
+                                               status_unchanged)
 
 SPEC = AutoscalingSpec(1, 4, 4, 60)
 
@@ -20,7 +21,7 @@ SPEC = AutoscalingSpec(1, 4, 4, 60)
 def test_state_round_trips_through_status() -> None:
     d = decide(SPEC, 3, [PodLoad("a", 1, 1), PodLoad("b", 0, 0)], AutoscalerState(), 1_700_000_000)
     patch = status_patch(d, "scrape")
-    assert state_from_status(patch) == d.state == AutoscalerState(1_700_000_000, 1)
+    assert state_from_status(patch) == d.state == AutoscalerState(1_700_000_000, ((1_700_000_000, 1),))
     auto = patch["autoscaler"]
     assert auto["desiredReplicas"] == 3
     assert auto["lastDecision"] == {"action": "hold", "from": 3, "to": 3, "reason": d.reason,
@@ -39,8 +40,8 @@ def test_restart_resumes_the_window() -> None:
 def test_missing_or_malformed_state_is_fresh() -> None:
     assert state_from_status(None) == AutoscalerState()
     assert state_from_status({"autoscaler": {"state": {"lowDemandSince": "yesterday"}}}) == AutoscalerState()
-    assert state_from_status({"autoscaler": {"state": {"lowDemandSince": 5, "windowPeak": -2}}}) == \
-        AutoscalerState(5.0, 0)
+    bad_peaks = {"lowDemandSince": 5, "windowPeaks": [[1, -2], "x", [2, True], [3.5, 2]]}
+    assert state_from_status({"autoscaler": {"state": bad_peaks}}) == AutoscalerState(5.0, ((3.5, 2),))
 
 
 def test_unknown_pods_show_in_status_and_event() -> None:
@@ -108,3 +109,16 @@ def test_settings_from_env() -> None:
                        ({"KVFLEET_AUTOSCALER_METRICS_SOURCE": "prometheus"}, "PROMETHEUS_URL")]:
         with pytest.raises(ValueError, match=field):
             AutoscalerSettings.from_env(env)
+
+
+def test_steady_status_is_not_rewritten() -> None:
+    quiet = [PodLoad("a", 0, 0)]
+    first = status_patch(decide(SPEC, 1, quiet, AutoscalerState(), 100), "scrape")["autoscaler"]
+    # What the API server returns after a merge patch: None values are gone.
+    stored = {**first, "state": {"windowPeaks": []}}
+    later = status_patch(decide(SPEC, 1, quiet, AutoscalerState(), 160), "scrape")["autoscaler"]
+    assert later["lastDecision"]["time"] != first["lastDecision"]["time"]
+    assert status_unchanged(stored, later)
+    busier = status_patch(decide(SPEC, 1, [PodLoad("a", 1, 1)], AutoscalerState(), 160), "scrape")["autoscaler"]
+    assert not status_unchanged(stored, busier)
+    assert not status_unchanged(None, later)

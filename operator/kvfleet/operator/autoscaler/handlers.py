@@ -28,7 +28,8 @@ from kvfleet.operator.autoscaler.gauges import ScalingGauges, replica_count
 from kvfleet.operator.autoscaler.metrics import query_prometheus, scrape_pods
 from kvfleet.operator.autoscaler.pods import ready_targets
 from kvfleet.operator.autoscaler.policy import AutoscalingSpec, Decision, decide
-from kvfleet.operator.autoscaler.state import event_message, state_from_status, status_patch
+from kvfleet.operator.autoscaler.state import (STATUS_KEY, event_message, state_from_status, status_patch,
+                                               status_unchanged)
 from kvfleet.operator.builders.meta import selector_labels
 from kvfleet.operator.constants import API_VERSION, ENGINE_PORT, GROUP, MDEP_PLURAL, VERSION
 from kvfleet.operator.errors import SpecError
@@ -106,13 +107,14 @@ async def autoscale_once(kube: Any, namespace: str, name: str, settings: Autosca
         loads = await scrape_pods(targets, spec.engine_kind)
     decision = decide(policy_spec, current, loads, state_from_status(status), now or time.time())
     patch = status_patch(decision, settings.source, {p.pod: p.error for p in loads if not p.known})
-    await asyncio.to_thread(kube.merge_patch, mdep, {"status": patch}, "status")
+    if not status_unchanged(status.get("autoscaler"), patch[STATUS_KEY]):
+        await asyncio.to_thread(kube.merge_patch, mdep, {"status": patch}, "status")
     await _post_events(kube, mdep, decision, old_auto)
     GAUGES.record(namespace, name, decision, replica_count(status, "admittedReplicas"),
                   replica_count(status, "readyReplicas"))
-    log.info("decision", extra={"mdep": f"{namespace}/{name}", "action": decision.action,
-                                "from": decision.current, "to": decision.desired,
-                                "queue_depth": decision.queue_depth, "reason": decision.reason})
+    log.log(logging.INFO if decision.action != "hold" else logging.DEBUG, "decision",
+            extra={"mdep": f"{namespace}/{name}", "action": decision.action, "from": decision.current,
+                   "to": decision.desired, "queue_depth": decision.queue_depth, "reason": decision.reason})
     return decision
 
 

@@ -6,10 +6,11 @@ Rules (the contract the tests hold it to):
   needed = ceil(demand / targetQueueDepth), clamped to [minReplicas, maxReplicas].
 * Scale up at once, by as many replicas as needed (never one at a time).
 * Scale down only after demand has stayed below the current replica count for
-  ``scaleDownDelaySeconds``; the target is then the *highest* need seen during that
-  window (a stabilisation window, like the HPA's), so a short dip does not shed
-  replicas that the next burst will need again, and never fewer replicas than pods
-  that still hold requests (``busy``).
+  ``scaleDownDelaySeconds``; the target is then the *highest* need of the last
+  ``scaleDownDelaySeconds`` (a sliding stabilisation window, like the HPA's), so a
+  short dip does not shed replicas that the next burst needs again, and never fewer
+  replicas than pods that still hold requests (``busy``). While the window holds the
+  count up, it keeps sliding, so the count follows the need down tick by tick.
 * Any demand at or above the current count restarts the window: a steady load
   that hovers around a boundary never flaps.
 * Unknown is not zero: a pod whose metrics could not be read blocks scale-down
@@ -96,7 +97,22 @@ class AutoscalerState:
     """The small state kept between decisions (saved in the ModelDeployment's status)."""
 
     low_demand_since: Optional[float] = None  # when need first dropped below current
-    window_peak: int = 0  # highest need seen since then
+    # Sliding-window maximum of the need over the last scaleDownDelaySeconds: (time, need) pairs with
+    # needs strictly decreasing, so it holds at most maxReplicas entries whatever the interval.
+    peaks: tuple[tuple[float, int], ...] = ()
+
+    @property
+    def window_peak(self) -> int:
+        return self.peaks[0][1] if self.peaks else 0
+
+
+def push_peak(peaks: tuple[tuple[float, int], ...], now: float, need: int,
+              window: float) -> tuple[tuple[float, int], ...]:
+    """Add ``need`` at ``now`` and forget what left the window ``(now - window, now]``."""
+    kept = [p for p in peaks if p[1] > need] + [(now, need)]  # a lower, older need can never be the max
+    while len(kept) > 1 and kept[0][0] <= now - window:
+        kept.pop(0)
+    return tuple(kept)
 
 
 @dataclass(frozen=True)
@@ -178,22 +194,27 @@ def decide(
         )
     # Demand is below the current count and every pod was read.
     since = state.low_demand_since if state.low_demand_since is not None else now
-    peak = max(needed, state.window_peak if state.low_demand_since is not None else 0)
+    peaks = push_peak(state.peaks if state.low_demand_since is not None else (), now, needed,
+                      spec.scale_down_delay_seconds)
+    window = AutoscalerState(since, peaks)
     waited = now - since
     if waited < spec.scale_down_delay_seconds:
         return replace(
-            base, state=AutoscalerState(since, peak),
+            base, state=window,
             reason=f"{demand} needs {needed}; scale-down after "
             f"{spec.scale_down_delay_seconds:g}s of lower demand ({waited:g}s so far)",
         )
+    # Like the HPA's stabilisation window: the highest need of the last scaleDownDelaySeconds.
+    peak = window.window_peak
     target = max(peak, busy, spec.min_replicas)
     if target >= current:
         return replace(
-            base, state=AutoscalerState(since, peak),
-            reason=f"{demand}; {busy} busy replicas block scale-down",
+            base, state=window,
+            reason=f"{demand}; highest need in the last {spec.scale_down_delay_seconds:g}s is {peak}, "
+            f"{busy} replicas busy: holding {current}",
         )
-    # Keep the window open while busy pods, not demand, hold the count up.
-    next_state = AutoscalerState(since, needed) if target > max(peak, spec.min_replicas) else AutoscalerState()
+    # The window stays open while the peak or busy pods, not today's need, hold the count up.
+    next_state = AutoscalerState() if target == max(needed, spec.min_replicas) else window
     return replace(
         base, action="scale_down", desired=target, state=next_state,
         reason=f"{demand} below {current} replicas for {waited:g}s; "

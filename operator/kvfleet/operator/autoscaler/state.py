@@ -21,13 +21,19 @@ def iso(ts: float) -> str:
 def state_from_status(status: Optional[Mapping[str, Any]]) -> AutoscalerState:
     """Read the saved state; anything missing or malformed starts a fresh window."""
     saved = ((status or {}).get(STATUS_KEY) or {}).get("state") or {}
-    since = saved.get("lowDemandSince")
-    peak = saved.get("windowPeak", 0)
-    if not isinstance(since, (int, float)) or isinstance(since, bool):
+    since: Any = saved.get("lowDemandSince")
+    if not _number(since):
         return AutoscalerState()
-    if not isinstance(peak, int) or isinstance(peak, bool) or peak < 0:
-        peak = 0
-    return AutoscalerState(low_demand_since=float(since), window_peak=peak)
+    peaks = []
+    for item in saved.get("windowPeaks") or []:
+        if (isinstance(item, list) and len(item) == 2 and _number(item[0]) and isinstance(item[1], int)
+                and not isinstance(item[1], bool) and item[1] >= 0):
+            peaks.append((float(item[0]), item[1]))
+    return AutoscalerState(low_demand_since=float(since), peaks=tuple(peaks))
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def status_patch(decision: Decision, metric_source: str,
@@ -36,7 +42,7 @@ def status_patch(decision: Decision, metric_source: str,
     the outcome and the saved state."""
     reasons = [f"{pod}: {(errors or {}).get(pod, 'unknown')}"[:240] for pod in decision.unknown_pods]
     state: dict[str, Any] = {"lowDemandSince": decision.state.low_demand_since,
-                             "windowPeak": decision.state.window_peak}
+                             "windowPeaks": [[t, n] for t, n in decision.state.peaks]}
     return {
         STATUS_KEY: {
             "desiredReplicas": decision.desired,
@@ -62,6 +68,21 @@ def status_patch(decision: Decision, metric_source: str,
             "state": state,
         }
     }
+
+
+def _essence(value: Any) -> Any:
+    """A status value without None entries (a merge patch deletes them) and without the decision time."""
+    if isinstance(value, Mapping):
+        return {k: _essence(v) for k, v in value.items() if v is not None and k != "time"}
+    if isinstance(value, list):
+        return [_essence(v) for v in value]
+    return value
+
+
+def status_unchanged(old: Optional[Mapping[str, Any]], new: Mapping[str, Any]) -> bool:
+    """True when writing ``new`` over ``old`` (both ``status.autoscaler``) would change nothing but the time,
+    so a steady ModelDeployment's status is not rewritten on every tick."""
+    return old is not None and _essence(old) == _essence(new)
 
 
 def event_message(decision: Decision) -> str:
