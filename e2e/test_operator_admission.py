@@ -70,6 +70,18 @@ def test_admitted_replicas_run_on_the_flavors_nodes(kube: Kube, tenants: Any, fl
              and not q["metadata"].get("deletionTimestamp"), timeout=30)
     assert not kube.get(API, "modeldeployments", "chat", ns)["metadata"].get("finalizers")
 
+    # A second tenant may not take the namespace over.
+    rival = f"rival-{tenants.suffix}"
+    kube.apply({"apiVersion": API, "kind": "Tenant", "metadata": {"name": rival},
+                "spec": {"namespaces": [ns], "quotas": [{"flavor": flavors["h200"], "nominal": 1}]}})
+    tenants.names.append(rival)
+    ready = wait_for("rival refused", lambda: [c for c in ((kube.get(API, "tenants", rival) or {})
+                                                           .get("status") or {}).get("conditions", [])
+                                               if c["reason"] == "NamespaceConflict"], timeout=30)
+    assert ns in ready[0]["message"] and tenant in ready[0]["message"]
+    assert kube.get("v1", "namespaces", ns)["metadata"]["labels"]["serving.kvfleet.dev/tenant"] == tenant
+    assert kube.get(KUEUE, "localqueues", rival, ns) is None
+
     # Events and the operator's own metrics.
     events = kube.list("v1", "events", ns)
     assert any(e["reason"] == "AllReplicasAdmitted" and e["involvedObject"]["name"] == "chat" for e in events)

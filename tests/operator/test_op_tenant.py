@@ -7,7 +7,7 @@ from kvfleet.operator.builders import (build_cluster_queue, build_local_queue, b
                                        build_network_policy, build_rbac)
 from kvfleet.operator.constants import LABEL_FLAVOR, LABEL_TENANT
 from kvfleet.operator.spec import parse_tenant
-from kvfleet.operator.tenant_status import compute_tenant_status, gpu_usage
+from kvfleet.operator.tenant_status import compute_tenant_status, gpu_usage, namespace_conflicts
 
 TENANT = {"apiVersion": "serving.kvfleet.dev/v1alpha1", "kind": "Tenant",
           "metadata": {"name": "team-a", "uid": "t-uid", "generation": 2}}
@@ -80,3 +80,14 @@ def test_tenant_status_ready_and_invalid() -> None:
     assert st["conditions"][0]["status"] == "True" and st["clusterQueue"] == "team-a"
     bad = compute_tenant_status(TENANT, None, "spec.quotas: needs at least one flavor quota", [], "T")
     assert bad["conditions"][0]["reason"] == "InvalidSpec" and "spec.quotas" in bad["conditions"][0]["message"]
+
+
+def test_namespace_of_another_live_tenant_is_not_taken() -> None:
+    owners = {"team-a": None, "team-a-dev": "team-b", "old": "gone", "mine": "team-a"}
+    conflicts = namespace_conflicts("team-a", owners, live_tenants={"team-b"})
+    assert conflicts == {"team-a-dev": "team-b"}
+    st = compute_tenant_status(TENANT, SPEC, None, [], "T", conflicts)
+    ready = st["conditions"][0]
+    assert ready["status"] == "False" and ready["reason"] == "NamespaceConflict"
+    assert "team-a-dev (tenant team-b)" in ready["message"] and "spec.namespaces" in ready["message"]
+    assert st["namespaces"] == ["team-a"]

@@ -13,7 +13,7 @@ from .events import build_event
 from .kube import PLURALS, Kube
 from .reconcile import utcnow
 from .spec import TenantSpec, parse_tenant
-from .tenant_status import compute_tenant_status
+from .tenant_status import compute_tenant_status, namespace_conflicts
 
 log = logging.getLogger("kvfleet.operator.tenant")
 
@@ -52,10 +52,12 @@ def reconcile_tenant(kube: Kube, name: str, converge: bool = True) -> dict[str, 
     except SpecError as exc:
         status = compute_tenant_status(tenant, None, exc.message, [], now)
     else:
+        conflicts = _conflicts(kube, name, spec)
         if converge:
-            _converge(kube, tenant, spec)
-        workloads = [w for ns in spec.namespaces for w in kube.list(KUEUE_API_VERSION, "workloads", ns)]
-        status = compute_tenant_status(tenant, spec, None, workloads, now)
+            _converge(kube, tenant, spec, skip=set(conflicts))
+        workloads = [w for ns in spec.namespaces if ns not in conflicts
+                     for w in kube.list(KUEUE_API_VERSION, "workloads", ns)]
+        status = compute_tenant_status(tenant, spec, None, workloads, now, conflicts)
     if {k: old_status.get(k) for k in status} != status:
         kube.merge_patch(tenant, {"status": status}, subresource="status")
         old_ready = next((c for c in old_status.get("conditions") or [] if c["type"] == "Ready"), {})
@@ -66,11 +68,23 @@ def reconcile_tenant(kube: Kube, name: str, converge: bool = True) -> dict[str, 
     return status
 
 
-def _converge(kube: Kube, tenant: dict[str, Any], spec: TenantSpec) -> None:
+def _conflicts(kube: Kube, name: str, spec: TenantSpec) -> dict[str, str]:
+    owners = {}
+    for ns in spec.namespaces:
+        obj = kube.get("v1", "namespaces", ns) or {}
+        owners[ns] = ((obj.get("metadata") or {}).get("labels") or {}).get(LABEL_TENANT)
+    others = {o for o in owners.values() if o and o != name}
+    live = {o for o in others if kube.get(API_VERSION, TENANT_PLURAL, o) is not None}
+    return namespace_conflicts(name, owners, live)
+
+
+def _converge(kube: Kube, tenant: dict[str, Any], spec: TenantSpec, skip: set[str]) -> None:
     name = tenant["metadata"]["name"]
     kube.apply(build_cluster_queue(tenant, spec))
     wanted: dict[str, set[tuple[str, str]]] = {}
     for ns in spec.namespaces:
+        if ns in skip:
+            continue
         objs = [build_namespace(name, ns), build_local_queue(tenant, ns), build_network_policy(tenant, ns),
                 *build_rbac(tenant, spec, ns)]
         for obj in objs:

@@ -31,19 +31,33 @@ def gpu_usage(workloads: Sequence[Mapping[str, Any]], spec: TenantSpec) -> list[
     return [{"flavor": f, "nominal": nominal.get(f, 0), **u} for f, u in sorted(usage.items())]
 
 
+def namespace_conflicts(tenant_name: str, owners: Mapping[str, str | None], live_tenants: set[str]) -> dict[str, str]:
+    """Namespaces (-> other tenant) already labelled for another Tenant that still exists: not taken over."""
+    return {ns: owner for ns, owner in owners.items()
+            if owner and owner != tenant_name and owner in live_tenants}
+
+
 def compute_tenant_status(tenant: Mapping[str, Any], spec: TenantSpec | None, problem: str | None,
-                          workloads: Sequence[Mapping[str, Any]], now: str) -> dict[str, Any]:
+                          workloads: Sequence[Mapping[str, Any]], now: str,
+                          conflicts: Mapping[str, str] | None = None) -> dict[str, Any]:
     old = (tenant.get("status") or {}).get("conditions") or ()
     generation = int((tenant.get("metadata") or {}).get("generation", 0))
     if spec is None or problem:
         ready = set_condition(old, "Ready", False, "InvalidSpec", problem or "invalid spec", generation, now)
         return {"conditions": [ready], "observedGeneration": generation, "gpus": []}
-    ready = set_condition(old, "Ready", True, "Reconciled",
-                          f"ClusterQueue and {len(spec.namespaces)} namespace(s) configured", generation, now)
+    conflicts = conflicts or {}
+    served = [ns for ns in spec.namespaces if ns not in conflicts]
+    if conflicts:
+        taken = ", ".join(f"{ns} (tenant {owner})" for ns, owner in sorted(conflicts.items()))
+        ready = set_condition(old, "Ready", False, "NamespaceConflict",
+                              f"spec.namespaces: already belong to another tenant: {taken}", generation, now)
+    else:
+        ready = set_condition(old, "Ready", True, "Reconciled",
+                              f"ClusterQueue and {len(served)} namespace(s) configured", generation, now)
     return {
         "conditions": [ready],
         "observedGeneration": generation,
         "clusterQueue": tenant["metadata"]["name"],
-        "namespaces": list(spec.namespaces),
+        "namespaces": served,
         "gpus": gpu_usage(workloads, spec),
     }
