@@ -72,3 +72,20 @@ def test_unknown_flavor_is_a_condition_and_event(kube: Kube, tenants: Any, flavo
         "spec": {"nodeLabels": {"kvfleet.dev/gpu-flavor": "l40s"}}})
     wait_for("admitted on the late flavor", lambda: mdep_status(kube, ns, "ghost").get("readyReplicas") == 1,
              timeout=60)
+
+
+@pytest.mark.parametrize("spec", [
+    {**BASE, "replicas": 0},
+    {**BASE, "engine": {"gpuMemoryUtilization": 1}},
+    {**BASE, "resources": {"cpu": 2, "memory": "8Gi"}},
+    {"model": {"source": "pvc://models/llama/8b"}, "engine": {"kind": "vllm", "tensorParallelSize": 8}},
+    {"model": {"source": "file:///var/cache/models/x"}, "autoscaling": {"enabled": True, "minReplicas": 0,
+                                                                       "maxReplicas": 4}},
+], ids=["zero-replicas", "gmu-one", "int-cpu", "pvc-vllm-tp8", "file-autoscale"])
+def test_valid_edge_specs_accepted(crds: None, kubectl: Callable[..., Any], spec: dict) -> None:
+    body = {"apiVersion": API, "kind": "ModelDeployment", "metadata": {"name": "ok", "namespace": "default"},
+            "spec": spec}
+    proc = kubectl("apply", "--dry-run=server", "-o", "json", "-f", "-", stdin=json.dumps(body), check=False)
+    assert proc.returncode == 0, proc.stderr
+    applied = json.loads(proc.stdout)["spec"]
+    assert applied["engine"]["kind"] in ("kvfleet", "vllm") and applied["resources"]["shmSize"] == "8Gi"
