@@ -11,6 +11,7 @@ import logging
 import threading
 from typing import Any, Callable
 
+import httpx
 import kopf
 
 from . import metrics
@@ -58,6 +59,8 @@ def _guarded(kind: str, key: str, fn: Callable[[], Any]) -> Any:
         except KubeError as exc:
             # 409: someone changed it under us; others: the apiserver is busy or restarting.
             raise kopf.TemporaryError(f"{kind} {key}: {exc}", delay=1 if exc.status == 409 else 5) from exc
+        except httpx.TransportError as exc:  # the apiserver is unreachable for a moment
+            raise kopf.TemporaryError(f"{kind} {key}: {exc!r}", delay=5) from exc
 
 
 # Problems that go away when something else appears (the spec itself is fine): retried.
