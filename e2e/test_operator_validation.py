@@ -89,3 +89,19 @@ def test_valid_edge_specs_accepted(crds: None, kubectl: Callable[..., Any], spec
     assert proc.returncode == 0, proc.stderr
     applied = json.loads(proc.stdout)["spec"]
     assert applied["engine"]["kind"] in ("kvfleet", "vllm") and applied["resources"]["shmSize"] == "8Gi"
+
+
+def test_sample_manifests_are_valid(crds: None, kubectl: Callable[..., Any]) -> None:
+    """Every object of manifests/ passes the apiserver's validation (namespaced ones tried in `default`)."""
+    import yaml
+
+    from kvfleet.operator.testing import REPO
+
+    docs = [d for f in sorted((REPO / "manifests").glob("*.yaml")) for d in yaml.safe_load_all(f.read_text()) if d]
+    assert {d["kind"] for d in docs} >= {"Tenant", "ModelDeployment", "ResourceFlavor"}
+    assert {d["spec"]["engine"]["kind"] for d in docs if d["kind"] == "ModelDeployment"} == {"kvfleet", "vllm"}
+    for doc in docs:
+        if doc["metadata"].get("namespace"):
+            doc["metadata"]["namespace"] = "default"
+        proc = kubectl("apply", "--dry-run=server", "-f", "-", stdin=json.dumps(doc), check=False)
+        assert proc.returncode == 0, f"{doc['kind']}/{doc['metadata']['name']}: {proc.stderr}"
