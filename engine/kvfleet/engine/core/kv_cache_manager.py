@@ -110,6 +110,17 @@ class KVCacheManager:
         `computed_blocks` (prefix-cache hits, only before the first allocation) join the
         front of its table. Returns False, changing nothing, when the pool is short.
         """
+        if not computed_blocks:
+            # Fast path (most decode steps): the new tokens fit the blocks it holds and the block
+            # written is its own, so nothing would change (same answer as the general path below).
+            held = self.block_tables.get(req.request_id)
+            if held is not None:
+                bs = self.block_size
+                num_computed = req.num_computed_tokens
+                if num_computed + num_new_tokens <= len(held) * bs and (
+                        num_new_tokens <= 0 or num_computed % bs == 0
+                        or self.pool.ref_cnt[held[num_computed // bs]] == 1):
+                    return True
         computed_blocks = computed_blocks or []
         if self.blocks_needed(req, num_new_tokens, computed_blocks) > self.pool.num_free_blocks:
             return False
@@ -146,7 +157,7 @@ class KVCacheManager:
         num_full = min(req.num_computed_tokens // bs, len(table))
         start = self._num_registered.get(req.request_id, 0)
         if num_full <= start:
-            return
+            return   # most steps: no block became full
         hashes = self._block_hashes(req, num_full)
         toks = req.all_token_ids
         for i in range(start, num_full):

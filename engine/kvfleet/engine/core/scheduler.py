@@ -22,7 +22,7 @@ from kvfleet.engine.core.request import Request, RequestStatus
 logger = logging.getLogger(__name__)
 
 
-@dataclass
+@dataclass(slots=True)
 class ScheduledRequest:
     request: Request
     start: int                 # tokens computed before this step (= position of the first new token)
@@ -61,7 +61,7 @@ class ModelRunnerOutput:
     prompt_logprobs: dict[str, Any] = field(default_factory=dict)
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestUpdate:
     request: Request
     new_token_id: Optional[int]
@@ -90,8 +90,8 @@ class Scheduler:
         self._enqueue(req)
 
     def _enqueue(self, req: Request) -> None:
-        keys = [r.sort_key() for r in self.waiting]
-        self.waiting.insert(bisect.bisect(keys, req.sort_key()), req)
+        # O(log n) key computations (not a key per waiting request per insert).
+        self.waiting.insert(bisect.bisect(self.waiting, req.sort_key(), key=Request.sort_key), req)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -150,12 +150,16 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         scheduled: dict[str, int] = {}
         preempted: list[str] = []
-        # Decodes first, then running prefills (chunks of long prompts).
-        order = sorted(self.running, key=lambda r: 0 if r.is_prefill_done else 1)
+        # Decodes first, then running prefills (chunks of long prompts); a stable partition.
+        running = self.running
+        order = [r for r in running if r.num_computed_tokens >= len(r.prompt_token_ids)]
+        if len(order) < len(running):
+            order += [r for r in running if r.num_computed_tokens < len(r.prompt_token_ids)]
+        RUNNING = RequestStatus.RUNNING
         for req in order:
             if budget <= 0:
                 break
-            if req.status != RequestStatus.RUNNING:
+            if req.status is not RUNNING:
                 continue  # preempted earlier in this pass
             n = min(req.num_tokens_to_compute, budget)
             if n <= 0:
@@ -199,17 +203,17 @@ class Scheduler:
             budget -= n
 
         out = SchedulerOutput(copy_pairs=self.kv.take_copies(), preempted_req_ids=preempted)
+        tables, bs, add = self.kv.block_tables, self.kv.block_size, out.scheduled.append
         for req in self.running:
             n = scheduled.get(req.request_id)
             if n is None:
                 continue
             start = req.num_computed_tokens
-            req.num_computed_tokens += n
-            out.scheduled.append(ScheduledRequest(
-                request=req, start=start, num_new_tokens=n,
-                block_ids=list(self.kv.get_block_ids(req)),
-                needs_sample=req.num_computed_tokens == req.num_tokens))
-            assert len(self.kv.get_block_ids(req)) * self.kv.block_size >= req.num_computed_tokens
+            done = start + n
+            req.num_computed_tokens = done
+            table = tables[req.request_id]
+            assert len(table) * bs >= done
+            add(ScheduledRequest(req, start, n, table[:], done == req.num_tokens))
         assert out.num_batched_tokens <= self.max_num_batched_tokens
         return out
 
@@ -217,11 +221,13 @@ class Scheduler:
     def update_from_output(self, sched: SchedulerOutput, result: ModelRunnerOutput) -> list[RequestUpdate]:
         """Append sampled tokens, apply token-based stops, free finished sequences."""
         updates: list[RequestUpdate] = []
+        RUNNING = RequestStatus.RUNNING
+        cache_full_blocks = self.kv.cache_full_blocks
         for s in sched.scheduled:
             req = s.request
-            if req.status != RequestStatus.RUNNING:
+            if req.status is not RUNNING:
                 continue  # aborted or preempted since
-            self.kv.cache_full_blocks(req)
+            cache_full_blocks(req)
             if not s.needs_sample:
                 if req.compute_limit is not None and req.num_tokens_to_compute == 0:
                     updates.append(RequestUpdate(req, None, False))   # ready to fork
