@@ -121,7 +121,7 @@ async def _scrape(client: httpx.AsyncClient, target: PodTarget, engine_kind: str
         resp.raise_for_status()
         waiting, running = parse_load(resp.text, engine_kind)
     except (MetricsError, httpx.HTTPError) as exc:
-        log.info("scrape failed", extra={"pod": target.name, "error": str(exc)})
+        log.debug("scrape failed", extra={"pod": target.name, "error": str(exc)})  # status + Event say it
         return unknown(target.name, f"{type(exc).__name__}: {exc}")
     return PodLoad(pod=target.name, waiting=waiting, running=running)
 
