@@ -1,12 +1,13 @@
 """Scenario: autoscaling from real engines' queue depth, through Kueue, within the tenant's quota.
 
-Each pod of the ModelDeployment that kwok marks Running gets a loopback IP; the ``engines`` fixture acts as
-the kubelet: it starts a real ``kvfleet serve`` (CPU, a tiny random-weight model) bound to that IP and the
-pod's port, and stops it when the pod goes away. ``kvfleet bench serve`` sends a burst to the first replica;
-the operator's autoscaler scrapes the engines' ``/metrics`` (loopback only), scales up in one decision,
-Kueue admits only what the tenant's quota allows, and after the load stops the deployment shrinks back
-after ``scaleDownDelaySeconds``. Replica counts are read from the API. The run writes
-``docs/autoscaling-run.md`` and ``docs/autoscaling-run.png`` (``KVFLEET_AUTOSCALING_REPORT_DIR`` overrides).
+Each pod of the ModelDeployment that kwok marks Running gets a loopback IP; ``EngineKubelet`` acts as the
+kubelet: it starts a real ``kvfleet serve`` (CPU, a tiny random-weight model) bound to that IP and the pod's
+port, and stops it when the pod goes away. ``kvfleet bench serve`` sends a burst to the first replica; the
+operator's autoscaler reads the engines' queue depth (scraping their ``/metrics``, loopback only, or through a
+real Prometheus from Debian's package), scales up by several replicas at once, Kueue admits only what the
+tenant's quota allows, and after the load stops the deployment shrinks back after ``scaleDownDelaySeconds``.
+Replica counts are read from the API. The scrape run writes ``docs/autoscaling-run.md`` and
+``docs/autoscaling-run.png`` (``KVFLEET_AUTOSCALING_REPORT_DIR`` overrides the folder).
 """
 from __future__ import annotations
 
@@ -332,8 +333,8 @@ def children() -> Iterator[list[subprocess.Popen[bytes]]]:
 def run_scenario(sc: Scenario, kube: Kube, tenants: Any, flavor: str, operator: OperatorProcess, model: Path,
                  logs: Path, children: list[Any], sd_file: Path | None = None
                  ) -> tuple[str, list[dict[str, Any]], dict[str, float]]:
-    """Burst -> one scale-up decision to maxReplicas -> Kueue admits the quota -> load stops -> scale-down after
-    the delay. Returns the namespace, the recorded samples and the time marks."""
+    """Burst -> scale-up to maxReplicas (several replicas per decision) -> Kueue admits the quota -> load stops ->
+    scale-down after the delay. Returns the namespace, the recorded samples and the time marks."""
     _, ns = tenants.create("autoscale", [{"flavor": flavor, "nominal": sc.quota_gpus}])
     autoscaling = {"enabled": True, "minReplicas": 1, "maxReplicas": sc.max_replicas, "targetQueueDepth": TARGET,
                    "scaleDownDelaySeconds": sc.delay_s}
