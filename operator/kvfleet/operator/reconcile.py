@@ -73,6 +73,33 @@ def _flavor_placement(flavor_spec: Mapping[str, Any]) -> tuple[dict[str, str], l
     return dict(flavor_spec.get("nodeLabels") or {}), list(flavor_spec.get("tolerations") or [])
 
 
+def _apply_deployments(kube: Kube, config: OperatorConfig, mdep: dict[str, Any], spec: ModelDeploymentSpec,
+                       resolved: Resolved, plan: WorkloadPlan, deployments: list[dict[str, Any]],
+                       spec_hash: str) -> None:
+    """Each shape's Deployment to the number of workloads admitted with that shape."""
+    namespace = mdep["metadata"]["namespace"]
+    existing: dict[tuple[str, str], dict[str, Any]] = {}
+    for d in deployments:
+        dep_labels = d["metadata"].get("labels") or {}
+        if dep_labels.get(LABEL_FLAVOR):
+            existing[(dep_labels[LABEL_FLAVOR], dep_labels.get(LABEL_WORKLOAD_HASH, ""))] = d
+    for (flavor, shape), replicas in plan_deployment_replicas(plan.admitted_by_shape, existing).items():
+        if shape == spec_hash:
+            node_labels, tolerations = _flavor_placement(resolved.flavors.get(flavor, {}))
+            kube.apply(build_deployment(mdep, spec, config, flavor, replicas, node_labels, tolerations, shape))
+        elif (flavor, shape) in existing:
+            # An older shape keeps its template (its pods match their admitted workloads) and only
+            # shrinks as those workloads are replaced.
+            old_name = existing[(flavor, shape)]["metadata"]["name"]
+            if replicas == 0:
+                kube.delete("apps/v1", "deployments", old_name, namespace)
+            elif (existing[(flavor, shape)].get("spec") or {}).get("replicas") != replicas:
+                ref = {"apiVersion": "apps/v1", "kind": "Deployment",
+                       "metadata": {"name": old_name, "namespace": namespace}}
+                kube.merge_patch(ref, {"spec": {"replicas": replicas}})
+        # else: admitted with an old shape whose Deployment is gone; it runs once replaced.
+
+
 def reconcile_model_deployment(kube: Kube, config: OperatorConfig, namespace: str, name: str) -> dict | None:
     """Converge one ModelDeployment; returns the status written (or None if it is gone)."""
     mdep = kube.get(API_VERSION, MDEP_PLURAL, name, namespace)
@@ -99,27 +126,7 @@ def reconcile_model_deployment(kube: Kube, config: OperatorConfig, namespace: st
         spec_hash = workload_hash(template, resolved.queue_name, resolved.priority)
         plan = plan_workloads(desired, observed, spec_hash)
         kube.apply(build_service(mdep))
-        existing = {}
-        for d in deployments:
-            labels = d["metadata"].get("labels") or {}
-            if labels.get(LABEL_FLAVOR):
-                existing[(labels[LABEL_FLAVOR], labels.get(LABEL_WORKLOAD_HASH, ""))] = d
-        for (flavor, shape), replicas in plan_deployment_replicas(plan.admitted_by_shape, existing).items():
-            if shape == spec_hash:
-                labels, tolerations = _flavor_placement(resolved.flavors.get(flavor, {}))
-                kube.apply(build_deployment(mdep, spec, config, flavor, replicas, labels, tolerations, shape))
-            elif (flavor, shape) in existing:
-                # An older shape keeps its template (its pods match their admitted workloads) and only
-                # shrinks as those workloads are replaced.
-                old = existing[(flavor, shape)]
-                old_name = old["metadata"]["name"]
-                if replicas == 0:
-                    kube.delete("apps/v1", "deployments", old_name, namespace)
-                elif (old.get("spec") or {}).get("replicas") != replicas:
-                    ref = {"apiVersion": "apps/v1", "kind": "Deployment",
-                           "metadata": {"name": old_name, "namespace": namespace}}
-                    kube.merge_patch(ref, {"spec": {"replicas": replicas}})
-            # else: admitted with an old shape whose Deployment is gone; it runs once replaced.
+        _apply_deployments(kube, config, mdep, spec, resolved, plan, deployments, spec_hash)
         # Pods go first (above), then the quota: a freed GPU is never still in use by us.
         for wl_name in plan.delete:
             kube.delete(KUEUE_API_VERSION, "workloads", wl_name, namespace)
