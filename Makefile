@@ -22,7 +22,13 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP) ## create .venv and install kvfleet with all extras
 
-test: install cluster-build ## run the unit, integration and e2e tests (builds the cluster binaries when missing)
+# A real Prometheus (Debian's package) for the autoscaler's Prometheus metric source tests.
+system-deps: ## install the system packages the tests use (Debian's prometheus), when missing
+	@command -v prometheus >/dev/null || { \
+	  echo "installing Debian's prometheus (needs root)"; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus >/dev/null; }
+
+test: install system-deps cluster-build ## run the unit, integration and e2e tests (builds the cluster binaries when missing)
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 test-unit: install ## run only the tests that need no cluster
@@ -43,7 +49,7 @@ cluster-down: ## stop the local cluster and remove its state (safe to run twice)
 cluster-status: install ## say what runs in the local cluster
 	-@$(CLUSTER) status
 
-e2e: install cluster-build ## run the e2e tests against the local cluster (started when needed)
+e2e: install system-deps cluster-build ## run the e2e tests against the local cluster (started when needed)
 	$(PY) -m pytest -q e2e $(PYTEST_ARGS)
 
 demo: cluster-up ## the story: chart + samples on the local cluster, quota waits and admission, engine chat on CPU
@@ -52,4 +58,4 @@ demo: cluster-up ## the story: chart + samples on the local cluster, quota waits
 clean: ## remove the virtualenv and caches
 	rm -rf $(VENV) .pytest_cache .hypothesis
 
-.PHONY: help install test test-unit clean cluster-build cluster-up cluster-down cluster-status e2e demo
+.PHONY: help install system-deps test test-unit clean cluster-build cluster-up cluster-down cluster-status e2e demo
