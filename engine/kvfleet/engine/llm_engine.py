@@ -167,6 +167,8 @@ class LLMEngine:
             return []
         now = time.monotonic()
         for s in sched.scheduled:
+            if s.start != s.request.num_cached_tokens:
+                continue   # not its first chunk (a first one starts after its prefix-cache hit)
             g = self.groups.get(s.request.group_id or "")
             if g is not None and g.metrics.first_scheduled_time is None:
                 g.metrics.first_scheduled_time = now
@@ -184,20 +186,23 @@ class LLMEngine:
             g = self._group_of(rid)
             if g is not None:
                 g.add_prompt_logprobs(entries)
+        now = time.monotonic()
+        groups = self.groups
         for upd in updates:
-            g = self._group_of(upd.request.request_id)
+            req = upd.request
+            g = groups.get(req.group_id) if req.group_id is not None else self._group_of(req.request_id)
             if g is None:
                 continue
-            self._apply(g, upd, result)
+            self._apply(g, upd, result, now)
             touched[g.request_id] = g
         outs = []
         for g in touched.values():
             done = g.finished
             if done:
-                self.groups.pop(g.request_id, None)
+                groups.pop(g.request_id, None)
             elif final_only:
                 continue
-            out = g.make_output()
+            out = g.make_output(done)
             if out.outputs or done:
                 outs.append(out)
         return outs
@@ -205,7 +210,7 @@ class LLMEngine:
     def _group_of(self, seq_id: str) -> Optional[RequestGroup]:
         return self.groups.get(seq_id.rsplit("#", 1)[0])
 
-    def _apply(self, g: RequestGroup, upd: RequestUpdate, result: ModelRunnerOutput) -> None:
+    def _apply(self, g: RequestGroup, upd: RequestUpdate, result: ModelRunnerOutput, now: float) -> None:
         req = upd.request
         if upd.new_token_id is None:
             if req.external_tokens:
@@ -216,7 +221,8 @@ class LLMEngine:
             return
         self.generation_tokens += 1
         st = g.seqs[req.index]
-        stop = g.record_token(st, upd.new_token_id, result.logprobs.get(req.request_id))
+        stop = g.record_token(st, upd.new_token_id, result.logprobs.get(req.request_id) if result.logprobs else None,
+                              now)
         if stop is not None and not req.is_finished:
             self.scheduler.finish_requests([req.request_id], RequestStatus.FINISHED_STOPPED)
             req.stop_reason = stop

@@ -25,6 +25,7 @@ from kvfleet.engine.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
 from kvfleet.engine.core.scheduler import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from kvfleet.engine.model_config import ModelConfig
 from kvfleet.engine.sampler import Sampler, SamplingBatch, gather_logprobs
+from kvfleet.engine.step_inputs import BlockTableRows, build_step_inputs
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +56,8 @@ class ModelRunner:
         self.kv_caches: list[torch.Tensor] = []
         self.graph_runner: Optional[Any] = None
         self._generators: dict[str, torch.Generator] = {}
+        # Persistent block tables, one row per sequence (rows are added as sequences appear).
+        self._block_rows = BlockTableRows(math.ceil((model_config.max_model_len + 1) / self.block_size) + 1)
 
     # --- KV cache ------------------------------------------------------------------
     def determine_num_blocks(self) -> int:
@@ -134,6 +137,7 @@ class ModelRunner:
     def release(self, request_ids: list[str]) -> None:
         for rid in request_ids:
             self._generators.pop(rid, None)
+            self._block_rows.release(rid)
 
     def _copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         src = torch.tensor([p[0] for p in pairs], dtype=torch.long, device=self.device)
@@ -160,53 +164,74 @@ class ModelRunner:
         if sched.copy_pairs:
             self._copy_blocks(sched.copy_pairs)
         out = ModelRunnerOutput()
-        if not sched.scheduled:
+        scheduled = sched.scheduled
+        if not scheduled:
             return out
-        ids: list[int] = []
-        pos: list[int] = []
-        for s in sched.scheduled:
-            ids.extend(s.token_ids)
-            pos.extend(range(s.start, s.start + s.num_new_tokens))
-        md = build_attention_metadata([s.num_new_tokens for s in sched.scheduled],
-                                      [s.start + s.num_new_tokens for s in sched.scheduled],
-                                      [s.block_ids for s in sched.scheduled], self.block_size, self.device)
-        input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
-        positions = torch.tensor(pos, dtype=torch.long, device=self.device)
+        dev = self.device
+        inp = build_step_inputs(scheduled, self.block_size, self._block_rows)
+        qsl = inp.query_start_loc
+        md = AttentionMetadata(
+            slot_mapping=torch.tensor(inp.slot_mapping, dtype=torch.int64, device=dev),
+            query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor(inp.seq_lens, dtype=torch.int32, device=dev),
+            block_tables=torch.from_numpy(inp.block_tables).to(dev),
+            max_query_len=inp.max_query_len, max_seq_len=max(inp.seq_lens),
+            query_start_loc_cpu=qsl, seq_lens_cpu=inp.seq_lens)
+        input_ids = torch.tensor(inp.input_ids, dtype=torch.long, device=dev)
+        positions = torch.tensor(inp.positions, dtype=torch.long, device=dev)
         hidden = self._forward(input_ids, positions, md)
-        qsl = md.query_start_loc_cpu
-        sample_rows = [(i, s) for i, s in enumerate(sched.scheduled) if s.needs_sample]
-        plp_rows = self._prompt_logprob_rows(sched.scheduled, qsl)
-        plp_k = max((s.request.sampling_params.prompt_logprobs for s in sched.scheduled
-                     if s.request.sampling_params is not None
-                     and s.request.sampling_params.prompt_logprobs is not None), default=0)
-        idx = [qsl[i + 1] - 1 for i, _ in sample_rows] + [r for _, _, r, _ in plp_rows]
+        reqs = [s for s in scheduled if s.needs_sample]
+        idx = [qsl[i + 1] - 1 for i, s in enumerate(scheduled) if s.needs_sample]
+        plp_rows, plp_k = self._prompt_logprob_rows(scheduled, qsl)
+        if plp_rows:
+            idx += [r for _, _, r, _ in plp_rows]
         if not idx:
             return out
-        logits = self.model.compute_logits(hidden[torch.tensor(idx, device=self.device)])
-        if sample_rows:
-            reqs = [s for _, s in sample_rows]
+        logits = self.model.compute_logits(hidden[torch.tensor(idx, device=dev)])
+        if reqs:
             batch = self._sampling_batch(reqs, logits.shape[-1])
             res = self.sampler(logits[:len(reqs)], batch)
             self._collect(reqs, res, out)
         if plp_rows:
-            self._collect_prompt_logprobs(plp_rows, logits[len(sample_rows):], plp_k, out)
+            self._collect_prompt_logprobs(plp_rows, logits[len(reqs):], plp_k, out)
         return out
 
     # --- sampling inputs / outputs -------------------------------------------------
     def _sampling_batch(self, reqs: list[ScheduledRequest], vocab: int) -> SamplingBatch:
+        """The batch's sampling parameters as tensors, read in one pass over the sequences."""
         dev = self.device
-        params = [s.request.sampling_params for s in reqs]
-        temps = [0.0 if s.request.external_tokens else float(p.temperature) for s, p in zip(reqs, params)]
+        temps: list[float] = []
+        top_k: list[int] = []
+        top_p: list[float] = []
+        min_p: list[float] = []
+        rep: list[float] = []
+        freq: list[float] = []
+        pres: list[float] = []
         gens: dict[int, torch.Generator] = {}
+        banned: list[tuple[int, frozenset[int]]] = []
+        max_logprobs = -1
         for row, s in enumerate(reqs):
-            seed = s.request.seed
-            if seed is None or temps[row] < 1e-5:
-                continue
-            gen = self._generators.get(s.request_id)
-            if gen is None:
-                gen = torch.Generator(device=dev).manual_seed(int(seed))
-                self._generators[s.request_id] = gen
-            gens[row] = gen
+            r = s.request
+            p = r.sampling_params
+            temp = 0.0 if r.external_tokens else float(p.temperature)
+            temps.append(temp)
+            k = p.top_k
+            top_k.append(vocab if k in (-1, None) else min(int(k), vocab))
+            top_p.append(float(p.top_p))
+            min_p.append(float(p.min_p))
+            rep.append(float(p.repetition_penalty))
+            freq.append(float(p.frequency_penalty))
+            pres.append(float(p.presence_penalty))
+            if r.seed is not None and temp >= 1e-5:
+                gen = self._generators.get(r.request_id)
+                if gen is None:
+                    gen = torch.Generator(device=dev).manual_seed(int(r.seed))
+                    self._generators[r.request_id] = gen
+                gens[row] = gen
+            if r.min_tokens and r.stop_token_ids and len(r.output_token_ids) < r.min_tokens:
+                banned.append((row, r.stop_token_ids))
+            if r.num_logprobs > max_logprobs:
+                max_logprobs = r.num_logprobs
 
         def opt(values: list[float], neutral: float) -> Optional[torch.Tensor]:
             if all(v == neutral for v in values):
@@ -217,13 +242,8 @@ class ModelRunner:
             width = max(1, max(len(x) for x in lists))
             return torch.tensor([x + [vocab] * (width - len(x)) for x in lists], dtype=torch.long, device=dev)
 
-        top_k = [vocab if p.top_k in (-1, None) else min(int(p.top_k), vocab) for p in params]
-        rep = opt([float(p.repetition_penalty) for p in params], 1.0)
-        freq = opt([float(p.frequency_penalty) for p in params], 0.0)
-        pres = opt([float(p.presence_penalty) for p in params], 0.0)
+        reps, freqs, press = opt(rep, 1.0), opt(freq, 0.0), opt(pres, 0.0)
         min_mask = None
-        banned = [(row, s.request.stop_token_ids) for row, s in enumerate(reqs)
-                  if len(s.request.output_token_ids) < s.request.min_tokens and s.request.stop_token_ids]
         if banned:
             min_mask = torch.zeros(len(reqs), vocab, dtype=torch.bool, device=dev)
             for row, toks in banned:
@@ -231,14 +251,14 @@ class ModelRunner:
         return SamplingBatch(
             temperature=torch.tensor(temps, dtype=torch.float32, device=dev),
             top_k=None if all(k == vocab for k in top_k) else torch.tensor(top_k, dtype=torch.long, device=dev),
-            top_p=opt([float(p.top_p) for p in params], 1.0),
-            min_p=opt([float(p.min_p) for p in params], 0.0),
-            presence_penalty=pres, frequency_penalty=freq, repetition_penalty=rep,
-            prompt_tokens=padded([s.request.prompt_token_ids for s in reqs]) if rep is not None else None,
+            top_p=opt(top_p, 1.0),
+            min_p=opt(min_p, 0.0),
+            presence_penalty=press, frequency_penalty=freqs, repetition_penalty=reps,
+            prompt_tokens=padded([s.request.prompt_token_ids for s in reqs]) if reps is not None else None,
             output_tokens=(padded([s.request.output_token_ids for s in reqs])
-                           if rep is not None or freq is not None or pres is not None else None),
+                           if reps is not None or freqs is not None or press is not None else None),
             min_tokens_mask=min_mask, generators=gens,
-            max_num_logprobs=max(s.request.num_logprobs for s in reqs),
+            max_num_logprobs=max_logprobs,
             all_greedy=all(t < 1e-5 for t in temps),
         )
 
@@ -255,16 +275,21 @@ class ModelRunner:
                 out.logprobs[s.request_id] = (lps[row], ranks[row], top_ids[row][:k], top_lps[row][:k])
 
     @staticmethod
-    def _prompt_logprob_rows(scheduled: list[ScheduledRequest], qsl: list[int]) -> list[tuple[str, int, int, int]]:
-        """(request id, position of the predicted prompt token, hidden row, its token id)."""
+    def _prompt_logprob_rows(scheduled: list[ScheduledRequest], qsl: list[int]
+                             ) -> tuple[list[tuple[str, int, int, int]], int]:
+        """(request id, position of the predicted prompt token, hidden row, its token id) of every
+        prompt token whose logprobs are asked for, and the widest top-k asked."""
         rows = []
+        k = 0
         for i, s in enumerate(scheduled):
             req = s.request
-            if req.sampling_params is None or req.sampling_params.prompt_logprobs is None:
+            sp = req.sampling_params
+            if sp is None or sp.prompt_logprobs is None:
                 continue
+            k = max(k, sp.prompt_logprobs)
             for p in range(s.start, min(s.start + s.num_new_tokens, req.num_prompt_tokens - 1)):
                 rows.append((s.request_id, p + 1, qsl[i] + (p - s.start), req.prompt_token_ids[p + 1]))
-        return rows
+        return rows, k
 
     @staticmethod
     def _collect_prompt_logprobs(rows: list[tuple[str, int, int, int]], logits: torch.Tensor, k: int,

@@ -46,6 +46,9 @@ class KVCacheManager:
         self._hashes: dict[str, list[BlockHash]] = {}       # hashes of each request's full blocks
         self._num_registered: dict[str, int] = {}           # how many of its blocks were offered to the cache
         self._pending_copies: list[tuple[int, int]] = []
+        # Lowest block-table index changed since `take_changed` last saw the request (the model
+        # runner keeps persistent block tables and rewrites only from there).
+        self._changed_from: dict[str, int] = {}
         self.prefix_cache_queries = 0   # tokens looked up
         self.prefix_cache_hits = 0      # tokens found
 
@@ -125,6 +128,7 @@ class KVCacheManager:
         if self.blocks_needed(req, num_new_tokens, computed_blocks) > self.pool.num_free_blocks:
             return False
         table = self.block_tables.setdefault(req.request_id, [])
+        self._mark_changed(req.request_id, len(table))
         assert not computed_blocks or not table, "prefix hits only for a fresh table"
         for bid in computed_blocks:
             self.pool.incref(bid)
@@ -141,6 +145,7 @@ class KVCacheManager:
                 self._pending_copies.append((src, dst))
                 self.pool.decref(src)
                 table[idx] = dst
+                self._mark_changed(req.request_id, idx)
         total_blocks = _cdiv(num_computed + num_new_tokens, bs)
         if total_blocks > len(table):
             table.extend(self.pool.allocate(total_blocks - len(table)))
@@ -164,6 +169,16 @@ class KVCacheManager:
             self.pool.cache(table[i], hashes[i], tuple(toks[i * bs:(i + 1) * bs]))
         self._num_registered[req.request_id] = num_full
 
+    def _mark_changed(self, request_id: str, index: int) -> None:
+        cur = self._changed_from.get(request_id)
+        if cur is None or index < cur:
+            self._changed_from[request_id] = index
+
+    def take_changed(self, req: Request) -> int:
+        """First index of `req`'s block table changed since the last call (its length if none)."""
+        cf = self._changed_from.pop(req.request_id, None)
+        return len(self.block_tables.get(req.request_id, ())) if cf is None else cf
+
     def take_copies(self) -> list[tuple[int, int]]:
         """(src, dst) block copies the runner must do before this step's forward."""
         out, self._pending_copies = self._pending_copies, []
@@ -175,6 +190,7 @@ class KVCacheManager:
         for bid in table:
             self.pool.incref(bid)
         self.block_tables[child.request_id] = list(table)
+        self._changed_from[child.request_id] = 0
         self._hashes[child.request_id] = list(self._hashes.get(parent.request_id, []))
         self._num_registered[child.request_id] = self._num_registered.get(parent.request_id, 0)
 
@@ -183,6 +199,7 @@ class KVCacheManager:
         table = self.block_tables.pop(req.request_id, [])
         for bid in reversed(table):
             self.pool.decref(bid)
+        self._changed_from.pop(req.request_id, None)   # a later table is a new one (marked from 0)
         self._hashes.pop(req.request_id, None)
         self._num_registered.pop(req.request_id, None)
 
@@ -208,3 +225,4 @@ class KVCacheManager:
             for bid in table:
                 counts[bid] += 1
         assert counts == self.pool.ref_cnt, "reference counts differ from the block tables"
+        assert set(self._changed_from) <= set(self.block_tables), "change marks of freed tables"

@@ -66,16 +66,21 @@ class RequestGroup:
         self.seqs[seq.index] = st
         return st
 
-    def record_token(self, st: SeqState, token_id: int, lp: Optional[tuple]) -> Optional[str]:
-        """A new sampled token: logprobs and text; returns the stop string hit, if any."""
+    def record_token(self, st: SeqState, token_id: int, lp: Optional[tuple],
+                     now: Optional[float] = None) -> Optional[str]:
+        """A new sampled token (`now`: when its step produced it): logprobs and text; returns
+        the stop string hit, if any."""
         if lp is not None:
             st.cum_logprob += lp[0]
             if st.logprobs is not None:
                 k = self.params.logprobs or 0
                 st.logprobs.append(logprobs_dict(self.tokenizer, token_id, lp[0], lp[1], lp[2][:k], lp[3][:k]))
-        if self.metrics.first_token_time is None:
-            self.metrics.first_token_time = time.monotonic()
-        self.metrics.last_token_time = time.monotonic()
+        if now is None:
+            now = time.monotonic()
+        metrics = self.metrics
+        if metrics.first_token_time is None:
+            metrics.first_token_time = now
+        metrics.last_token_time = now
         return st.detok.update(st.seq.output_token_ids)
 
     def add_prompt_logprobs(self, entries: list[tuple]) -> None:
@@ -92,17 +97,25 @@ class RequestGroup:
             return True
         if self.beam is not None:
             return bool(self.beam_result)
-        return bool(self.seqs) and all(st.finish_reason is not None for st in self.seqs.values()) \
-            and len(self.seqs) == self.params.num_samples
+        seqs = self.seqs
+        if len(seqs) != self.params.num_samples or not seqs:
+            return False
+        for st in seqs.values():
+            if st.finish_reason is None:
+                return False
+        return True
 
-    def make_output(self) -> RequestOutput:
-        done = self.finished
+    def make_output(self, done: Optional[bool] = None) -> RequestOutput:
+        """The output so far; `done` is `self.finished` when the caller has it already."""
+        if done is None:
+            done = self.finished
         if done and self.metrics.finished_time is None:
             self.metrics.finished_time = time.monotonic()
         if self.beam is not None and not self.aborted:
             outputs = self.beam_result   # beams are only shown once the search is over
         else:
-            states = [self.seqs[i] for i in sorted(self.seqs)]
+            seqs = self.seqs
+            states = list(seqs.values()) if len(seqs) == 1 else [seqs[i] for i in sorted(seqs)]
             outputs = [CompletionOutput(
                 index=st.seq.index, text=st.detok.visible_text(st.finish_reason is not None),
                 token_ids=list(st.seq.output_token_ids), cumulative_logprob=st.cum_logprob,

@@ -27,8 +27,10 @@ class ScheduledRequest:
     request: Request
     start: int                 # tokens computed before this step (= position of the first new token)
     num_new_tokens: int
-    block_ids: list[int]       # its block table for this step
+    block_ids: list[int]       # its block table (the live list: read it during this step)
     needs_sample: bool         # this step computes its last token: sample the next one
+    # block_ids[:new_blocks_from] are as in its last scheduled step (0: treat all as new)
+    new_blocks_from: int = 0
 
     @property
     def request_id(self) -> str:
@@ -203,7 +205,7 @@ class Scheduler:
             budget -= n
 
         out = SchedulerOutput(copy_pairs=self.kv.take_copies(), preempted_req_ids=preempted)
-        tables, bs, add = self.kv.block_tables, self.kv.block_size, out.scheduled.append
+        tables, bs, add, changed = self.kv.block_tables, self.kv.block_size, out.scheduled.append, self.kv.take_changed
         for req in self.running:
             n = scheduled.get(req.request_id)
             if n is None:
@@ -213,7 +215,7 @@ class Scheduler:
             req.num_computed_tokens = done
             table = tables[req.request_id]
             assert len(table) * bs >= done
-            add(ScheduledRequest(req, start, n, table[:], done == req.num_tokens))
+            add(ScheduledRequest(req, start, n, table, done == req.num_tokens, changed(req)))
         assert out.num_batched_tokens <= self.max_num_batched_tokens
         return out
 
