@@ -57,6 +57,9 @@ def _guarded(kind: str, key: str, fn: Callable[[], Any]) -> Any:
         try:
             return fn()
         except KubeError as exc:
+            if exc.status == 404:  # deleted while we reconciled it: the garbage collector does the rest
+                log.debug("gone while reconciling %s %s: %s", kind, key, exc)
+                return None
             # 409: someone changed it under us; others: the apiserver is busy or restarting.
             raise kopf.TemporaryError(f"{kind} {key}: {exc}", delay=1 if exc.status == 409 else 5) from exc
         except httpx.TransportError as exc:  # the apiserver is unreachable for a moment
