@@ -34,6 +34,7 @@ from kvfleet.operator.builders.meta import selector_labels
 from kvfleet.operator.constants import API_VERSION, ENGINE_PORT, GROUP, MDEP_PLURAL, VERSION
 from kvfleet.operator.errors import SpecError
 from kvfleet.operator.events import build_event
+from kvfleet.operator.kube import KubeError
 from kvfleet.operator.scaling import desired_replicas_for
 from kvfleet.operator.spec import parse_model_deployment
 
@@ -108,7 +109,17 @@ async def autoscale_once(kube: Any, namespace: str, name: str, settings: Autosca
     decision = decide(policy_spec, current, loads, state_from_status(status), now or time.time())
     patch = status_patch(decision, settings.source, {p.pod: p.error for p in loads if not p.known})
     if not status_unchanged(status.get("autoscaler"), patch[STATUS_KEY]):
-        await asyncio.to_thread(kube.merge_patch, mdep, {"status": patch}, "status")
+        # Guarded by the resourceVersion we decided on: if the object changed meanwhile (autoscaling
+        # turned off, a new spec), the apiserver answers 409 and the next tick decides afresh, so a
+        # stale decision never lands on top of a newer change.
+        guarded = {"metadata": {"resourceVersion": mdep["metadata"].get("resourceVersion")}, "status": patch}
+        try:
+            await asyncio.to_thread(kube.merge_patch, mdep, guarded, "status")
+        except KubeError as exc:
+            if exc.status != 409:
+                raise
+            log.debug("object changed while deciding; skipped", extra={"mdep": f"{namespace}/{name}"})
+            return None
     await _post_events(kube, mdep, decision, old_auto)
     GAUGES.record(namespace, name, decision, replica_count(status, "admittedReplicas"),
                   replica_count(status, "readyReplicas"))
