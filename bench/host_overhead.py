@@ -135,6 +135,7 @@ def summarize(samples: list[dict[str, float]], batches: list[int]) -> dict[str, 
     out["host_ms"] = 1e3 * statistics.median(host)
     out["host_ms_mean"] = 1e3 * statistics.fmean(host)
     out["host_ms_min"] = 1e3 * min(host)
+    out["host_ms_max"] = 1e3 * max(host)
     out["host_ms_p25"] = 1e3 * float(np.percentile(host, 25))
     out["host_us_per_seq"] = 1e3 * out["host_ms"] / out["mean_batch"]
     return out
@@ -215,8 +216,9 @@ def main(argv: list[str] | None = None) -> int:
                 m = run[mode]
                 if m["steps"] and abs(m["mean_batch"] - b) > MIXED_NEW:
                     raise RuntimeError(f"{mode}: mean batch {m['mean_batch']:.1f}, expected ~{b}")
-                logger.info("B=%-5d %-13s host %6.2f ms (min %6.2f, %5.1f us/seq): %s", b, mode, m["host_ms"],
-                            m["host_ms_min"], m["host_us_per_seq"], "  ".join(f"{p} {m[p + '_ms']:.2f}" for p in PARTS))
+                logger.info("B=%-5d %-13s host %6.2f ms (min %6.2f, mean %6.2f, max %6.2f; %5.1f us/seq): %s", b,
+                            mode, m["host_ms"], m["host_ms_min"], m["host_ms_mean"], m["host_ms_max"],
+                            m["host_us_per_seq"], "  ".join(f"{p} {m[p + '_ms']:.2f}" for p in PARTS))
     out = Path(args.out_dir) / f"{args.label}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1) + "\n")

@@ -225,6 +225,8 @@ class Scheduler:
         updates: list[RequestUpdate] = []
         RUNNING = RequestStatus.RUNNING
         cache_full_blocks = self.kv.cache_full_blocks
+        sampled = result.sampled_token_ids
+        num_finished = 0
         for s in sched.scheduled:
             req = s.request
             if req.status is not RUNNING:
@@ -237,13 +239,17 @@ class Scheduler:
             if req.external_tokens:
                 updates.append(RequestUpdate(req, None, False))       # the engine picks (beam search)
                 continue
-            tok = result.sampled_token_ids[req.request_id]
+            tok = sampled[req.request_id]
             req.append_output_token(tok)
             self._check_stop(req, tok)
-            if req.is_finished:
-                self.running.remove(req)
+            finished = req.status is not RUNNING   # _check_stop only ever moves it to a finished state
+            if finished:
                 self._free(req)
-            updates.append(RequestUpdate(req, tok, req.is_finished))
+                num_finished += 1
+            updates.append(RequestUpdate(req, tok, finished))
+        if num_finished:
+            # One pass instead of a list.remove per finished request (many finish in one step).
+            self.running[:] = [r for r in self.running if r.status is RUNNING]
         return updates
 
     def _check_stop(self, req: Request, tok: int) -> None:
