@@ -25,10 +25,16 @@ BASE = {"model": {"source": "org/model"}}
     ({**BASE, "engine": {"tensorParallelSize": 0}}, "spec.engine.tensorParallelSize"),
     ({"model": {"source": "s3://bucket/model"}}, "spec.model.source"),
     ({"model": {}}, "spec.model.source"),
+    ({**BASE, "resources": {"cpu": -1}}, "spec.resources.cpu"),
+    ({**BASE, "resources": {"memory": "0"}}, "spec.resources.memory"),
+    ({**BASE, "_name": "1chat"}, "metadata.name"),
+    ({**BASE, "_name": "m" * 64}, "metadata.name"),
 ], ids=["negative-replicas", "min-gt-max", "gmu-zero", "gmu-above-one", "engine-kind", "flavor-name", "tp-zero",
-        "source-scheme", "source-missing"])
+        "source-scheme", "source-missing", "negative-cpu", "zero-memory", "name-not-dns1035", "name-too-long"])
 def test_invalid_model_deployment_rejected(crds: None, kubectl: Callable[..., Any], spec: dict, field: str) -> None:
-    body = {"apiVersion": API, "kind": "ModelDeployment", "metadata": {"name": "bad", "namespace": "default"},
+    spec = dict(spec)
+    name = spec.pop("_name", "bad")  # the name becomes the Service's name
+    body = {"apiVersion": API, "kind": "ModelDeployment", "metadata": {"name": name, "namespace": "default"},
             "spec": spec}
     proc = kubectl("apply", "--dry-run=server", "-f", "-", stdin=json.dumps(body), check=False)
     assert proc.returncode != 0, proc.stdout
@@ -43,7 +49,12 @@ def test_invalid_model_deployment_rejected(crds: None, kubectl: Callable[..., An
     ({"namespaces": [], "quotas": [{"flavor": "h200", "nominal": 1}]}, "spec.namespaces"),
     ({"namespaces": ["a"], "quotas": [{"flavor": "h200", "nominal": 1}, {"flavor": "h200", "nominal": 2}]},
      "spec.quotas[1]"),
-], ids=["borrow-without-cohort", "lend-above-nominal", "negative-nominal", "no-namespaces", "duplicate-flavor"])
+    ({"namespaces": ["a", "kube-system"], "quotas": [{"flavor": "h200", "nominal": 1}]}, "spec.namespaces"),
+    ({"namespaces": ["a"], "fairSharingWeight": -1, "quotas": [{"flavor": "h200", "nominal": 1}]},
+     "spec.fairSharingWeight"),
+    ({"namespaces": ["a"], "quotas": [{"flavor": "h200", "nominal": 1, "cpu": -4}]}, "spec.quotas[0].cpu"),
+], ids=["borrow-without-cohort", "lend-above-nominal", "negative-nominal", "no-namespaces", "duplicate-flavor",
+        "kube-namespace", "negative-weight", "negative-cpu-quota"])
 def test_invalid_tenant_rejected(crds: None, kubectl: Callable[..., Any], spec: dict, field: str) -> None:
     body = {"apiVersion": API, "kind": "Tenant", "metadata": {"name": "bad"}, "spec": spec}
     proc = kubectl("apply", "--dry-run=server", "-f", "-", stdin=json.dumps(body), check=False)

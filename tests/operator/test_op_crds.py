@@ -30,6 +30,10 @@ def test_model_deployment_crd() -> None:
     assert spec["engine"]["properties"]["kind"]["enum"] == ["kvfleet", "vllm"]
     assert spec["engine"]["properties"]["gpuMemoryUtilization"]["x-kubernetes-validations"]
     assert "minReplicas <= " in spec["autoscaling"]["x-kubernetes-validations"][0]["rule"]
+    root_rules = [r["rule"] for r in v["schema"]["openAPIV3Schema"]["x-kubernetes-validations"]]
+    assert any("self.metadata.name.size() <= 63" in r for r in root_rules)  # the Service's name
+    for res in ("cpu", "memory", "shmSize"):
+        assert "isGreaterThan" in spec["resources"]["properties"][res]["x-kubernetes-validations"][0]["rule"]
     status = v["schema"]["openAPIV3Schema"]["properties"]["status"]["properties"]
     assert status["autoscaler"]["x-kubernetes-preserve-unknown-fields"] is True
     for key in ("conditions", "replicas", "admittedReplicas", "readyReplicas", "desiredReplicas", "endpoint",
@@ -45,6 +49,9 @@ def test_tenant_crd() -> None:
     quota = schema["properties"]["quotas"]["items"]["properties"]
     assert {"nominal", "borrowingLimit", "lendingLimit"} <= quota.keys()
     assert any("cohort" in r["rule"] for r in schema["x-kubernetes-validations"])
+    assert "kube-" in schema["properties"]["namespaces"]["x-kubernetes-validations"][0]["rule"]
+    root = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    assert any("self.metadata.name.size() <= 63" in r["rule"] for r in root["x-kubernetes-validations"])
 
 
 def test_chart_carries_the_same_crds() -> None:

@@ -47,6 +47,9 @@ def test_bad_sources_name_the_field(uri: str, field: str) -> None:
     ({"engine": {"tensorParallelSize": 0}}, "spec.engine.tensorParallelSize"),
     ({"autoscaling": {"enabled": True, "minReplicas": 3, "maxReplicas": 2}}, "spec.autoscaling.minReplicas"),
     ({"resources": {"gpuFlavor": "H200!"}}, "spec.resources.gpuFlavor"),
+    ({"resources": {"cpu": -1}}, "spec.resources.cpu"),
+    ({"resources": {"memory": "0Gi"}}, "spec.resources.memory"),
+    ({"resources": {"shmSize": "-1Gi"}}, "spec.resources.shmSize"),
 ])
 def test_invalid_model_deployment(patch: dict, field: str) -> None:
     with pytest.raises(SpecError) as err:
@@ -68,3 +71,8 @@ def test_tenant_parsing_and_errors() -> None:
                                                       {"flavor": "h200", "nominal": 1}]})
     with pytest.raises(SpecError, match="spec.namespaces"):
         parse_tenant({"namespaces": [], "quotas": [{"flavor": "h200", "nominal": 1}]})
+    with pytest.raises(SpecError, match="spec.fairSharingWeight"):
+        parse_tenant({"namespaces": ["a"], "fairSharingWeight": -1, "quotas": [{"flavor": "h200", "nominal": 1}]})
+    with pytest.raises(SpecError, match=r"spec.quotas\[0\].cpu"):
+        parse_tenant({"namespaces": ["a"], "quotas": [{"flavor": "h200", "nominal": 1, "cpu": "-4"}]})
+    assert parse_tenant({"namespaces": ["a"], "quotas": [{"flavor": "h200", "nominal": 1, "cpu": 0}]}).quotas[0].cpu == "0"

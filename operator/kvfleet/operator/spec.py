@@ -84,10 +84,14 @@ def _int(value: Any, field_name: str, minimum: int = 0) -> int:
     return value
 
 
-def _quantity(value: Any, field_name: str) -> str:
+def _quantity(value: Any, field_name: str, positive: bool = False) -> str:
     if isinstance(value, bool) or not isinstance(value, (int, str)) or str(value) == "":
         raise SpecError(field_name, f"must be a quantity like '4' or '32Gi', got {value!r}")
-    return str(value)
+    text = str(value).strip()
+    # The CRD's rules say the same; a plain dict (unit tests, `helm template`) must not slip through.
+    if text.startswith("-") or (positive and text.rstrip("mKMGTPEi").strip("0.") == ""):
+        raise SpecError(field_name, f"must be a {'positive' if positive else 'non-negative'} quantity, got {value!r}")
+    return text
 
 
 def parse_model_deployment(spec: Mapping[str, Any]) -> ModelDeploymentSpec:
@@ -133,9 +137,9 @@ def parse_model_deployment(spec: Mapping[str, Any]) -> ModelDeploymentSpec:
         extra_args=tuple(str(a) for a in engine.get("extraArgs") or ()),
         env=tuple(dict(e) for e in engine.get("env") or ()),
         gpu_flavor=flavor,
-        cpu=_quantity(resources.get("cpu", "4"), "spec.resources.cpu"),
-        memory=_quantity(resources.get("memory", "32Gi"), "spec.resources.memory"),
-        shm_size=_quantity(resources.get("shmSize", "8Gi"), "spec.resources.shmSize"),
+        cpu=_quantity(resources.get("cpu", "4"), "spec.resources.cpu", positive=True),
+        memory=_quantity(resources.get("memory", "32Gi"), "spec.resources.memory", positive=True),
+        shm_size=_quantity(resources.get("shmSize", "8Gi"), "spec.resources.shmSize", positive=True),
         replicas=_int(spec.get("replicas", 1), "spec.replicas"),
         autoscaling=autoscaling,
         queue_name=spec.get("queueName") or None,
