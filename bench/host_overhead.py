@@ -188,7 +188,10 @@ def git_commit() -> dict[str, Any]:
     sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True).stdout.strip()
     dirty = subprocess.run(["git", "status", "--porcelain", "--", "engine/kvfleet/engine"], cwd=root,
                            capture_output=True, text=True).stdout.strip()
-    return {"commit": sha, "engine_dirty": bool(dirty)}
+    import kvfleet.engine
+
+    # engine_path: which engine ran (a baseline re-run points PYTHONPATH at an exported old tree)
+    return {"commit": sha, "engine_dirty": bool(dirty), "engine_path": str(Path(kvfleet.engine.__file__).parent)}
 
 
 def main(argv: list[str] | None = None) -> int:

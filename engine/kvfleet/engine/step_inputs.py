@@ -57,7 +57,13 @@ def build_step_inputs(scheduled: Sequence[ScheduledRequest], block_size: int, ro
         else:
             ids.extend(s.request.all_token_ids[start:end])
             pos.extend(range(start, end))
-            slots.extend([table[p // bs] * bs + p % bs for p in range(start, end)])
+            p = start
+            while p < end:   # block by block: a run of consecutive slots each
+                off = p % bs
+                stop = min(end, p - off + bs)
+                first = table[p // bs] * bs + off
+                slots.extend(range(first, first + stop - p))
+                p = stop
         total += n
         qsl.append(total)
         seq_lens.append(end)

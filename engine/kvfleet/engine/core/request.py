@@ -35,6 +35,9 @@ class RequestStatus(enum.Enum):
                 RequestStatus.FINISHED_ABORTED: "abort"}.get(self)
 
 
+_FINISHED = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED)
+
+
 @dataclass(eq=False)
 class Request:
     request_id: str
@@ -106,7 +109,7 @@ class Request:
 
     @property
     def is_finished(self) -> bool:
-        return self.status.is_finished
+        return self.status in _FINISHED   # identity checks against a constant tuple (hot path)
 
     def sort_key(self) -> tuple[int, float, int]:
         """Lower first: priority, then arrival (FCFS), then creation order."""

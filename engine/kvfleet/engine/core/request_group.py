@@ -56,6 +56,9 @@ class RequestGroup:
     aborted: bool = False
     fork_counter: int = 0
 
+    def __post_init__(self) -> None:
+        self._num_samples = self.params.num_samples   # read every step by `finished`
+
     def new_detok(self) -> IncrementalDetokenizer:
         p = self.params
         return IncrementalDetokenizer(self.tokenizer, p.skip_special_tokens, tuple(p.stop or ()),
@@ -98,7 +101,7 @@ class RequestGroup:
         if self.beam is not None:
             return bool(self.beam_result)
         seqs = self.seqs
-        if len(seqs) != self.params.num_samples or not seqs:
+        if len(seqs) != self._num_samples or not seqs:
             return False
         for st in seqs.values():
             if st.finish_reason is None:
