@@ -57,6 +57,8 @@ def test_helm_template_renders(cluster: Any, tmp_path: Path) -> None:
     assert dep["spec"]["template"]["spec"]["serviceAccountName"] == "rel-kvfleet"
     env = {e["name"]: e.get("value") for e in c["env"]}
     assert env["KVFLEET_AUTOSCALER_METRICS_SOURCE"] == "scrape"
+    # Tenant NetworkPolicies admit the operator's namespace: its autoscaler scrapes the engines.
+    assert env["KVFLEET_SYSTEM_NAMESPACES"] == "kvfleet-system"
     tenant = next(d for d in docs if d["kind"] == "Tenant")
     assert tenant["spec"]["quotas"][0]["nominal"] == 4 and tenant["spec"]["cohort"] == "c"
     for d in docs:

@@ -5,6 +5,7 @@ from op_factories import make_workload
 
 from kvfleet.operator.builders import (build_cluster_queue, build_local_queue, build_namespace,
                                        build_network_policy, build_rbac)
+from kvfleet.operator.config import OperatorConfig
 from kvfleet.operator.constants import LABEL_FLAVOR, LABEL_TENANT
 from kvfleet.operator.spec import parse_tenant
 from kvfleet.operator.tenant_status import compute_tenant_status, gpu_usage, namespace_conflicts
@@ -48,6 +49,14 @@ def test_namespace_queue_policy_rbac() -> None:
     peers = np["spec"]["ingress"][0]["from"]
     assert {"namespaceSelector": {"matchLabels": {LABEL_TENANT: "team-a"}}} in peers
     assert np["spec"]["podSelector"] == {} and np["spec"]["policyTypes"] == ["Ingress"]
+    assert not any("kubernetes.io/metadata.name" in p["namespaceSelector"]["matchLabels"] for p in peers)
+    # The operator's namespace is admitted by name (its autoscaler scrapes the engines' /metrics).
+    peers = build_network_policy(TENANT, "team-a-dev", ("kvfleet-system", "monitoring"))["spec"]["ingress"][0]["from"]
+    assert {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "kvfleet-system"}}} in peers
+    assert {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}} in peers
+    assert OperatorConfig.from_env({"KVFLEET_SYSTEM_NAMESPACES": "kvfleet-system, monitoring,"}).system_namespaces \
+        == ("kvfleet-system", "monitoring")
+    assert OperatorConfig.from_env({}).system_namespaces == ()
     role, binding = build_rbac(TENANT, SPEC, "team-a-dev")
     assert role["kind"] == "Role" and role["metadata"]["namespace"] == "team-a-dev"
     resources = {r for rule in role["rules"] for r in rule["resources"]}

@@ -19,6 +19,9 @@ class OperatorConfig:
     startup_timeout_seconds: int = 1800
     run_as_user: int = 1000
     model_cache_path: str = "/models"
+    # Namespaces whose pods may reach every tenant's engines (the operator's own: its autoscaler scrapes
+    # them; a Prometheus). The tenant NetworkPolicy admits them by name, as they may carry no label of ours.
+    system_namespaces: tuple[str, ...] = ()
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> "OperatorConfig":
@@ -33,4 +36,6 @@ class OperatorConfig:
                                                 base.startup_timeout_seconds)),
             run_as_user=int(env.get("KVFLEET_RUN_AS_USER", base.run_as_user)),
             model_cache_path=env.get("KVFLEET_MODEL_CACHE_PATH", base.model_cache_path),
+            system_namespaces=tuple(n.strip() for n in env.get("KVFLEET_SYSTEM_NAMESPACES", "").split(",")
+                                    if n.strip()),
         )

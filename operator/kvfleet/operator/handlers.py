@@ -123,7 +123,8 @@ def owned_deployment_event(namespace: str, labels: dict[str, str], **_: Any) -> 
 @kopf.on.update(GROUP, VERSION, TENANT_PLURAL)
 @kopf.on.resume(GROUP, VERSION, TENANT_PLURAL)
 def tenant_changed(name: str, **_: Any) -> None:
-    _guarded("Tenant", name, lambda: reconcile_tenant(kube(), name))
+    _guarded("Tenant", name, lambda: reconcile_tenant(kube(), name,
+                                                        system_namespaces=config().system_namespaces))
 
 
 @kopf.on.event(KUEUE_GROUP, KUEUE_VERSION, "clusterqueues",
@@ -134,4 +135,5 @@ def tenant_queue_event(type: str | None, labels: dict[str, str], **_: Any) -> No
     """A queue of a tenant was deleted by someone: put it back (self-healing without a timer)."""
     if type == "DELETED":
         tenant = labels[LABEL_TENANT]
-        _guarded("Tenant", tenant, lambda: reconcile_tenant(kube(), tenant))
+        _guarded("Tenant", tenant, lambda: reconcile_tenant(
+            kube(), tenant, system_namespaces=config().system_namespaces))

@@ -3,7 +3,7 @@ and RBAC; clean up namespaces it no longer lists; report GPU usage per flavor.""
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, Sequence
 
 from .builders import (build_cluster_queue, build_local_queue, build_namespace, build_network_policy,
                        build_rbac)
@@ -40,8 +40,11 @@ def _cleanup(kube: Kube, tenant_name: str, wanted: dict[str, set[tuple[str, str]
             kube.apply({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns["metadata"]["name"]}})
 
 
-def reconcile_tenant(kube: Kube, name: str, converge: bool = True) -> dict[str, Any] | None:
-    """Apply what the Tenant becomes (unless `converge` is False: then only refresh its status)."""
+def reconcile_tenant(kube: Kube, name: str, converge: bool = True,
+                     system_namespaces: Sequence[str] = ()) -> dict[str, Any] | None:
+    """Apply what the Tenant becomes (unless `converge` is False: then only refresh its status).
+
+    `system_namespaces` may reach the tenant's engines through its NetworkPolicy (the operator's own)."""
     tenant = kube.get(API_VERSION, TENANT_PLURAL, name)
     if tenant is None or tenant["metadata"].get("deletionTimestamp"):
         return None
@@ -54,7 +57,7 @@ def reconcile_tenant(kube: Kube, name: str, converge: bool = True) -> dict[str, 
     else:
         conflicts = _conflicts(kube, name, spec)
         if converge:
-            _converge(kube, tenant, spec, skip=set(conflicts))
+            _converge(kube, tenant, spec, skip=set(conflicts), system_namespaces=system_namespaces)
         workloads = [w for ns in spec.namespaces if ns not in conflicts
                      for w in kube.list(KUEUE_API_VERSION, "workloads", ns)]
         status = compute_tenant_status(tenant, spec, None, workloads, now, conflicts)
@@ -78,14 +81,16 @@ def _conflicts(kube: Kube, name: str, spec: TenantSpec) -> dict[str, str]:
     return namespace_conflicts(name, owners, live)
 
 
-def _converge(kube: Kube, tenant: dict[str, Any], spec: TenantSpec, skip: set[str]) -> None:
+def _converge(kube: Kube, tenant: dict[str, Any], spec: TenantSpec, skip: set[str],
+              system_namespaces: Sequence[str] = ()) -> None:
     name = tenant["metadata"]["name"]
     kube.apply(build_cluster_queue(tenant, spec))
     wanted: dict[str, set[tuple[str, str]]] = {}
     for ns in spec.namespaces:
         if ns in skip:
             continue
-        objs = [build_namespace(name, ns), build_local_queue(tenant, ns), build_network_policy(tenant, ns),
+        objs = [build_namespace(name, ns), build_local_queue(tenant, ns),
+                build_network_policy(tenant, ns, system_namespaces),
                 *build_rbac(tenant, spec, ns)]
         for obj in objs:
             kube.apply(obj)

@@ -2,7 +2,7 @@
 a NetworkPolicy that keeps other tenants out, and a Role + RoleBinding for the tenant's group."""
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 from ..constants import (GPU_RESOURCE, GROUP, KUEUE_API_VERSION, LABEL_MANAGED_BY,
                          LABEL_SYSTEM_NAMESPACE, LABEL_TENANT, MANAGED_BY_VALUE, MDEP_PLURAL)
@@ -80,9 +80,14 @@ def build_local_queue(tenant: Mapping[str, Any], namespace: str) -> dict[str, An
     }
 
 
-def build_network_policy(tenant: Mapping[str, Any], namespace: str) -> dict[str, Any]:
-    """Ingress only from this tenant's namespaces and from system namespaces (operator, metrics)."""
+def build_network_policy(tenant: Mapping[str, Any], namespace: str,
+                         system_namespaces: Sequence[str] = ()) -> dict[str, Any]:
+    """Ingress only from this tenant's namespaces and from system namespaces (operator, metrics): those
+    labelled `serving.kvfleet.dev/system=true` and those named in `system_namespaces` (the operator's own,
+    so its autoscaler can scrape the engines without anyone labelling its namespace)."""
     name = tenant["metadata"]["name"]
+    by_name = [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": ns}}}
+               for ns in sorted(set(system_namespaces))]
     return {
         "apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
         "metadata": {"name": NETWORK_POLICY_NAME, "namespace": namespace, "labels": tenant_labels(name),
@@ -93,6 +98,7 @@ def build_network_policy(tenant: Mapping[str, Any], namespace: str) -> dict[str,
             "ingress": [{"from": [
                 {"namespaceSelector": {"matchLabels": {LABEL_TENANT: name}}},
                 {"namespaceSelector": {"matchLabels": {LABEL_SYSTEM_NAMESPACE: "true"}}},
+                *by_name,
             ]}],
         },
     }
