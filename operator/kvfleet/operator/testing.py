@@ -64,7 +64,9 @@ class OperatorProcess:
         return argv
 
     def start(self, wait: bool = True) -> "OperatorProcess":
-        env = {**os.environ, **self.extra_env, "KVFLEET_PEERING_LIFETIME": "10"}
+        # Loopback-only by default: a test or the demo never scrapes a non-loopback address (cluster IPs
+        # of the local cluster are not loopback; its pod IPs are).
+        env = {**os.environ, "KVFLEET_LOOPBACK_ONLY": "1", **self.extra_env, "KVFLEET_PEERING_LIFETIME": "10"}
         if self.identity:
             env["POD_ID"] = self.identity  # kopf's peering identity survives a restart
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
