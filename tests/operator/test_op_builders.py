@@ -51,7 +51,9 @@ def test_pod_template_security_probes_volumes(op_config: OperatorConfig) -> None
     assert c["startupProbe"]["httpGet"]["path"] == "/health"
     startup_budget = c["startupProbe"]["periodSeconds"] * c["startupProbe"]["failureThreshold"]
     assert startup_budget >= op_config.startup_timeout_seconds
-    assert c["readinessProbe"]["httpGet"]["path"] == "/health"
+    assert c["readinessProbe"]["httpGet"]["path"] == "/health" == c["livenessProbe"]["httpGet"]["path"]
+    # Liveness tolerates a busy engine (a long prefill) for a minute or more before a restart.
+    assert c["livenessProbe"]["periodSeconds"] * c["livenessProbe"]["failureThreshold"] >= 60
     vols = {v["name"]: v for v in pod["volumes"]}
     assert vols["dshm"]["emptyDir"]["medium"] == "Memory"
     assert vols["model"]["persistentVolumeClaim"]["claimName"] == "models"
