@@ -8,7 +8,7 @@ import socket
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
@@ -35,6 +35,8 @@ class Server:
     url: str
     log: Path
     model: str
+    # /health answers seen while starting, in order: (status, error code or "ok"), repeats collapsed.
+    startup_health: list[tuple[int, str]] = field(default_factory=list)
 
     def log_tail(self, n: int = 40) -> str:
         return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
@@ -75,10 +77,15 @@ def start_server(model_dir: Path, log_dir: Path, *extra: str, ready_timeout: flo
         if proc.poll() is not None:
             raise RuntimeError(f"kvfleet serve exited with {proc.returncode}:\n{server.log_tail()}")
         try:
-            if httpx.get(server.url + "/health", timeout=2).status_code == 200:
-                return server
+            resp = httpx.get(server.url + "/health", timeout=2)
         except httpx.TransportError:
             pass
+        else:
+            seen = (resp.status_code, "ok" if resp.status_code == 200 else resp.json()["error"]["code"])
+            if not server.startup_health or server.startup_health[-1] != seen:
+                server.startup_health.append(seen)
+            if resp.status_code == 200:
+                return server
         time.sleep(0.2)
     server.stop()
     raise RuntimeError(f"kvfleet serve not healthy after {ready_timeout}s:\n{server.log_tail()}")

@@ -127,6 +127,21 @@ def test_disconnect_streaming_aborts_and_frees_blocks(server: Server) -> None:
     assert server.metric("kvfleet:request_success_total", finished_reason="abort") - aborts == 1
 
 
+@pytest.mark.parametrize("path, body", [
+    ("/v1/completions", {"prompt": "x", "max_tokens": 2, "n": 2, "stream": True}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 2, "n": 2,
+                              "stream": True}),
+])
+def test_engine_limits_refused_before_a_stream_starts(server: Server, path: str, body: dict[str, Any]) -> None:
+    """n over --max-num-seqs is the engine's rule: a streaming request still gets a real 400, not an
+    in-band error under a 200, and nothing is left queued or holding blocks."""
+    idle = server.metric("kvfleet:kv_cache_usage_perc")
+    resp = httpx.post(server.url + path, json=body, timeout=30)
+    assert resp.status_code == 400, resp.text
+    assert resp.json()["error"]["param"] == "n" and "max_num_seqs=1" in resp.json()["error"]["message"]
+    assert back_to_idle(server, idle) and server.metric("kvfleet:num_requests_waiting") == 0
+
+
 def test_sigterm_drains_then_exits_zero(server: Server) -> None:
     body = dict(LONG, max_tokens=150)
     thread, box = in_thread(lambda: httpx.post(server.url + "/v1/completions", json=body, timeout=60))

@@ -36,6 +36,8 @@ def greedy(**extra: Any) -> Any:
 
 
 def test_models_health_version(client: openai.OpenAI, api_server: Server) -> None:
+    # While the model loaded (the port is open at once), /health said 503 "loading"; then 200.
+    assert api_server.startup_health == [(503, "loading"), (200, "ok")]
     assert [m.id for m in client.models.list().data] == ["tiny"]
     assert httpx.get(api_server.url + "/health").status_code == 200
     assert httpx.get(api_server.url + "/version").json()["version"]
@@ -152,12 +154,54 @@ def error_of(resp: httpx.Response) -> dict[str, Any]:
     ({"prompt": [1, 2, 10**6]}, 400, "prompt"),                             # token id outside the vocab
     ({"prompt": "x", "model": "gpt-4"}, 404, "model"),                      # not served
     ({"prompt": "x", "stream_options": {"include_usage": True}}, 400, "stream_options"),
+    ({"prompt": "x", "max_tokens": "5"}, 400, "max_tokens"),               # no type coercion
+    ({"prompt": "x", "max_tokens": 5.0}, 400, "max_tokens"),
+    ({"prompt": "x", "n": True}, 400, "n"),
+    ({"prompt": "x", "temperature": "0.5"}, 400, "temperature"),
+    ({"prompt": "x", "stream": "yes"}, 400, "stream"),
+    ({"prompt": [True, False]}, 400, "prompt"),
+    ({"prompt": []}, 400, "prompt"),                                        # empty, every form
+    ({"prompt": ""}, 400, "prompt"),
+    ({"prompt": [[]]}, 400, "prompt"),
+    ({"prompt": "x", "stop": 5}, 400, "stop"),
+    ({"prompt": "x", "stop": [""]}, 400, "stop"),
+    ({"prompt": "x", "min_tokens": 20, "max_tokens": 5}, 400, "min_tokens"),
+    ({"prompt": "x", "min_p": 1.5}, 400, "min_p"),
+    ({"prompt": "x", "presence_penalty": 3}, 400, "presence_penalty"),
+    ({"prompt": "x", "frequency_penalty": -3}, 400, "frequency_penalty"),
+    ({"prompt": "x", "repetition_penalty": 0}, 400, "repetition_penalty"),
+    ({"prompt": "x", "logprobs": 21}, 400, "logprobs"),
+    ({"prompt": "x", "seed": "7"}, 400, "seed"),
+    ({"prompt": "x", "stop_token_ids": [10**6]}, 400, "stop_token_ids"),
 ])
 def test_bad_input_gets_openai_error(api_server: Server, body: dict[str, Any], status: int, param: str) -> None:
     resp = httpx.post(api_server.url + "/v1/completions", json=body, headers={"Authorization": f"Bearer {ALPHA}"})
     assert resp.status_code == status, resp.text
     err = error_of(resp)
-    assert err["param"] == param and param in err["message"] or status == 404
+    assert err["param"] == param and param in err["message"], err
+
+
+@pytest.mark.parametrize("body, status, param", [
+    ({"messages": CHAT, "model": "gpt-4"}, 404, "model"),
+    ({"messages": [{"role": "user", "content": "x " * 300}]}, 400, "messages"),     # over the context
+    ({"messages": CHAT, "max_completion_tokens": 500}, 400, "max_completion_tokens"),
+    ({"messages": CHAT, "max_tokens": 500}, 400, "max_tokens"),
+    ({"messages": CHAT, "top_p": 1.5}, 400, "top_p"),
+    ({"messages": CHAT, "top_k": -2}, 400, "top_k"),
+    ({"messages": CHAT, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs"),
+    ({"messages": CHAT, "n": 0, "stream": True}, 400, "n"),
+    ({"messages": [{"role": "user", "content": 5}]}, 400, "messages"),
+    ({"messages": [{"role": "user"}], "tools": []}, 400, "tools"),
+    ({"messages": []}, 400, "messages"),
+    ({}, 400, "messages"),
+])
+def test_bad_chat_input_gets_openai_error(api_server: Server, body: dict[str, Any], status: int,
+                                          param: str) -> None:
+    resp = httpx.post(api_server.url + "/v1/chat/completions", json=body,
+                      headers={"Authorization": f"Bearer {ALPHA}"})
+    assert resp.status_code == status, resp.text
+    err = error_of(resp)
+    assert err["param"] == param and param in err["message"], err
 
 
 def test_malformed_json_and_chat_fields(api_server: Server) -> None:

@@ -7,12 +7,13 @@ import json
 from types import SimpleNamespace
 
 import pytest
+from pydantic import ValidationError
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvfleet.engine.bench.serve import (RequestResult, load_jsonl, load_workload, percentiles, summarize,
                                         tiny_workload)
 from kvfleet.engine.outputs import Logprob
-from kvfleet.engine.server.args import add_serve_args, check_serve_args, engine_kwargs
+from kvfleet.engine.server.args import SERVE_FLAGS, Flag, add_serve_args, check_serve_args, engine_kwargs, env_name
 from kvfleet.engine.server.auth import KeyFileError, bearer_token, load_keys, parse_keys, tenant_for
 from kvfleet.engine.server.errors import describe_validation_errors, value_error_param
 from kvfleet.engine.server.limits import Admission, RequestError, admit, resolve_max_tokens, retry_after_seconds
@@ -39,6 +40,50 @@ def test_flags_defaults_env_and_cli_precedence() -> None:
     kwargs = engine_kwargs(args)
     assert kwargs["device"] == "cpu" and kwargs["enable_prefix_caching"] is True
     assert "max_model_len" not in kwargs and kwargs["tensor_parallel_size"] == 1
+
+
+def _env_sample(flag: Flag) -> tuple[str, object]:
+    """A valid non-default value for `flag`, as its env var text and as parsed."""
+    if flag.boolean:
+        return ("false", False) if flag.default else ("true", True)
+    if flag.choices:
+        value = next(c for c in flag.choices if c != flag.default)
+        return value, value
+    if flag.type is int:
+        return "7", 7
+    if flag.type is float:
+        return "0.5", 0.5
+    return "some-value", "some-value"
+
+
+@pytest.mark.parametrize("flag", SERVE_FLAGS, ids=lambda f: f.name)
+def test_every_flag_reads_its_env_var_and_the_command_line_wins(flag: Flag) -> None:
+    dest = flag.name.lstrip("-").replace("-", "_")
+    text, value = _env_sample(flag)
+    assert value != flag.default
+    assert getattr(parse([], {env_name(flag.name): text}), dest) == value
+    if not flag.boolean:
+        if flag.choices:
+            cli = next(c for c in flag.choices if c != value)
+        else:
+            cli = {int: "9", float: "0.25"}.get(flag.type, "from-cli")  # type: ignore[arg-type]
+        got = getattr(parse([flag.name, cli], {env_name(flag.name): text}), dest)
+        assert got == (flag.type(cli) if flag.type else cli)
+    else:
+        assert getattr(parse([flag.name if value is False else "--no-" + flag.name[2:]],
+                             {env_name(flag.name): text}), dest) is (not value)
+
+
+def test_union_fields_say_which_forms_were_tried() -> None:
+    from kvfleet.engine.server.protocol import CompletionRequest
+
+    for prompt, why in (([], "at least 1 item"), ([1, -2], "at [1]: Input should be greater than or equal to 0"),
+                        ([True], "as list[int], at [0]: Input should be a valid integer")):
+        with pytest.raises(ValidationError) as err:
+            CompletionRequest.model_validate({"prompt": prompt})
+        msg, param, code = describe_validation_errors(err.value.errors())
+        assert param == "prompt" and "'prompt'" in msg and why in msg and code == "invalid_value", msg
+        assert "constrained" not in msg
 
 
 @pytest.mark.parametrize("env, needle", [({"KVFLEET_PORT": "eighty"}, "KVFLEET_PORT"),

@@ -63,12 +63,42 @@ def _loc_text(loc: Sequence[Any]) -> str:
     return out
 
 
+_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
+
+
+def _is_union_tag(part: Any) -> bool:
+    """pydantic names the member of a union it tried in `loc` ('str', 'list[constrained-int]', ...)."""
+    return isinstance(part, str) and (not part.isidentifier() or part in _TYPE_TAGS)
+
+
+def _field_loc(error: Mapping[str, Any]) -> list[Any]:
+    return [p for p in error.get("loc", ()) if p != "body"]
+
+
+def _union_message(errors: Sequence[Mapping[str, Any]], prefix: list[Any]) -> str:
+    """One line for a value that matched no member of a union: each member and why it failed."""
+    reasons: dict[str, str] = {}
+    for error in errors:
+        loc = _field_loc(error)
+        if len(loc) <= len(prefix) or loc[:len(prefix)] != prefix or not _is_union_tag(loc[len(prefix)]):
+            continue
+        tag = str(loc[len(prefix)]).replace("constrained-", "")
+        if tag not in reasons:
+            where = _loc_text(["x", *loc[len(prefix) + 1:]])[1:]
+            reasons[tag] = (f"at {where}: " if where else "") + str(error.get("msg", "invalid"))
+    listed = "; ".join(f"as {tag}, {why}" for tag, why in reasons.items())
+    return f"Invalid value for '{_loc_text(prefix)}': it matches none of the accepted types ({listed})"
+
+
 def describe_validation_errors(errors: Sequence[Mapping[str, Any]]) -> tuple[str, str | None, str]:
     """(message, param, code) for pydantic/FastAPI errors: the first error names the field."""
     if not errors:
         return "Invalid request", None, "invalid_request"
     first = errors[0]
-    loc = [p for p in first.get("loc", ()) if p != "body"]
+    loc = _field_loc(first)
+    tag_at = next((i for i, part in enumerate(loc) if i > 0 and _is_union_tag(part)), None)
+    if tag_at is not None:
+        return _union_message(errors, loc[:tag_at]), str(loc[0]), "invalid_value"
     kind = str(first.get("type", ""))
     if kind == "json_invalid":
         return "Malformed JSON body: " + str(first.get("ctx", {}).get("error", first.get("msg", ""))), None, \

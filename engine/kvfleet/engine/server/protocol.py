@@ -1,8 +1,8 @@
 """OpenAI-compatible request and response models.
 
-Requests forbid unknown fields (a typo must not be silently ignored) and carry the
-value ranges, so a bad value is answered with 400 naming the field before the engine
-sees it. The vLLM extras `top_k`, `min_p`, `ignore_eos`, `min_tokens`, ... are accepted
+Requests forbid unknown fields (a typo must not be silently ignored), coerce no types
+and carry the value ranges, so a bad value is answered with 400 naming the field before
+the engine sees it. The vLLM extras `top_k`, `min_p`, `ignore_eos`, `min_tokens`, ... are accepted
 so vLLM clients and benchmark tools work unchanged.
 """
 
@@ -21,7 +21,9 @@ StopField = Union[str, Annotated[list[str], Field(max_length=16)], None]
 
 
 class StrictModel(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # strict: a wrongly typed value is a 400, never coerced ("5" or 5.0 for an int, true for n,
+    # "0.5" for a float); an int is still accepted where a float is expected (temperature=0).
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class OpenModel(BaseModel):

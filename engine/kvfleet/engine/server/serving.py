@@ -9,7 +9,8 @@ from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from kvfleet.engine.sampling_params import SamplingParams
-from kvfleet.engine.server.errors import APIError
+from kvfleet.engine.server.errors import APIError, value_error_param
+from kvfleet.engine.server.generation import REQUEST_FIELDS
 from kvfleet.engine.server.limits import (RequestError, Ticket, admit, check_prompt_ids, resolve_max_tokens,
                                           retry_after_seconds, sampling_kwargs)
 from kvfleet.engine.server.protocol import SamplingFields
@@ -39,13 +40,38 @@ def build_params(state: ServerState, req: SamplingFields, prompt_ids: list[int],
         max_tokens = resolve_max_tokens(requested_max, len(prompt_ids), state.max_model_len, prompt_field,
                                         max_field, state.kv_capacity_tokens)
         kwargs = sampling_kwargs(req, max_tokens, logprobs, prompt_logprobs)
-        return SamplingParams(**kwargs).validate(state.vocab_size)
+        params = SamplingParams(**kwargs).validate(state.vocab_size)
     except RequestError as exc:
         raise APIError(400, exc.message, exc.param, "invalid_value") from None
     except ValueError as exc:  # SamplingParams.validate: "field: reason"
         message = str(exc)
         field = message.split(":", 1)[0].strip()
         raise APIError(400, message, field if field.isidentifier() else None, "invalid_value") from None
+    check_engine_inputs(state, prompt_ids, params, prompt_field, max_field)
+    return params
+
+
+def check_engine_inputs(state: ServerState, prompt_ids: list[int], params: SamplingParams, prompt_field: str,
+                        max_field: str) -> None:
+    """The engine's own admission rules (n or best_of over max_num_seqs, a request that can never fit the
+    KV cache, ...), checked now: once a stream has sent its headers an error could only go in-band
+    under a 200."""
+    process_inputs = getattr(getattr(state.engine, "engine", None), "process_inputs", None)
+    if process_inputs is None:
+        return
+    try:
+        process_inputs({"prompt_token_ids": prompt_ids}, params)
+    except ValueError as exc:
+        message = str(exc)
+        param = value_error_param(message, REQUEST_FIELDS)
+        named = param
+        if param in ("prompt", "prompt_token_ids"):
+            param = prompt_field
+        elif param == "max_tokens":
+            param = max_field
+        if named and param != named and message.startswith(named + ":"):
+            message = param + message[len(named):]  # the field as this request spelled it
+        raise APIError(400, message, param, "invalid_value") from None
 
 
 def take_tickets(state: ServerState, count: int, tenant: str) -> list[Ticket]:
