@@ -105,7 +105,9 @@ def test_helm_install_on_the_cluster(cluster: Any, kube: Kube, crds: None, kubec
         gpu = cq["spec"]["resourceGroups"][0]["flavors"][0]["resources"][2]
         assert str(gpu["nominalQuota"]) == "4" and str(gpu["borrowingLimit"]) == "2"
         wait_for("LocalQueue", lambda: kube.get(KUEUE, "localqueues", tenant, tenant), timeout=30)
-        assert kube.get("rbac.authorization.k8s.io/v1", "rolebindings", "kvfleet-modeldeployment-editor", tenant)
+        # Applied after the LocalQueue in the same reconciliation: wait, don't race it.
+        wait_for("RoleBinding", lambda: kube.get("rbac.authorization.k8s.io/v1", "rolebindings",
+                                                 "kvfleet-modeldeployment-editor", tenant), timeout=30)
         kube.apply({"apiVersion": API, "kind": "ModelDeployment", "metadata": {"name": "m", "namespace": tenant},
                     "spec": {"model": {"source": "org/m"}, "resources": {"gpuFlavor": f"h200-helm-{sfx}"}}})
         wait_for("ModelDeployment ready under the chart's RBAC",
