@@ -156,3 +156,36 @@ def test_sigterm_drains_then_exits_zero(server: Server) -> None:
     assert finished.status_code == 200 and finished.json()["choices"][0]["finish_reason"] == "length"
     assert finished.json()["usage"]["completion_tokens"] == 150
     assert server.proc.wait(30) == 0
+
+
+def test_sigterm_grace_period_cuts_long_requests_and_exits_zero(tiny_model_dir: Path,
+                                                                tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Work that outlives --shutdown-grace-period does not hold the pod: it is cut, the process exits 0."""
+    srv = start_server(tiny_model_dir, tmp_path_factory.mktemp("grace-logs"), "--max-num-seqs", "1",
+                       "--shutdown-grace-period", "1")
+    try:
+        # One at a time, 8 x 1000 tokens: far more than a second of work on any machine.
+        thread, box = in_thread(lambda: burst_results(srv.url, 8, 1000))
+        wait_until(lambda: srv.metric("kvfleet:num_requests_waiting") >= 4, 10, "the burst to queue")
+        start = time.monotonic()
+        srv.proc.send_signal(signal.SIGTERM)
+        assert srv.proc.wait(30) == 0
+        took = time.monotonic() - start
+        thread.join(30)
+        assert 1.0 <= took < 10, took
+        results = box["result"]
+        full = [r for r in results if isinstance(r, httpx.Response) and r.status_code == 200]
+        assert len(results) == 8 and len(full) < 8, results   # the rest were cut at the deadline
+    finally:
+        srv.stop()
+
+
+def burst_results(url: str, n: int, max_tokens: int) -> list[Any]:
+    """Like burst(), but a request the server cut is returned as its exception."""
+    async def run() -> list[Any]:
+        async with httpx.AsyncClient(base_url=url, timeout=60) as client:
+            body = {"model": "tiny", "prompt": "hello world", "max_tokens": max_tokens, "ignore_eos": True}
+            return list(await asyncio.gather(*[client.post("/v1/completions", json=body) for _ in range(n)],
+                                             return_exceptions=True))
+
+    return asyncio.run(run())
