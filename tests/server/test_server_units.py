@@ -123,8 +123,14 @@ def test_context_limits_and_admission() -> None:
     assert resolve_max_tokens(None, 10, 64, "prompt", "max_tokens") == 54
     assert resolve_max_tokens(5, 10, 64, "prompt", "max_tokens") == 5
     assert resolve_max_tokens(None, 10, 64, "prompt", "max_tokens", kv_capacity=32) == 22  # cache < context
-    with pytest.raises(RequestError, match="KV cache"):
-        resolve_max_tokens(None, 40, 64, "prompt", "max_tokens", kv_capacity=32)
+    for requested in (None, 1):   # a prompt over the whole KV cache names the prompt, not max_tokens
+        with pytest.raises(RequestError, match="KV cache") as err:
+            resolve_max_tokens(requested, 40, 64, "prompt", "max_tokens", kv_capacity=32)
+        assert err.value.param == "prompt"
+    with pytest.raises(RequestError, match="KV cache holds 32 tokens") as err:
+        resolve_max_tokens(30, 10, 64, "messages", "max_completion_tokens", kv_capacity=32)
+    assert err.value.param == "max_completion_tokens"
+    assert resolve_max_tokens(22, 10, 64, "prompt", "max_tokens", kv_capacity=32) == 22
     with pytest.raises(RequestError) as err:
         resolve_max_tokens(60, 10, 64, "prompt", "max_tokens")
     assert err.value.param == "max_tokens" and "64" in err.value.message

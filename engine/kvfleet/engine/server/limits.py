@@ -37,16 +37,21 @@ def resolve_max_tokens(requested: int | None, prompt_len: int, max_model_len: in
             f"{prompt_field}: this model's maximum context length is {max_model_len} tokens, but the prompt has "
             f"{prompt_len} tokens (no room for output)", prompt_field)
     room = max_model_len - prompt_len
+    if kv_capacity is not None and prompt_len >= kv_capacity:
+        # The prompt alone is the problem, whatever max_tokens says.
+        raise RequestError(f"{prompt_field}: the prompt ({prompt_len} tokens) does not fit this server's KV cache "
+                           f"({kv_capacity} tokens, no room for output)", prompt_field)
     if requested is None:
         if kv_capacity is not None and kv_capacity - prompt_len < room:
             room = kv_capacity - prompt_len
-            if room < 1:
-                raise RequestError(f"{prompt_field}: the prompt ({prompt_len} tokens) does not fit the KV cache "
-                                   f"({kv_capacity} tokens)", prompt_field)
         return room
     if requested > room:
         raise RequestError(
             f"{max_field}: this model's maximum context length is {max_model_len} tokens; you requested "
+            f"{prompt_len + requested} tokens ({prompt_len} in the prompt, {requested} for the output)", max_field)
+    if kv_capacity is not None and prompt_len + requested > kv_capacity:
+        raise RequestError(
+            f"{max_field}: this server's KV cache holds {kv_capacity} tokens in all; you requested "
             f"{prompt_len + requested} tokens ({prompt_len} in the prompt, {requested} for the output)", max_field)
     return requested
 
