@@ -116,6 +116,13 @@ class RequestGroup:
             self.metrics.finished_time = time.monotonic()
         if self.beam is not None and not self.aborted:
             outputs = self.beam_result   # beams are only shown once the search is over
+        elif len(self.seqs) == 1 and not self.aborted and self._num_samples == 1:
+            # One sequence (most requests): the general branch below, without its sorting and passes.
+            st = next(iter(self.seqs.values()))
+            seq = st.seq
+            outputs = [CompletionOutput(seq.index, st.detok.visible_text(st.finish_reason is not None),
+                                        list(seq.output_token_ids), st.cum_logprob, st.logprobs,
+                                        st.finish_reason, st.stop_reason)]
         else:
             seqs = self.seqs
             states = list(seqs.values()) if len(seqs) == 1 else [seqs[i] for i in sorted(seqs)]
