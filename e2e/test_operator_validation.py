@@ -25,12 +25,13 @@ BASE = {"model": {"source": "org/model"}}
     ({**BASE, "engine": {"tensorParallelSize": 0}}, "spec.engine.tensorParallelSize"),
     ({"model": {"source": "s3://bucket/model"}}, "spec.model.source"),
     ({"model": {}}, "spec.model.source"),
+    ({"model": {"source": "org/has space"}}, "spec.model.source"),
     ({**BASE, "resources": {"cpu": -1}}, "spec.resources.cpu"),
     ({**BASE, "resources": {"memory": "0"}}, "spec.resources.memory"),
     ({**BASE, "_name": "1chat"}, "metadata.name"),
     ({**BASE, "_name": "m" * 64}, "metadata.name"),
 ], ids=["negative-replicas", "min-gt-max", "gmu-zero", "gmu-above-one", "engine-kind", "flavor-name", "tp-zero",
-        "source-scheme", "source-missing", "negative-cpu", "zero-memory", "name-not-dns1035", "name-too-long"])
+        "source-scheme", "source-missing", "source-not-hub-id", "negative-cpu", "zero-memory", "name-not-dns1035", "name-too-long"])
 def test_invalid_model_deployment_rejected(crds: None, kubectl: Callable[..., Any], spec: dict, field: str) -> None:
     spec = dict(spec)
     name = spec.pop("_name", "bad")  # the name becomes the Service's name

@@ -32,6 +32,7 @@ def test_model_sources(uri: str, kind: str, claim: str | None, path: str | None)
 @pytest.mark.parametrize("uri, field", [
     ("", "spec.model.source"), ("s3://bucket/x", "spec.model.source"),
     ("file://relative", "spec.model.source"), ("pvc://Bad_Claim/x", "spec.model.source"),
+    ("has space/x", "spec.model.source"), ("org/name/extra", "spec.model.source"), ("/abs/path", "spec.model.source"),
 ])
 def test_bad_sources_name_the_field(uri: str, field: str) -> None:
     with pytest.raises(SpecError) as err:

@@ -14,6 +14,7 @@ from .errors import SpecError
 
 ENGINE_KINDS = ("kvfleet", "vllm")
 _DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+_HUB_ID = re.compile(r"^[A-Za-z0-9][-A-Za-z0-9_.]*(/[-A-Za-z0-9_.]+)?$")  # the CRD's rule for hub ids
 
 
 @dataclass(frozen=True)
@@ -73,6 +74,8 @@ def parse_model_source(uri: str) -> ModelSource:
         return ModelSource("file", uri, path=path)
     if "://" in uri:
         raise SpecError("spec.model.source", f"unknown scheme in {uri!r} (hub id, pvc:// or file://)")
+    if not _HUB_ID.match(uri):
+        raise SpecError("spec.model.source", f"{uri!r} is not a hub id like org/name")
     return ModelSource("hub", uri)
 
 
