@@ -134,6 +134,15 @@ def test_tokenize_detokenize(api_server: Server) -> None:
     assert tok["count"] == len(tok["tokens"]) and tok["max_model_len"] == 128
     back = httpx.post(api_server.url + "/detokenize", json={"tokens": tok["tokens"]}, headers=h).json()
     assert back["prompt"] == PROMPT
+    for body in ({"prompt": "\ud800"}, {"messages": [{"role": "user", "content": "\udfff"}]}):
+        resp = post_json(api_server.url + "/tokenize", body)
+        assert resp.status_code == 400 and error_of(resp)["param"] in body, resp.text
+
+
+def post_json(url: str, body: dict[str, Any]) -> httpx.Response:
+    """POST `body` as ASCII-escaped JSON, so even text that is no valid Unicode goes out as the client wrote it."""
+    return httpx.post(url, content=json.dumps(body), headers={"Authorization": f"Bearer {ALPHA}",
+                                                              "Content-Type": "application/json"})
 
 
 def error_of(resp: httpx.Response) -> dict[str, Any]:
@@ -173,9 +182,13 @@ def error_of(resp: httpx.Response) -> dict[str, Any]:
     ({"prompt": "x", "logprobs": 21}, 400, "logprobs"),
     ({"prompt": "x", "seed": "7"}, 400, "seed"),
     ({"prompt": "x", "stop_token_ids": [10**6]}, 400, "stop_token_ids"),
+    ({"prompt": "\ud800"}, 400, "prompt"),                # valid JSON, not Unicode: a lone surrogate
+    ({"prompt": "x", "stop": ["\udfff"]}, 400, "stop"),
+    ({"prompt": "x", "model": "\ud800"}, 400, "model"),
+    ({"prompt": "x", "user": "\ud800"}, 400, "user"),
 ])
 def test_bad_input_gets_openai_error(api_server: Server, body: dict[str, Any], status: int, param: str) -> None:
-    resp = httpx.post(api_server.url + "/v1/completions", json=body, headers={"Authorization": f"Bearer {ALPHA}"})
+    resp = post_json(api_server.url + "/v1/completions", body)
     assert resp.status_code == status, resp.text
     err = error_of(resp)
     assert err["param"] == param and param in err["message"], err
@@ -194,11 +207,12 @@ def test_bad_input_gets_openai_error(api_server: Server, body: dict[str, Any], s
     ({"messages": [{"role": "user"}], "tools": []}, 400, "tools"),
     ({"messages": []}, 400, "messages"),
     ({}, 400, "messages"),
+    ({"messages": [{"role": "user", "content": "\udfff"}]}, 400, "messages"),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": "\ud800"}]}]}, 400, "messages"),
 ])
 def test_bad_chat_input_gets_openai_error(api_server: Server, body: dict[str, Any], status: int,
                                           param: str) -> None:
-    resp = httpx.post(api_server.url + "/v1/chat/completions", json=body,
-                      headers={"Authorization": f"Bearer {ALPHA}"})
+    resp = post_json(api_server.url + "/v1/chat/completions", body)
     assert resp.status_code == status, resp.text
     err = error_of(resp)
     assert err["param"] == param and param in err["message"], err

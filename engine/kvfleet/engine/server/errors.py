@@ -6,6 +6,7 @@ catch-all handler exists only for our own bugs (and logs them).
 
 from __future__ import annotations
 
+import json
 import logging
 from typing import Any, Mapping, Sequence
 
@@ -48,9 +49,17 @@ def error_body(status: int, message: str, param: str | None = None, code: str | 
                       "param": param, "code": code}}
 
 
+class ErrorJSONResponse(JSONResponse):
+    """ASCII-escaped JSON: an error that quotes what the client sent (a model name, a field) renders
+    even when that text is not valid Unicode (a lone surrogate), instead of failing into a 500."""
+
+    def render(self, content: Any) -> bytes:
+        return json.dumps(content, ensure_ascii=True, separators=(",", ":")).encode("ascii")
+
+
 def error_response(err: APIError) -> JSONResponse:
-    return JSONResponse(error_body(err.status, err.message, err.param, err.code), status_code=err.status,
-                        headers=err.headers)
+    return ErrorJSONResponse(error_body(err.status, err.message, err.param, err.code), status_code=err.status,
+                             headers=err.headers)
 
 
 def _loc_text(loc: Sequence[Any]) -> str:
@@ -143,15 +152,15 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
         message, param, code = describe_validation_errors(exc.errors())
-        return JSONResponse(error_body(400, message, param, code), status_code=400)
+        return ErrorJSONResponse(error_body(400, message, param, code), status_code=400)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         message = str(exc.detail) if exc.detail else "HTTP error"
         if exc.status_code == 404:
             message = "Not found: no such route"
-        return JSONResponse(error_body(exc.status_code, message), status_code=exc.status_code,
-                            headers=getattr(exc, "headers", None))
+        return ErrorJSONResponse(error_body(exc.status_code, message), status_code=exc.status_code,
+                                 headers=getattr(exc, "headers", None))
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:

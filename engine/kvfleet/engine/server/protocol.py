@@ -20,10 +20,41 @@ Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
 StopField = Union[str, Annotated[list[str], Field(max_length=16)], None]
 
 
+def lone_surrogate_at(value: Any, where: str = "") -> str | None:
+    """Where a string in `value` holds a lone UTF-16 surrogate ("\\ud800" is valid JSON but no Unicode
+    text: tokenizers and UTF-8 encoders raise on it), as `field[0].sub`; None if nowhere."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return where or "body"
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            found = lone_surrogate_at(key, where or "body") or lone_surrogate_at(
+                item, f"{where}.{key}" if where else str(key))
+            if found:
+                return found
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            found = lone_surrogate_at(item, f"{where}[{i}]")
+            if found:
+                return found
+    return None
+
+
 class StrictModel(BaseModel):
     # strict: a wrongly typed value is a 400, never coerced ("5" or 5.0 for an int, true for n,
     # "0.5" for a float); an int is still accepted where a float is expected (temperature=0).
     model_config = ConfigDict(extra="forbid", strict=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data: Any) -> Any:
+        where = lone_surrogate_at(data)
+        if where:
+            field = where.split(".")[0].split("[")[0]
+            raise ValueError(f"{field}: invalid Unicode text at {where} (a lone UTF-16 surrogate)")
+        return data
 
 
 class OpenModel(BaseModel):
