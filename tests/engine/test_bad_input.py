@@ -32,6 +32,7 @@ def llm(tiny_model_dir) -> LLM:
     (dict(n=3, best_of=2), r"best_of: must be an int >= n \(3\)"),
     (dict(stop_token_ids=[10**6]), r"stop_token_ids: must be token ids in \[0, \d+\)"),
     (dict(stop=[""]), r"stop: must be non-empty strings"),
+    (dict(stop=["ok", "\ud800"]), r"stop: must be valid Unicode text"),
 ])
 def test_invalid_sampling_values(kwargs, match) -> None:
     with pytest.raises(ValueError, match=match):

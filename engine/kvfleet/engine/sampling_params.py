@@ -117,6 +117,11 @@ class SamplingParams:
         assert isinstance(self.stop, list)
         if any(not isinstance(s, str) or s == "" for s in self.stop):
             _fail("stop", "must be non-empty strings")
+        for s in self.stop:
+            try:
+                s.encode("utf-8")
+            except UnicodeEncodeError:
+                _fail("stop", f"must be valid Unicode text, got {s!r} (a lone surrogate)")
         for tok in self.stop_token_ids or []:
             if not is_int(tok) or tok < 0 or (vocab_size is not None and tok >= vocab_size):
                 _fail("stop_token_ids", f"must be token ids in [0, {vocab_size}), got {tok!r}")
