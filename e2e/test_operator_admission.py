@@ -61,7 +61,7 @@ def test_admitted_replicas_run_on_the_flavors_nodes(kube: Kube, tenants: Any, fl
     assert binding["subjects"][0]["name"] == "acme-devs"
     usage = wait_for("tenant usage", lambda: [g for g in (kube.get(API, "tenants", tenant).get("status") or {})
                                               .get("gpus", []) if g["flavor"] == flavors["h200"] and g["inUse"] == 4],
-                     timeout=15)
+                     timeout=30)
     assert usage[0]["pending"] == 0
 
     # Self-healing: a deleted LocalQueue comes back; ModelDeployments carry no finalizer of ours.
