@@ -1,7 +1,8 @@
 """Overload and faults on a real `kvfleet serve`: queue depth, 429, client disconnects, SIGTERM drain.
 
-One server for the module, one sequence at a time (`--max-num-seqs 1`) so requests really queue.
-The SIGTERM test runs last and ends the server.
+One server for most of the module, one sequence at a time (`--max-num-seqs 1`) so requests really
+queue; its SIGTERM test ends it. A second one (one API key, a chat template file, a 1 s grace period)
+checks what happens to work still running when the grace period ends.
 """
 
 from __future__ import annotations
@@ -158,32 +159,55 @@ def test_sigterm_drains_then_exits_zero(server: Server) -> None:
     assert server.proc.wait(30) == 0
 
 
-def test_sigterm_grace_period_cuts_long_requests_and_exits_zero(tiny_model_dir: Path,
-                                                                tmp_path_factory: pytest.TempPathFactory) -> None:
+SOLO_KEY = "sk-solo-5555"
+TEMPLATE = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}[assistant]"
+
+
+@pytest.fixture(scope="module")
+def short_grace(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """A second server: one --api-key, a --chat-template file, a 1 s grace period (its last test ends it)."""
+    logs = tmp_path_factory.mktemp("grace-logs")
+    (logs / "template.jinja").write_text(TEMPLATE)
+    srv = start_server(tiny_model_dir, logs, "--max-num-seqs", "1", "--shutdown-grace-period", "1",
+                       "--api-key", SOLO_KEY, "--chat-template", str(logs / "template.jinja"))
+    yield srv
+    srv.stop()
+
+
+def test_single_api_key_and_chat_template_file(short_grace: Server) -> None:
+    from kvfleet.engine.tokenizer import load_tokenizer
+
+    messages = [{"role": "user", "content": "hello world"}]
+    assert httpx.post(short_grace.url + "/tokenize", json={"messages": messages}).status_code == 401
+    resp = httpx.post(short_grace.url + "/tokenize", json={"messages": messages},
+                      headers={"Authorization": f"Bearer {SOLO_KEY}"})
+    assert resp.status_code == 200, resp.text
+    tok = load_tokenizer(str(short_grace.proc.args[short_grace.proc.args.index("serve") + 1]))
+    assert resp.json()["tokens"] == tok.encode("[user] hello world\n[assistant]", add_special_tokens=False)
+    assert short_grace.metric("kvfleet:request_success_total") == 0  # tokenize is no engine request
+
+
+def test_sigterm_grace_period_cuts_long_requests_and_exits_zero(short_grace: Server) -> None:
     """Work that outlives --shutdown-grace-period does not hold the pod: it is cut, the process exits 0."""
-    srv = start_server(tiny_model_dir, tmp_path_factory.mktemp("grace-logs"), "--max-num-seqs", "1",
-                       "--shutdown-grace-period", "1")
-    try:
-        # One at a time, 8 x 1000 tokens: far more than a second of work on any machine.
-        thread, box = in_thread(lambda: burst_results(srv.url, 8, 1000))
-        wait_until(lambda: srv.metric("kvfleet:num_requests_waiting") >= 4, 10, "the burst to queue")
-        start = time.monotonic()
-        srv.proc.send_signal(signal.SIGTERM)
-        assert srv.proc.wait(30) == 0
-        took = time.monotonic() - start
-        thread.join(30)
-        assert 1.0 <= took < 10, took
-        results = box["result"]
-        full = [r for r in results if isinstance(r, httpx.Response) and r.status_code == 200]
-        assert len(results) == 8 and len(full) < 8, results   # the rest were cut at the deadline
-    finally:
-        srv.stop()
+    srv = short_grace
+    # One at a time, 8 x 1000 tokens: far more than a second of work on any machine.
+    thread, box = in_thread(lambda: burst_results(srv.url, 8, 1000, {"Authorization": f"Bearer {SOLO_KEY}"}))
+    wait_until(lambda: srv.metric("kvfleet:num_requests_waiting") >= 4, 10, "the burst to queue")
+    start = time.monotonic()
+    srv.proc.send_signal(signal.SIGTERM)
+    assert srv.proc.wait(30) == 0
+    took = time.monotonic() - start
+    thread.join(30)
+    assert 1.0 <= took < 10, took
+    results = box["result"]
+    full = [r for r in results if isinstance(r, httpx.Response) and r.status_code == 200]
+    assert len(results) == 8 and len(full) < 8, results   # the rest were cut at the deadline
 
 
-def burst_results(url: str, n: int, max_tokens: int) -> list[Any]:
+def burst_results(url: str, n: int, max_tokens: int, headers: dict[str, str]) -> list[Any]:
     """Like burst(), but a request the server cut is returned as its exception."""
     async def run() -> list[Any]:
-        async with httpx.AsyncClient(base_url=url, timeout=60) as client:
+        async with httpx.AsyncClient(base_url=url, timeout=60, headers=headers) as client:
             body = {"model": "tiny", "prompt": "hello world", "max_tokens": max_tokens, "ignore_eos": True}
             return list(await asyncio.gather(*[client.post("/v1/completions", json=body) for _ in range(n)],
                                              return_exceptions=True))
