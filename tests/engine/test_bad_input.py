@@ -33,6 +33,15 @@ def llm(tiny_model_dir) -> LLM:
     (dict(stop_token_ids=[10**6]), r"stop_token_ids: must be token ids in \[0, \d+\)"),
     (dict(stop=[""]), r"stop: must be non-empty strings"),
     (dict(stop=["ok", "\ud800"]), r"stop: must be valid Unicode text"),
+    # Wrong types and NaN are ValueErrors naming the field too (never a TypeError or a garbage step).
+    (dict(temperature=float("nan")), r"temperature: must be a number, got nan"),
+    (dict(temperature="0.5"), r"temperature: must be a number, got '0.5'"),
+    (dict(top_p=None), r"top_p: must be a number, got None"),
+    (dict(presence_penalty=True), r"presence_penalty: must be a number, got True"),
+    (dict(length_penalty=float("nan")), r"length_penalty: must be a number"),
+    (dict(stop=5), r"stop: must be a string or a list of strings, got 5"),
+    (dict(stop_token_ids=7), r"stop_token_ids: must be a list of token ids, got 7"),
+    (dict(top_k=5.0), r"top_k: must be -1 \(disable\) or at least 1, got 5.0"),
 ])
 def test_invalid_sampling_values(kwargs, match) -> None:
     with pytest.raises(ValueError, match=match):

@@ -7,6 +7,7 @@ engine calls it before a request reaches the scheduler.
 from __future__ import annotations
 
 import copy
+import math
 from dataclasses import dataclass
 from typing import Optional, Union
 
@@ -15,6 +16,11 @@ _GREEDY_EPS = 1e-5  # vLLM treats temperature below this as greedy
 
 def _fail(field_name: str, message: str) -> None:
     raise ValueError(f"{field_name}: {message}")
+
+
+def _is_number(value: object) -> bool:
+    """A real number that is not NaN (bool is no number here)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and not math.isnan(value)
 
 
 @dataclass
@@ -44,16 +50,20 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
 
     def __post_init__(self) -> None:
+        # Wrong types are left for validate() to name; nothing here may raise a TypeError.
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         elif self.stop is None:
             self.stop = []
-        else:
+        elif isinstance(self.stop, (list, tuple)):
             self.stop = list(self.stop)
-        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.stop_token_ids is None:
+            self.stop_token_ids = []
+        elif isinstance(self.stop_token_ids, (list, tuple, set, frozenset)):
+            self.stop_token_ids = list(self.stop_token_ids)
         if self.best_of is None:
             self.best_of = self.n
-        if self.temperature < _GREEDY_EPS and self.temperature >= 0 and not self.use_beam_search:
+        if _is_number(self.temperature) and 0 <= self.temperature < _GREEDY_EPS and not self.use_beam_search:
             # Greedy: vLLM resets the truncation knobs so they cannot change the argmax.
             self.top_p, self.top_k, self.min_p = 1.0, -1, 0.0
 
@@ -79,6 +89,11 @@ class SamplingParams:
         def is_int(v: object) -> bool:
             return isinstance(v, int) and not isinstance(v, bool)
 
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty",
+                     "length_penalty"):
+            value = getattr(self, name)
+            if not _is_number(value):
+                _fail(name, f"must be a number, got {value!r}")
         if not is_int(self.n) or self.n < 1:
             _fail("n", f"must be at least 1, got {self.n!r}")
         if not is_int(self.best_of) or self.best_of < self.n:
@@ -114,7 +129,10 @@ class SamplingParams:
                 _fail(name, f"must be at most the vocabulary size ({vocab_size}), got {val}")
         if self.seed is not None and not is_int(self.seed):
             _fail("seed", f"must be an int, got {self.seed!r}")
-        assert isinstance(self.stop, list)
+        if not isinstance(self.stop, list):
+            _fail("stop", f"must be a string or a list of strings, got {self.stop!r}")
+        if not isinstance(self.stop_token_ids, list):
+            _fail("stop_token_ids", f"must be a list of token ids, got {self.stop_token_ids!r}")
         if any(not isinstance(s, str) or s == "" for s in self.stop):
             _fail("stop", "must be non-empty strings")
         for s in self.stop:
