@@ -107,3 +107,27 @@ def test_stop_strings_stop_tokens_and_lengths(engine: AsyncLLM) -> None:
                                                              stop_token_ids=[stop_tok], ignore_eos=True),
                               "s4"))[-1].outputs[0]
     assert stop_tok not in out.token_ids[:first + 2]     # min_tokens bans the stop token early
+
+
+def test_streams_on_two_event_loops_at_once_each_get_theirs(engine: AsyncLLM) -> None:
+    """A step's outputs are delivered per event loop in one batch: each loop gets exactly its streams."""
+    import threading
+
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    results: dict[str, list] = {}
+
+    def run_loop(tag: str) -> None:
+        async def main():
+            return await asyncio.gather(*[collect(engine, [3 + i, 4, 5], params, f"{tag}{i}") for i in range(3)])
+        results[tag] = asyncio.run(main())
+
+    threads = [threading.Thread(target=run_loop, args=(t,)) for t in ("x", "y")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    for tag in ("x", "y"):
+        for i, outs in enumerate(results[tag]):
+            assert {o.request_id for o in outs} == {f"{tag}{i}"}
+            assert [len(o.outputs[0].token_ids) for o in outs] == list(range(1, 11))
+            assert outs[-1].finished
