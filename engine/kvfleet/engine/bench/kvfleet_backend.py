@@ -115,7 +115,7 @@ def _drain(engine: Any, on_step: Callable[[list[Any], float], None] | None = Non
     done = []
     while engine.has_unfinished_requests():
         t = time.perf_counter()
-        outs = engine.step()
+        outs = engine.step(final_only=True)  # offline: only finished outputs are read
         dt = time.perf_counter() - t
         done.extend(o for o in outs if o.finished)
         if on_step is not None:
