@@ -128,6 +128,22 @@ def test_disconnect_streaming_aborts_and_frees_blocks(server: Server) -> None:
     assert server.metric("kvfleet:request_success_total", finished_reason="abort") - aborts == 1
 
 
+def test_disconnect_of_a_multi_prompt_stream_aborts_every_prompt(server: Server) -> None:
+    """Two prompts in one streaming request: one runs, one waits (one sequence at a time); closing
+    the stream aborts both, the waiting one included, and frees every block."""
+    idle = server.metric("kvfleet:kv_cache_usage_perc")
+    aborts = server.metric("kvfleet:request_success_total", finished_reason="abort")
+    body = dict(LONG, prompt=["once upon a time", "the king of the city"], stream=True)
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as resp:
+        for n, line in enumerate(resp.iter_lines()):
+            if n == 4:
+                assert busy(server, idle) and server.metric("kvfleet:num_requests_waiting") == 1
+                break
+    wait_until(lambda: back_to_idle(server, idle) and server.metric("kvfleet:num_requests_waiting") == 0, 2,
+               "both prompts aborted and their blocks freed")
+    assert server.metric("kvfleet:request_success_total", finished_reason="abort") - aborts == 2
+
+
 @pytest.mark.parametrize("path, body", [
     ("/v1/completions", {"prompt": "x", "max_tokens": 2, "n": 2, "stream": True}),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 2, "n": 2,
