@@ -3,10 +3,12 @@ or `kvfleet operator`. Health (kopf liveness) and metrics listen on 127.0.0.1 by
 from __future__ import annotations
 
 import argparse
+import hashlib
 import importlib
 import logging
 import os
-from typing import Any, Sequence
+import socket
+from typing import Any, Mapping, Sequence
 
 import kopf
 
@@ -30,6 +32,25 @@ def _load_optional(module: str) -> None:
 _load_optional("kvfleet.operator.autoscaler.handlers")
 
 
+def peering_priority(env: Mapping[str, str] | None = None) -> int:
+    """This instance's kopf peering priority: distinct per instance, stable across its restarts.
+
+    kopf pauses *every* operator when peers share a priority, so replicas at the default priority
+    would all stand still. A priority from the identity (`POD_ID`, the pod's name) makes the
+    highest one active and the others wait until it is gone (failover within the peering
+    lifetime). `KVFLEET_PEERING_PRIORITY` sets it explicitly.
+    """
+    env = os.environ if env is None else env
+    explicit = env.get("KVFLEET_PEERING_PRIORITY")
+    if explicit:
+        try:
+            return int(explicit)
+        except ValueError:
+            raise ValueError(f"KVFLEET_PEERING_PRIORITY must be an integer, got {explicit!r}") from None
+    identity = env.get("POD_ID") or f"{socket.gethostname()}/{os.getpid()}"
+    return int.from_bytes(hashlib.sha256(identity.encode()).digest()[:4], "big") % 1_000_000_000 + 1
+
+
 @kopf.on.startup()
 def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     # Progress in annotations only: the status schema belongs to the CRD, not to kopf.
@@ -41,6 +62,7 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     settings.peering.name = os.environ.get("KVFLEET_PEERING_NAME", "kvfleet")
     settings.peering.lifetime = int(os.environ.get("KVFLEET_PEERING_LIFETIME", "30"))
     settings.peering.stealth = True
+    settings.peering.priority = peering_priority()  # also when started as `kopf run -m kvfleet.operator.main`
     settings.execution.max_workers = int(os.environ.get("KVFLEET_MAX_WORKERS", "8"))
     settings.watching.server_timeout = 300
     port = int(os.environ.get("KVFLEET_METRICS_PORT", "0"))
@@ -95,7 +117,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     # A peering name makes peering mandatory in kopf, which would pause a standalone operator.
     kopf.run(clusterwide=True, liveness_endpoint=args.liveness or None,
              standalone=True if args.standalone else None,
-             peering_name=None if args.standalone else args.peering)
+             peering_name=None if args.standalone else args.peering,
+             priority=peering_priority())
     return 0
 
 
