@@ -45,7 +45,7 @@ def test_models_health_version(client: openai.OpenAI, api_server: Server) -> Non
 
 def test_completion_greedy_equals_offline_llm(client: openai.OpenAI, offline: Any) -> None:
     expected = offline.generate(PROMPT, greedy())[0].outputs[0]
-    got = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=12, temperature=0)
+    got = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=12, temperature=0, user="alice")
     assert got.choices[0].text == expected.text
     assert got.usage.completion_tokens == len(expected.token_ids)
     assert got.usage.prompt_tokens == len(offline.get_tokenizer().encode(PROMPT))
@@ -285,6 +285,26 @@ def test_counters_match_requests_by_tenant(api_server: Server, client: openai.Op
     assert api_server.metric("kvfleet:time_to_first_token_seconds_count") - ttft_before == 5
     assert api_server.metric("kvfleet:num_requests_waiting") == 0
     assert api_server.metric("kvfleet:num_requests_running") == 0
+
+
+REQUIRED_METRICS = (
+    "kvfleet:num_requests_waiting", "kvfleet:num_requests_running", "kvfleet:kv_cache_usage_perc",
+    "kvfleet:prefix_cache_queries_total", "kvfleet:prefix_cache_hits_total", "kvfleet:num_preemptions_total",
+    "kvfleet:prompt_tokens_total", "kvfleet:generation_tokens_total", "kvfleet:request_success_total",
+    "kvfleet:time_to_first_token_seconds_bucket", "kvfleet:inter_token_latency_seconds_bucket",
+    "kvfleet:e2e_request_latency_seconds_bucket", "kvfleet:request_queue_time_seconds_bucket",
+)
+
+
+def test_every_metric_is_named_like_vllms_and_labelled_with_the_model(api_server: Server,
+                                                                     client: openai.OpenAI) -> None:
+    client.completions.create(model="tiny", prompt=PROMPT, max_tokens=3)   # so every histogram has a sample
+    samples = api_server.metrics()
+    names = {name for name, _ in samples}
+    assert set(REQUIRED_METRICS) <= names, set(REQUIRED_METRICS) - names
+    ours = [(name, dict(labels)) for name, labels in samples if name.startswith("kvfleet:")]
+    assert all(labels.get("model_name") == "tiny" for _, labels in ours), ours
+    assert all("finished_reason" in labels for name, labels in ours if name == "kvfleet:request_success_total")
 
 
 def test_prefix_cache_is_per_tenant(api_server: Server, client: openai.OpenAI) -> None:
