@@ -250,6 +250,8 @@ def test_malformed_json_and_chat_fields(api_server: Server) -> None:
     h = {"Authorization": f"Bearer {ALPHA}", "Content-Type": "application/json"}
     resp = httpx.post(api_server.url + "/v1/completions", content=b'{"prompt": "x",', headers=h)
     assert resp.status_code == 400 and "JSON" in error_of(resp)["message"]
+    resp = httpx.post(api_server.url + "/v1/completions", content=b'{"prompt": "\xff\xfe"}', headers=h)
+    assert resp.status_code == 400 and error_of(resp)["code"] == "invalid_json", resp.text   # not UTF-8
     resp = httpx.post(api_server.url + "/v1/chat/completions", json={"messages": [{"role": "robot", "content": "x"}]},
                       headers=h)
     assert resp.status_code == 400 and error_of(resp)["param"] == "messages"

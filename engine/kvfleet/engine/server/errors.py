@@ -157,9 +157,12 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         message = str(exc.detail) if exc.detail else "HTTP error"
+        code = None
         if exc.status_code == 404:
-            message = "Not found: no such route"
-        return ErrorJSONResponse(error_body(exc.status_code, message), status_code=exc.status_code,
+            message, code = "Not found: no such route", "not_found"
+        elif exc.status_code == 400:  # FastAPI could not decode the body (not UTF-8, bad encoding)
+            message, code = f"Malformed request body ({message}): send UTF-8 JSON", "invalid_json"
+        return ErrorJSONResponse(error_body(exc.status_code, message, code=code), status_code=exc.status_code,
                                  headers=getattr(exc, "headers", None))
 
     @app.exception_handler(Exception)
