@@ -88,14 +88,14 @@ def default_model() -> str:
 
 def run_server(args: argparse.Namespace) -> int:
     setup_logging(args.log_level)
-    model = args.model or default_model()
-    name = args.served_model_name or (args.model if args.model else Path(model).stem.split(".")[0])
     try:
+        model = args.model or default_model()
         keys = load_keys(args.api_key, args.api_keys_file)
         template = Path(args.chat_template).read_text(encoding="utf-8") if args.chat_template else None
     except (KeyFileError, OSError) as exc:
         print(f"kvfleet serve: error: {exc}", file=sys.stderr)
         return 2
+    name = args.served_model_name or (args.model if args.model else Path(model).stem.split(".")[0])
     state = ServerState(model_name=name, model_path=model, keys=keys, max_queue_len=args.max_queue_len,
                         chat_template=template, log_requests=not args.disable_log_requests,
                         block_size=args.block_size)
