@@ -59,6 +59,7 @@ def test_helm_template_renders(cluster: Any, tmp_path: Path) -> None:
     assert env["KVFLEET_AUTOSCALER_METRICS_SOURCE"] == "scrape"
     # Tenant NetworkPolicies admit the operator's namespace: its autoscaler scrapes the engines.
     assert env["KVFLEET_SYSTEM_NAMESPACES"] == "kvfleet-system"
+    assert env["KVFLEET_NODE_CACHE_ROOTS"] == "/var/cache/kvfleet"
     tenant = next(d for d in docs if d["kind"] == "Tenant")
     assert tenant["spec"]["quotas"][0]["nominal"] == 4 and tenant["spec"]["cohort"] == "c"
     for d in docs:

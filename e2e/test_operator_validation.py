@@ -86,6 +86,26 @@ def test_unknown_flavor_is_a_condition_and_event(kube: Kube, tenants: Any, flavo
              timeout=60)
 
 
+def test_host_path_outside_the_node_cache_is_a_condition_and_event(kube: Kube, tenants: Any,
+                                                                    flavors: dict[str, str],
+                                                                    operator: OperatorProcess) -> None:
+    """A `file://` source becomes a hostPath: outside the node cache roots nothing runs (the node's files)."""
+    _, ns = tenants.create("hostpath", [{"flavor": flavors["h200"], "nominal": 2}])
+    body = model_deployment("peek", ns, flavors["h200"])
+    body["spec"]["model"]["source"] = "file:///var/lib/kubelet/pods"
+    kube.apply(body)
+    st = wait_for("HostPathNotAllowed", lambda: (s := mdep_status(kube, ns, "peek")) and any(
+        c["type"] == "Admitted" and c["reason"] == "HostPathNotAllowed" for c in s.get("conditions", [])) and s,
+        timeout=60)
+    msg = next(c["message"] for c in st["conditions"] if c["type"] == "Admitted")
+    assert "spec.model.source" in msg and "/var/cache/kvfleet" in msg
+    assert not kube.list("kueue.x-k8s.io/v1beta2", "workloads", ns)
+    assert not kube.list("apps/v1", "deployments", ns)
+    events = wait_for("Warning event", lambda: [e for e in kube.list("v1", "events", ns)
+                                                if e["reason"] == "HostPathNotAllowed"], timeout=30)
+    assert events[0]["type"] == "Warning"
+
+
 @pytest.mark.parametrize("spec", [
     {**BASE, "replicas": 0},
     {**BASE, "engine": {"gpuMemoryUtilization": 1}},

@@ -1,6 +1,7 @@
 """Builders: the pod template, workload, Deployment and Service as plain dicts."""
 from __future__ import annotations
 
+import pytest
 from op_factories import make_mdep
 
 from kvfleet.operator.builders import (build_deployment, build_engine_args, build_pod_template, build_service,
@@ -8,7 +9,8 @@ from kvfleet.operator.builders import (build_deployment, build_engine_args, buil
 from kvfleet.operator.builders.workload import workload_pod_template
 from kvfleet.operator.config import OperatorConfig
 from kvfleet.operator.constants import LABEL_FLAVOR, LABEL_MDEP, LABEL_ORDINAL, LABEL_WORKLOAD_HASH
-from kvfleet.operator.spec import parse_model_deployment
+from kvfleet.operator.errors import SpecError
+from kvfleet.operator.spec import check_node_path, parse_model_deployment, parse_model_source
 
 
 def _spec(**over):
@@ -66,9 +68,9 @@ def test_pod_template_security_probes_volumes(op_config: OperatorConfig) -> None
 
 
 def test_file_source_is_a_read_only_host_path(op_config: OperatorConfig) -> None:
-    tpl = build_pod_template("x", _spec(model={"source": "file:///cache/m"}), op_config)
+    tpl = build_pod_template("x", _spec(model={"source": "file:///var/cache/kvfleet/m"}), op_config)
     vols = {v["name"]: v for v in tpl["spec"]["volumes"]}
-    assert vols["model"]["hostPath"]["path"] == "/cache/m"
+    assert vols["model"]["hostPath"]["path"] == "/var/cache/kvfleet/m"
     mount = next(m for m in tpl["spec"]["containers"][0]["volumeMounts"] if m["name"] == "model")
     assert mount["readOnly"] is True
 
@@ -125,3 +127,21 @@ def test_service_selects_every_flavor(op_config: OperatorConfig) -> None:
     assert svc["spec"]["selector"].items() <= dep["spec"]["template"]["metadata"]["labels"].items()
     assert LABEL_FLAVOR not in svc["spec"]["selector"]
     assert svc["spec"]["ports"][0]["port"] == 8000
+
+
+@pytest.mark.parametrize("source", ["file:///", "file:///var/lib/kubelet/pods", "file:///var/cache/kvfleet/../../etc",
+                                    "file:///var/cache/kvfleet-other/m"])
+def test_file_source_outside_the_node_cache_is_refused(op_config: OperatorConfig, source: str) -> None:
+    """A tenant may not mount the node's own files (kubelet credentials, other pods' tokens)."""
+    with pytest.raises(SpecError) as err:
+        build_pod_template("x", _spec(model={"source": source}), op_config)
+    assert err.value.field == "spec.model.source" and err.value.reason == "HostPathNotAllowed"
+
+
+def test_node_cache_roots_come_from_the_environment() -> None:
+    cfg = OperatorConfig.from_env({"KVFLEET_NODE_CACHE_ROOTS": "/mnt/models, /data/llm"})
+    assert cfg.node_cache_roots == ("/mnt/models", "/data/llm")
+    check_node_path(parse_model_source("file:///data/llm/x"), cfg.node_cache_roots)
+    off = OperatorConfig.from_env({"KVFLEET_NODE_CACHE_ROOTS": ""})
+    with pytest.raises(SpecError, match="file:// sources are off"):
+        check_node_path(parse_model_source("file:///data/llm/x"), off.node_cache_roots)

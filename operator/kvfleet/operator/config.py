@@ -9,6 +9,10 @@ from dataclasses import dataclass
 from typing import Mapping
 
 
+def _csv(text: str) -> tuple[str, ...]:
+    return tuple(part.strip() for part in text.split(",") if part.strip())
+
+
 @dataclass(frozen=True)
 class OperatorConfig:
     kvfleet_image: str = "ghcr.io/kvfleet/kvfleet:0.1.0"
@@ -22,6 +26,9 @@ class OperatorConfig:
     # Namespaces whose pods may reach every tenant's engines (the operator's own: its autoscaler scrapes
     # them; a Prometheus). The tenant NetworkPolicy admits them by name, as they may carry no label of ours.
     system_namespaces: tuple[str, ...] = ()
+    # Node directories a `file://` model source may mount (read-only hostPath). Anything else is refused:
+    # a tenant must not read the node's files (kubelet credentials, other pods' tokens).
+    node_cache_roots: tuple[str, ...] = ("/var/cache/kvfleet",)
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> "OperatorConfig":
@@ -36,6 +43,7 @@ class OperatorConfig:
                                                 base.startup_timeout_seconds)),
             run_as_user=int(env.get("KVFLEET_RUN_AS_USER", base.run_as_user)),
             model_cache_path=env.get("KVFLEET_MODEL_CACHE_PATH", base.model_cache_path),
-            system_namespaces=tuple(n.strip() for n in env.get("KVFLEET_SYSTEM_NAMESPACES", "").split(",")
-                                    if n.strip()),
+            system_namespaces=_csv(env.get("KVFLEET_SYSTEM_NAMESPACES", "")),
+            node_cache_roots=_csv(env["KVFLEET_NODE_CACHE_ROOTS"]) if "KVFLEET_NODE_CACHE_ROOTS" in env
+            else base.node_cache_roots,
         )

@@ -24,7 +24,7 @@ from .kube import Kube
 from .kueue_state import observe_workload
 from .plan import WorkloadPlan, frozen_plan, plan_deployment_replicas, plan_workloads
 from .scaling import desired_replicas_for
-from .spec import ModelDeploymentSpec, parse_model_deployment
+from .spec import ModelDeploymentSpec, check_node_path, parse_model_deployment
 from .status import Observation, compute_status, status_changed, transition_events
 
 log = logging.getLogger("kvfleet.operator.reconcile")
@@ -115,6 +115,7 @@ def reconcile_model_deployment(kube: Kube, config: OperatorConfig, namespace: st
     plan: WorkloadPlan
     try:
         spec = parse_model_deployment(mdep.get("spec") or {})
+        check_node_path(spec.source, config.node_cache_roots)
         desired = desired_replicas_for(spec, old_status.get("autoscaler"))
         resolved = resolve(kube, namespace, spec)
     except SpecError as exc:

@@ -6,9 +6,10 @@ turns anything still wrong into a SpecError naming the field.
 """
 from __future__ import annotations
 
+import posixpath
 import re
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 from .errors import SpecError
 
@@ -77,6 +78,21 @@ def parse_model_source(uri: str) -> ModelSource:
     if not _HUB_ID.match(uri):
         raise SpecError("spec.model.source", f"{uri!r} is not a hub id like org/name")
     return ModelSource("hub", uri)
+
+
+def check_node_path(source: ModelSource, roots: Sequence[str]) -> None:
+    """A `file://` source must lie under one of the node cache `roots` (the operator's configuration):
+    it becomes a hostPath volume, and a tenant may not mount the node's own files."""
+    if source.kind != "file" or source.path is None:
+        return
+    path = posixpath.normpath(source.path)
+    for root in roots:
+        root = posixpath.normpath(root)
+        if path == root or path.startswith(root.rstrip("/") + "/"):
+            return
+    allowed = ", ".join(roots) or "none: file:// sources are off"
+    raise SpecError("spec.model.source", f"{path} is not under a node cache root ({allowed})",
+                    reason="HostPathNotAllowed")
 
 
 def _int(value: Any, field_name: str, minimum: int = 0) -> int:

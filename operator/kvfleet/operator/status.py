@@ -107,7 +107,7 @@ def status_changed(old_status: Mapping[str, Any], new_status: Mapping[str, Any])
 
 
 _WARNING_REASONS = {"InsufficientQuota", "FlavorNotFound", "QueueNotFound", "PriorityClassNotFound",
-                    "InvalidSpec", "NotATenantNamespace"}
+                    "InvalidSpec", "NotATenantNamespace", "HostPathNotAllowed"}
 
 
 def transition_events(old: Sequence[Mapping[str, Any]], new: Sequence[Mapping[str, Any]]) -> list[tuple[str, str, str]]:

@@ -5,7 +5,7 @@ from typing import Any, Mapping, Sequence
 
 from ..config import OperatorConfig
 from ..constants import ENGINE_PORT, GPU_RESOURCE, GPU_TOLERATION
-from ..spec import ModelDeploymentSpec
+from ..spec import ModelDeploymentSpec, check_node_path
 from .meta import mdep_labels
 
 API_KEYS_DIR = "/etc/kvfleet/api-keys"
@@ -77,6 +77,7 @@ def _volumes(spec: ModelDeploymentSpec, config: OperatorConfig) -> tuple[list[di
         volumes.append({"name": "model", "persistentVolumeClaim": {"claimName": src.claim, "readOnly": True}})
         mounts.append({"name": "model", "mountPath": f"{config.model_cache_path}/{src.claim}", "readOnly": True})
     elif src.kind == "file":
+        check_node_path(src, config.node_cache_roots)  # never a hostPath outside the node cache
         volumes.append({"name": "model", "hostPath": {"path": src.path, "type": ""}})
         mounts.append({"name": "model", "mountPath": src.path, "readOnly": True})
     if spec.api_key_secret:
