@@ -111,7 +111,7 @@ def test_host_path_outside_the_node_cache_is_a_condition_and_event(kube: Kube, t
     {**BASE, "engine": {"gpuMemoryUtilization": 1}},
     {**BASE, "resources": {"cpu": 2, "memory": "8Gi"}},
     {"model": {"source": "pvc://models/llama/8b"}, "engine": {"kind": "vllm", "tensorParallelSize": 8}},
-    {"model": {"source": "file:///var/cache/models/x"}, "autoscaling": {"enabled": True, "minReplicas": 0,
+    {"model": {"source": "file:///var/cache/kvfleet/x"}, "autoscaling": {"enabled": True, "minReplicas": 0,
                                                                        "maxReplicas": 4}},
 ], ids=["zero-replicas", "gmu-one", "int-cpu", "pvc-vllm-tp8", "file-autoscale"])
 def test_valid_edge_specs_accepted(crds: None, kubectl: Callable[..., Any], spec: dict) -> None:
