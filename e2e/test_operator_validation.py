@@ -31,7 +31,8 @@ BASE = {"model": {"source": "org/model"}}
     ({**BASE, "_name": "1chat"}, "metadata.name"),
     ({**BASE, "_name": "m" * 64}, "metadata.name"),
 ], ids=["negative-replicas", "min-gt-max", "gmu-zero", "gmu-above-one", "engine-kind", "flavor-name", "tp-zero",
-        "source-scheme", "source-missing", "source-not-hub-id", "negative-cpu", "zero-memory", "name-not-dns1035", "name-too-long"])
+        "source-scheme", "source-missing", "source-not-hub-id", "negative-cpu", "zero-memory", "name-not-dns1035",
+        "name-too-long"])
 def test_invalid_model_deployment_rejected(crds: None, kubectl: Callable[..., Any], spec: dict, field: str) -> None:
     spec = dict(spec)
     name = spec.pop("_name", "bad")  # the name becomes the Service's name

@@ -76,4 +76,5 @@ def test_tenant_parsing_and_errors() -> None:
         parse_tenant({"namespaces": ["a"], "fairSharingWeight": -1, "quotas": [{"flavor": "h200", "nominal": 1}]})
     with pytest.raises(SpecError, match=r"spec.quotas\[0\].cpu"):
         parse_tenant({"namespaces": ["a"], "quotas": [{"flavor": "h200", "nominal": 1, "cpu": "-4"}]})
-    assert parse_tenant({"namespaces": ["a"], "quotas": [{"flavor": "h200", "nominal": 1, "cpu": 0}]}).quotas[0].cpu == "0"
+    zero_cpu = parse_tenant({"namespaces": ["a"], "quotas": [{"flavor": "h200", "nominal": 1, "cpu": 0}]})
+    assert zero_cpu.quotas[0].cpu == "0"
