@@ -26,9 +26,10 @@ def test_one_active_replica_and_failover(crds: None, kube: Kube, kubeconfig: str
     prio = {who: peering_priority({"POD_ID": f"kvfleet-operator-{who}-{sfx}"}) for who in ops}
     active, standby = sorted(ops, key=lambda who: prio[who], reverse=True)
     try:
-        for op in ops.values():
-            op.start()
+        # The higher one first: a lower one started first would be active (and log so) until the higher appears.
+        ops[active].start()
         wait_for("the higher-priority replica is active", lambda: RESUMED in ops[active].log_text(), timeout=60)
+        ops[standby].start()
         kube.apply({"apiVersion": API, "kind": "Tenant", "metadata": {"name": tenant},
                     "spec": {"namespaces": [tenant], "quotas": [{"flavor": f"h200-{sfx}", "nominal": 1}]}})
         wait_for("the active replica reconciles", lambda: kube.get(KUEUE, "localqueues", tenant, tenant), timeout=60)
