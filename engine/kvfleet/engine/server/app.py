@@ -134,9 +134,9 @@ def build_app(state: ServerState, load_engine: Callable[[], Any] | None = None) 
     async def tokenize(req: P.TokenizeRequest) -> dict[str, Any]:
         check_model(state, req.model)
         if req.messages is not None:
-            ids = chat_prompt_ids(state, req.messages, req.add_generation_prompt)
+            ids = await chat_prompt_ids(state, req.messages, req.add_generation_prompt)
         else:
-            ids = state.encode(req.prompt or "", "prompt", add_special_tokens=req.add_special_tokens)
+            ids = await state.encode_async(req.prompt or "", "prompt", add_special_tokens=req.add_special_tokens)
         return {"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids}
 
     @app.post("/detokenize", response_model=P.DetokenizeResponse, responses=ERRORS)

@@ -17,7 +17,7 @@ from kvfleet.engine.server.serving import (SSE_DONE, ManagedStream, build_params
 from kvfleet.engine.server.state import ServerState, logger
 
 
-def chat_prompt_ids(state: ServerState, messages: list[ChatMessage], add_generation_prompt: bool) -> list[int]:
+async def chat_prompt_ids(state: ServerState, messages: list[ChatMessage], add_generation_prompt: bool) -> list[int]:
     """Render the chat template and tokenize it (the template already holds any BOS token)."""
     conversation = [{"role": m.role, "content": m.text()} for m in messages]
     try:
@@ -27,7 +27,7 @@ def chat_prompt_ids(state: ServerState, messages: list[ChatMessage], add_generat
     except Exception as exc:  # a template may raise for conversations it does not support
         raise APIError(400, f"messages: the chat template cannot render this conversation: {exc}", "messages",
                        "invalid_messages") from None
-    return state.encode(text, "messages", add_special_tokens=False)
+    return await state.encode_async(text, "messages", add_special_tokens=False)
 
 
 def _logprobs(state: ServerState, req: ChatCompletionRequest, token_ids: list[int],
@@ -40,7 +40,7 @@ def _logprobs(state: ServerState, req: ChatCompletionRequest, token_ids: list[in
 async def create_chat_completion(state: ServerState, req: ChatCompletionRequest, request: Request,
                                  tenant: str) -> Response:
     model = check_model(state, req.model)
-    ids = chat_prompt_ids(state, req.messages, req.add_generation_prompt)
+    ids = await chat_prompt_ids(state, req.messages, req.add_generation_prompt)
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     max_field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     logprobs = (req.top_logprobs or 0) if req.logprobs else None

@@ -17,13 +17,13 @@ from kvfleet.engine.server.serving import (SSE_DONE, ManagedStream, build_params
 from kvfleet.engine.server.state import ServerState, logger
 
 
-def _prompts(state: ServerState, prompt: Any) -> list[tuple[str | None, list[int]]]:
+async def _prompts(state: ServerState, prompt: Any) -> list[tuple[str | None, list[int]]]:
     """(text or None, token ids) for each prompt of a str / ids / list[str] / list[ids] field."""
     if isinstance(prompt, str):
-        return [(prompt, state.encode(prompt, "prompt"))]
+        return [(prompt, await state.encode_async(prompt, "prompt"))]
     if prompt and isinstance(prompt[0], int):
         return [(None, list(prompt))]
-    return [(p, state.encode(p, "prompt")) if isinstance(p, str) else (None, list(p)) for p in prompt]
+    return [(p, await state.encode_async(p, "prompt")) if isinstance(p, str) else (None, list(p)) for p in prompt]
 
 
 def _choice_logprobs(state: ServerState, req: CompletionRequest, out: Any, completion: Any,
@@ -41,7 +41,7 @@ def _choice_logprobs(state: ServerState, req: CompletionRequest, out: Any, compl
 
 async def create_completion(state: ServerState, req: CompletionRequest, request: Request, tenant: str) -> Response:
     model = check_model(state, req.model)
-    prompts = _prompts(state, req.prompt)
+    prompts = await _prompts(state, req.prompt)
     field = "prompt"
     want_prompt_lp = req.logprobs if (req.echo and req.logprobs is not None) else None
     params = [build_params(state, req, ids, req.max_tokens, field, "max_tokens", req.logprobs, want_prompt_lp)
