@@ -42,8 +42,8 @@ def llm(tiny_model_dir) -> LLM:
     (dict(stop=5), r"stop: must be a string or a list of strings, got 5"),
     (dict(stop_token_ids=7), r"stop_token_ids: must be a list of token ids, got 7"),
     (dict(top_k=5.0), r"top_k: must be -1 \(disable\) or at least 1, got 5.0"),
-    (dict(seed=2**64), r"seed: must be in \[-2\*\*63, 2\*\*64\)"),     # used to fail the whole step
-    (dict(seed=-(2**63) - 1), r"seed: must be in \[-2\*\*63, 2\*\*64\)"),
+    (dict(seed=2**63), r"seed: must be in \[-2\*\*63, 2\*\*63\)"),     # used to fail the whole step
+    (dict(seed=-(2**63) - 1), r"seed: must be in \[-2\*\*63, 2\*\*63\)"),
 ])
 def test_invalid_sampling_values(kwargs, match) -> None:
     with pytest.raises(ValueError, match=match):
@@ -69,11 +69,11 @@ def test_bad_prompts_rejected_before_scheduling(llm: LLM) -> None:
         assert not eng.scheduler.has_unfinished() and not eng.groups
     with pytest.raises(ValueError, match=r"top_k: must be -1"):
         llm.generate(["hello"], SamplingParams(top_k=0))
-    # The widest seeds torch takes still run, beside another request.
-    for seed in (2**64 - 1, -(2**63)):
-        outs = llm.generate([[1, 2], [3, 4]], [SamplingParams(max_tokens=2, seed=seed, ignore_eos=True),
+    # The widest seeds still run, with n samples (each seeded seed + i), beside another request.
+    for seed in (2**63 - 1, -(2**63)):
+        outs = llm.generate([[1, 2], [3, 4]], [SamplingParams(n=3, max_tokens=2, seed=seed, ignore_eos=True),
                                                SamplingParams(max_tokens=2, ignore_eos=True)])
-        assert [len(o.outputs[0].token_ids) for o in outs] == [2, 2]
+        assert [len(c.token_ids) for o in outs for c in o.outputs] == [2, 2, 2, 2]
     with pytest.raises(ValueError, match=r"n: 100000 sequences exceed max_num_seqs=256"):
         llm.generate([[1, 2]], SamplingParams(n=100000))
     with pytest.raises(ValueError, match=r"best_of: 300 sequences exceed max_num_seqs=256"):

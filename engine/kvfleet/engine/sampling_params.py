@@ -129,9 +129,10 @@ class SamplingParams:
                 _fail(name, f"must be at most the vocabulary size ({vocab_size}), got {val}")
         if self.seed is not None and not is_int(self.seed):
             _fail("seed", f"must be an int, got {self.seed!r}")
-        if self.seed is not None and not -(2**63) <= self.seed < 2**64:
-            # torch generators take 64 bits; a wider seed would fail the whole step, other requests too.
-            _fail("seed", f"must be in [-2**63, 2**64), got {self.seed}")
+        if self.seed is not None and not -(2**63) <= self.seed < 2**63:
+            # torch generators take 64 bits and sample i is seeded with seed + i: a wider seed would fail
+            # the whole step, other requests too. int64, as the OpenAI API documents it.
+            _fail("seed", f"must be in [-2**63, 2**63), got {self.seed}")
         if not isinstance(self.stop, list):
             _fail("stop", f"must be a string or a list of strings, got {self.stop!r}")
         if not isinstance(self.stop_token_ids, list):
