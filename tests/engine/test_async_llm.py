@@ -44,6 +44,30 @@ def test_concurrent_streams_are_cumulative_and_match_offline(engine: AsyncLLM, t
     assert s["kv_blocks_used"] == 0 and s["generation_tokens"] >= 36
 
 
+def test_accepted_requests_count_as_waiting_before_the_engine_thread_takes_them(engine: AsyncLLM) -> None:
+    # num_requests_waiting is the autoscaler's signal: a request accepted by generate() but not yet
+    # handed to the engine thread is waiting too. Hold the engine thread in a command to see that window.
+    import threading
+
+    gate = threading.Event()
+    engine._commands.put(lambda: gate.wait(10))
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+
+    async def main():
+        tasks = [asyncio.create_task(collect(engine, [3, 4, 5 + i], params, f"w{i}")) for i in range(5)]
+        await asyncio.sleep(0.05)                        # each generator has queued its request
+        held = engine.stats()
+        gate.set()
+        outs = await asyncio.gather(*tasks)
+        return held, outs
+
+    held, outs = asyncio.run(main())
+    assert held["num_waiting"] + held["num_running"] == 5, held
+    assert all(o[-1].finished for o in outs)
+    after = engine.stats()
+    assert after["num_waiting"] == 0 and after["num_running"] == 0
+
+
 def test_abort_frees_blocks_at_once(engine: AsyncLLM) -> None:
     async def main():
         gen = engine.generate(list(range(1, 60)), SamplingParams(max_tokens=150, ignore_eos=True), "long")

@@ -49,6 +49,10 @@ class AsyncLLM:
         self.engine = LLMEngine(EngineConfig(model=str(model), **kwargs))
         self._streams: dict[str, _Stream] = {}
         self._commands: queue.Queue[Callable[[], None]] = queue.Queue()
+        # Requests accepted but not yet handed to the engine thread: they are waiting too, and the
+        # autoscaler reads num_waiting, so it must count them at every scrape.
+        self._pending_lock = threading.Lock()
+        self._pending_adds = 0
         self._stop = threading.Event()
         self._ids = itertools.count()
         self._thread = threading.Thread(target=self._run, name="kvfleet-engine", daemon=True)
@@ -64,7 +68,10 @@ class AsyncLLM:
         return self.engine.model_config
 
     def stats(self) -> dict[str, Any]:
-        return self.engine.stats()
+        with self._pending_lock:
+            stats = dict(self.engine.stats())
+            stats["num_waiting"] += self._pending_adds
+        return stats
 
     @property
     def is_running(self) -> bool:
@@ -83,8 +90,10 @@ class AsyncLLM:
         text, ids, params, _ = self.engine.process_inputs(prompt, sampling_params)
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         self._streams[rid] = stream
-        self._commands.put(lambda: self._add(rid, {"prompt": text, "prompt_token_ids": ids}, params, priority,
-                                             cache_salt))
+        with self._pending_lock:
+            self._pending_adds += 1
+            self._commands.put(lambda: self._add(rid, {"prompt": text, "prompt_token_ids": ids}, params,
+                                                 priority, cache_salt))
         finished = False
         try:
             while True:
@@ -101,14 +110,16 @@ class AsyncLLM:
                 self._commands.put(lambda: self._abort_now(rid))
 
     def _add(self, rid: str, prompt: dict, params: SamplingParams, priority: int, salt: Optional[str]) -> None:
-        stream = self._streams.get(rid)
-        if stream is None:
-            return   # cancelled before it started
-        try:
-            self.engine.add_request(rid, prompt, params, priority=priority, cache_salt=salt)
-        except Exception as e:   # noqa: BLE001 - delivered to the caller
-            self._streams.pop(rid, None)
-            stream.put(e)
+        with self._pending_lock:   # moves from pending to the engine's queue in one step for stats()
+            self._pending_adds -= 1
+            stream = self._streams.get(rid)
+            if stream is None:
+                return   # cancelled before it started
+            try:
+                self.engine.add_request(rid, prompt, params, priority=priority, cache_salt=salt)
+            except Exception as e:   # noqa: BLE001 - delivered to the caller
+                self._streams.pop(rid, None)
+                stream.put(e)
 
     def _abort_now(self, rid: str) -> None:
         for out in self.engine.abort_request([rid]):
