@@ -64,5 +64,25 @@ def test_throughput_cli_on_a_tiny_model(backend: str, tiny_model_factory, tmp_pa
         assert res["batches"] == 2
 
 
+def test_throughput_cli_tensor_parallel_2_on_cpu_generates_the_same_tokens(tiny_model_factory, tmp_path: Path) -> None:
+    # TP=2 (gloo, two processes) through the benchmark: same requests done, exact lengths, same greedy work.
+    model = tiny_model_factory("llama")
+    reqs = [BenchRequest(list(range(3 + i, 20 + 2 * i)), 3 + i % 4) for i in range(4)]
+    write_jsonl(reqs, tmp_path / "w.jsonl")
+    results = {}
+    for tp in (1, 2):
+        out = tmp_path / f"tp{tp}.json"
+        rc = main(["--model", str(model), "--workload", str(tmp_path / "w.jsonl"), "--out", str(out),
+                   "--dtype", "float32", "--device", "cpu", "--num-kv-blocks", "32", "--warmup-requests", "1",
+                   "--tensor-parallel-size", str(tp)])
+        assert rc == 0
+        results[tp] = json.loads(out.read_text())
+    for tp, res in results.items():
+        assert res["tensor_parallel_size"] == tp and res["requests_with_wrong_length"] == 0
+        assert res["output_tokens"] == sum(r.max_tokens for r in reqs)
+
+
 def test_throughput_cli_rejects_bad_arguments(tmp_path: Path) -> None:
     assert main(["--model", str(tmp_path), "--workload", "chat-mix", "--out", str(tmp_path / "x.json")]) == 2
+    assert main(["--model", str(tmp_path), "--workload", "chat-mix", "--backend", "hf",
+                 "--tensor-parallel-size", "2", "--out", str(tmp_path / "x.json")]) == 2

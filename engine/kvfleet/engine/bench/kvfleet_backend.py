@@ -134,7 +134,8 @@ def run_kvfleet(args: argparse.Namespace, reqs: list[BenchRequest], warm: list[B
                        max_model_len=max_len, max_num_seqs=args.max_num_seqs,
                        max_num_batched_tokens=args.max_num_batched_tokens,
                        gpu_memory_utilization=args.gpu_memory_utilization, num_kv_blocks=args.num_kv_blocks,
-                       enable_prefix_caching=not args.no_prefix_caching, enforce_eager=args.enforce_eager)
+                       enable_prefix_caching=not args.no_prefix_caching, enforce_eager=args.enforce_eager,
+                       tensor_parallel_size=args.tensor_parallel_size)
     t = time.monotonic()
     engine = LLMEngine(cfg)
     init_s = time.monotonic() - t
@@ -199,6 +200,8 @@ def run_kvfleet(args: argparse.Namespace, reqs: list[BenchRequest], warm: list[B
 
         b, ctx = (int(x) for x in args.decode_probe.lower().split("x"))
         res["decode_probe"] = probe_decode_step(engine, b, ctx)
+    res["tensor_parallel_size"] = args.tensor_parallel_size
+    engine.shutdown()  # stops tensor-parallel workers
     return res
 
 

@@ -54,8 +54,10 @@ def build_parser() -> argparse.ArgumentParser:
 def _check_args(args: argparse.Namespace) -> None:
     if args.num_prompts is not None and args.num_prompts < 1:
         raise ValueError("num_prompts: must be >= 1")
-    if args.tensor_parallel_size != 1:
-        raise ValueError("tensor_parallel_size: only 1 is supported by the offline benchmark")
+    if args.tensor_parallel_size < 1:
+        raise ValueError("tensor_parallel_size: must be >= 1")
+    if args.tensor_parallel_size != 1 and args.backend == "hf":
+        raise ValueError("tensor_parallel_size: the hf baseline runs on one device only")
     if args.hf_batch_size < 1:
         raise ValueError("hf_batch_size: must be >= 1")
     if not Path(args.model, "config.json").is_file() and not str(args.model).endswith(".gguf"):
