@@ -4,7 +4,7 @@
 # both workloads with kvfleet and the hf baseline. Writes $OUT/{log.txt,kernels.json,
 # engine_check.json,results.json} and prints a short table last.
 #
-#   bash bench/gpu_run.sh [STAGE ...]     stages: kernels engine kvfleet hf hf-issue profile
+#   bash bench/gpu_run.sh [STAGE ...]     stages: kernels engine kvfleet hf hf-issue profile tp (2+ GPUs)
 #                                         (default: kernels engine kvfleet hf)
 #   BUDGET_S=560 (stop starting new steps when they would not finish inside it)
 set -uo pipefail
@@ -83,6 +83,11 @@ hf-issue)  # the issue's table only: Llama with the hf baseline
   bench hf-llama-3.1-8b-chat-mix 240 --model bench/models/llama-3.1-8b --workload chat-mix --backend hf --num-prompts 64 --hf-batch-size 64
   bench hf-qwen3-0.6b-random-1024-128 60 --model bench/models/qwen3-0.6b --workload random-1024-128 --backend hf --num-prompts 256 --hf-batch-size 64 ;;
 profile) step profile 60 $PY bench/gpu_profile.py "$OUT/profile.txt" ;;
+tp)  # issue 8, on nvidia-h200-x2: TP=2 logits/greedy equal TP=1, 8B chat-mix at TP 1 vs 2, a 70B that needs TP 2
+  step tp-check 240 $PY -m pytest -q -p no:cacheprovider tests/engine/test_tensor_parallel.py
+  bench_kv kvfleet-llama-3.1-8b-chat-mix-tp1 150 --model bench/models/llama-3.1-8b --workload chat-mix --backend kvfleet
+  bench_kv kvfleet-llama-3.1-8b-chat-mix-tp2 150 --model bench/models/llama-3.1-8b --workload chat-mix --backend kvfleet --tensor-parallel-size 2
+  bench kvfleet-llama-3.1-70b-chat-mix-tp2 240 --model bench/models/llama-3.1-70b --workload chat-mix --backend kvfleet --tensor-parallel-size 2 --num-prompts 256 ;;
 *) echo "unknown stage $s" ;;
 esac; done
 
