@@ -79,10 +79,20 @@ def waiting_reason(status: dict[str, Any] | None) -> str | None:
     return None
 
 
+def _reconcile_and_record(namespace: str, name: str) -> dict[str, Any] | None:
+    """Reconcile, then mirror the status counts in the replica gauges (inside the object's lock, so a
+    reconcile that ends after the object's deletion cannot bring its series back)."""
+    status = reconcile_model_deployment(kube(), config(), namespace, name)
+    if status is None:
+        metrics.REPLICAS.forget(namespace, name)
+    else:
+        metrics.REPLICAS.record(namespace, name, status)
+    return status
+
+
 def reconcile_now(namespace: str, name: str) -> Any:
     """Reconcile one ModelDeployment now (the autoscaler calls this after a decision)."""
-    return _guarded("ModelDeployment", f"{namespace}/{name}",
-                    lambda: reconcile_model_deployment(kube(), config(), namespace, name))
+    return _guarded("ModelDeployment", f"{namespace}/{name}", lambda: _reconcile_and_record(namespace, name))
 
 
 @kopf.on.create(GROUP, VERSION, MDEP_PLURAL)
@@ -100,6 +110,15 @@ def mdep_changed(namespace: str, name: str, **_: Any) -> None:
 def mdep_deleted(namespace: str, name: str, **_: Any) -> None:
     # Owner references let the garbage collector remove workloads, Deployments and the Service.
     log.info("deleted mdep=%s/%s", namespace, name)
+
+
+@kopf.on.event(GROUP, VERSION, MDEP_PLURAL)
+def mdep_event(type: str | None, namespace: str, name: str, **_: Any) -> None:  # noqa: A002 (kopf's name)
+    """Gone from the API: drop its replica gauges. Without a finalizer kopf may never call the delete
+    handler (the object can vanish before it is seen terminating), but the watch always says DELETED."""
+    if type == "DELETED":
+        with _lock(f"{namespace}/{name}"):
+            metrics.REPLICAS.forget(namespace, name)
 
 
 @kopf.on.event(KUEUE_GROUP, KUEUE_VERSION, "workloads",

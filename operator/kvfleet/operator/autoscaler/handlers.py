@@ -24,7 +24,7 @@ from typing import Any, Mapping, Optional
 
 import kopf
 
-from kvfleet.operator.autoscaler.gauges import ScalingGauges, replica_count
+from kvfleet.operator.autoscaler.gauges import ScalingGauges
 from kvfleet.operator.autoscaler.metrics import query_prometheus, scrape_pods
 from kvfleet.operator.autoscaler.pods import ready_targets
 from kvfleet.operator.autoscaler.policy import AutoscalingSpec, Decision, decide
@@ -121,8 +121,7 @@ async def autoscale_once(kube: Any, namespace: str, name: str, settings: Autosca
             log.debug("object changed while deciding; skipped", extra={"mdep": f"{namespace}/{name}"})
             return None
     await _post_events(kube, mdep, decision, old_auto)
-    GAUGES.record(namespace, name, decision, replica_count(status, "admittedReplicas"),
-                  replica_count(status, "readyReplicas"))
+    GAUGES.record(namespace, name, decision)  # the replica gauges are the operator's reconcile's
     log.log(logging.INFO if decision.action != "hold" else logging.DEBUG, "decision",
             extra={"mdep": f"{namespace}/{name}", "action": decision.action, "from": decision.current,
                    "to": decision.desired, "queue_depth": decision.queue_depth, "reason": decision.reason})
