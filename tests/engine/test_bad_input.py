@@ -91,6 +91,36 @@ def test_request_that_can_never_fit_the_kv_pool(tiny_model_dir) -> None:
     with pytest.raises(ValueError, match=r"max_tokens: prompt \(40 tokens\) \+ max_tokens \(16\) can never fit "
                                          r"the KV cache \(48 tokens\)"):
         small.generate([list(range(1, 41))], SamplingParams(max_tokens=16))
+    # A prompt that alone fills the cache is the prompt's fault, whatever max_tokens says.
+    for n in (48, 60):
+        with pytest.raises(ValueError, match=rf"prompt: {n} tokens leave no room to generate in the KV cache "
+                                             r"\(48 tokens\)"):
+            small.generate([list(range(1, n + 1))], SamplingParams(max_tokens=1))
+    assert not small.llm_engine.scheduler.has_unfinished() and not small.llm_engine.groups
+    assert len(small.generate([list(range(1, 47))], SamplingParams(max_tokens=2, ignore_eos=True))[0]
+               .outputs[0].token_ids) == 2    # the largest request that fits still runs
+
+
+def test_lone_surrogates_are_value_errors_naming_the_field(llm: LLM) -> None:
+    eng = llm.llm_engine
+    bad = [("a\ud800b", r"prompt: invalid Unicode text at character 1 \('\\ud800' is a lone UTF-16 surrogate\)"),
+           ({"prompt": "ok \udfff"}, r"prompt: invalid Unicode text at character 3"),
+           (["fine", "x\udc00"], r"prompt: invalid Unicode text")]   # a batch with one bad prompt adds nothing
+    for prompts, match in bad:
+        with pytest.raises(ValueError, match=match):
+            llm.generate(prompts, SamplingParams(max_tokens=2))
+        assert not eng.scheduler.has_unfinished() and not eng.groups
+    with pytest.raises(ValueError, match=r"messages: invalid Unicode text at messages\[1\]\.content"):
+        llm.chat([{"role": "system", "content": "hi"}, {"role": "user", "content": "a\ud800b"}])
+    with pytest.raises(ValueError, match=r"messages: invalid Unicode text at messages\[1\]\[0\]\.content"):
+        llm.chat([[{"role": "user", "content": "ok"}], [{"role": "user", "content": "\ud800"}]])
+    with pytest.raises(ValueError, match=r"messages: invalid Unicode text at character"):   # via template kwargs
+        llm.chat([{"role": "user", "content": "ok"}], chat_template="{{ extra }}{{ messages[0].content }}",
+                 extra="\ud800")
+    assert not eng.scheduler.has_unfinished() and not eng.groups
+    # Valid non-ASCII text (astral plane too) still tokenizes.
+    out = llm.generate("naïve 😀", SamplingParams(max_tokens=1, ignore_eos=True))[0]
+    assert out.prompt_token_ids == llm.get_tokenizer().encode("naïve 😀")
 
 
 @pytest.mark.parametrize("kwargs,match", [

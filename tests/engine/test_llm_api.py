@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import json
+import shutil
+from pathlib import Path
+
 import pytest
 
 from kvfleet.engine import LLM, SamplingParams
@@ -41,6 +45,32 @@ def test_chat_applies_the_template(llm: LLM) -> None:
     assert len(two) == 2 and two[0].outputs[0].token_ids == out.outputs[0].token_ids[:2]
     with pytest.raises(ValueError, match="messages: each message must be a dict with 'role' and 'content'"):
         llm.chat([{"content": "no role"}])
+
+
+def test_stop_reason_is_none_on_eos_and_the_matched_stop_token_id(llm: LLM, tiny_model_dir, tmp_path) -> None:
+    """As vLLM: stop_reason is None when EOS ends a sequence, the id when a stop_token_ids entry does."""
+    prompt = [7, 8, 9, 10]
+    base = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))[0].outputs[0]
+    tok = base.token_ids[4]
+    cut = base.token_ids.index(tok) + 1
+    # The same weights with `tok` as the model's EOS (config and generation config).
+    folder = Path(shutil.copytree(tiny_model_dir, tmp_path / "eos-model"))
+    for name in ("config.json", "generation_config.json"):
+        cfg = json.loads((folder / name).read_text())
+        cfg["eos_token_id"] = tok
+        (folder / name).write_text(json.dumps(cfg))
+    eos_llm = LLM(str(folder), num_kv_blocks=64, max_model_len=256)
+    assert tok in eos_llm.llm_engine.eos_token_ids
+    greedy = dict(temperature=0.0, max_tokens=12)
+    cases = [(SamplingParams(**greedy), None),                                     # ended by EOS
+             (SamplingParams(**greedy, stop_token_ids=[tok]), None),               # EOS wins, as in vLLM
+             (SamplingParams(**greedy, stop_token_ids=[tok], ignore_eos=True), tok)]   # only the stop id
+    for params, reason in cases:
+        out = eos_llm.generate(prompt, params)[0].outputs[0]
+        assert out.token_ids == base.token_ids[:cut] and out.finish_reason == "stop"
+        assert out.stop_reason == reason, params
+    out = eos_llm.generate(prompt, SamplingParams(**greedy, ignore_eos=True))[0].outputs[0]
+    assert out.token_ids == base.token_ids and out.finish_reason == "length" and out.stop_reason is None
 
 
 def test_best_of_returns_the_n_most_likely(llm: LLM) -> None:

@@ -7,7 +7,7 @@ import logging
 from typing import Any, Optional, Sequence, Union
 
 from kvfleet.engine.config import EngineConfig
-from kvfleet.engine.core.inputs import PromptType
+from kvfleet.engine.core.inputs import PromptType, check_text, find_bad_text
 from kvfleet.engine.llm_engine import LLMEngine
 from kvfleet.engine.outputs import BeamSearchOutput, BeamSearchSequence, RequestOutput
 from kvfleet.engine.sampling_params import BeamSearchParams, SamplingParams
@@ -116,11 +116,15 @@ class LLM:
             raise ValueError("messages: this model has no tokenizer (and no chat template)")
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         prompts: list[PromptType] = []
-        for conv in convs:
+        for k, conv in enumerate(convs):
             if not conv or not all(isinstance(m, dict) and "role" in m and "content" in m for m in conv):
                 raise ValueError("messages: each message must be a dict with 'role' and 'content'")
+            bad = find_bad_text(conv, f"messages[{k}]" if len(convs) > 1 else "messages")
+            if bad:
+                raise ValueError(f"messages: invalid Unicode text at {bad} (a lone UTF-16 surrogate)")
             text = tok.apply_chat_template(conv, tokenize=False, add_generation_prompt=add_generation_prompt,
                                            chat_template=chat_template, **template_kwargs)
+            check_text(text, "messages")   # the template or its kwargs may add bad text too
             ids = tok.encode(text, add_special_tokens=False)
             prompts.append({"prompt": text, "prompt_token_ids": ids})
         return self.generate(prompts, sampling_params)

@@ -17,7 +17,7 @@ import torch
 
 from kvfleet.engine.config import EngineConfig
 from kvfleet.engine.core.beam_search import Beam, BeamSearchState
-from kvfleet.engine.core.inputs import PromptType, check_prompt, split_prompt
+from kvfleet.engine.core.inputs import PromptType, check_prompt, check_text, split_prompt
 from kvfleet.engine.core.kv_cache_manager import KVCacheManager
 from kvfleet.engine.core.request import Request, RequestStatus
 from kvfleet.engine.core.request_group import RequestGroup
@@ -35,6 +35,17 @@ class StepError(RuntimeError):
     def __init__(self, request_ids: list[str], cause: Exception) -> None:
         super().__init__(f"engine: step failed for {len(request_ids)} request(s): {cause}")
         self.request_ids = request_ids
+
+
+def public_stop_reason(reason: Optional[object], params: SamplingParams, eos_token_ids: frozenset[int]
+                       ) -> Optional[object]:
+    """vLLM's `stop_reason`: the stop string or stop_token_ids entry that matched, None for EOS.
+
+    The scheduler records whichever token stopped a sequence (EOS ids are among its stop ids);
+    as in vLLM, EOS wins unless `ignore_eos`, even when the user also listed that id."""
+    if isinstance(reason, int) and not params.ignore_eos and reason in eos_token_ids:
+        return None
+    return reason
 
 
 _heap_frozen = False
@@ -103,6 +114,7 @@ class LLMEngine:
         if ids is None:
             if self.tokenizer is None:
                 raise ValueError("prompt: this model has no tokenizer; pass prompt_token_ids")
+            check_text(text, "prompt")   # else the tokenizer raises a TypeError
             ids = self.tokenizer.encode(text) if text else []
         return text, ids
 
@@ -251,7 +263,7 @@ class LLMEngine:
             req.stop_reason = stop
         if req.is_finished:
             st.finish_reason = req.status.finish_reason
-            st.stop_reason = req.stop_reason
+            st.stop_reason = public_stop_reason(req.stop_reason, g.params, self.eos_token_ids)
             self.runner.release([req.request_id])
 
     def _fork_samples(self, g: RequestGroup, parent: Request) -> None:

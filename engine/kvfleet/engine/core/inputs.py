@@ -22,6 +22,36 @@ def split_prompt(prompt: PromptType) -> tuple[Optional[str], Optional[list[int]]
     raise ValueError(f"prompt: must be a string, a list of token ids or a dict, got {type(prompt).__name__}")
 
 
+def check_text(text: str, field: str) -> None:
+    """ValueError naming `field` when `text` holds a lone UTF-16 surrogate (no tokenizer can encode it)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"{field}: invalid Unicode text at character {e.start} "
+                         f"({text[e.start]!r} is a lone UTF-16 surrogate)") from None
+
+
+def find_bad_text(value: Any, where: str) -> Optional[str]:
+    """Where (e.g. "messages[0].content") a string inside `value` holds a lone surrogate; None if nowhere."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return where
+        return None
+    if isinstance(value, dict):
+        for key, item in value.items():
+            found = find_bad_text(key, where) or find_bad_text(item, f"{where}.{key}")
+            if found:
+                return found
+    elif isinstance(value, (list, tuple)):
+        for i, item in enumerate(value):
+            found = find_bad_text(item, f"{where}[{i}]")
+            if found:
+                return found
+    return None
+
+
 def _as_ids(ids: Any) -> list[int]:
     if not isinstance(ids, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
         raise ValueError("prompt_token_ids: must be a list of ints")
@@ -39,6 +69,9 @@ def check_prompt(token_ids: list[int], vocab_size: int, max_model_len: int, max_
         raise ValueError(f"prompt_token_ids: token id {bad} is outside the vocabulary [0, {vocab_size})")
     if n > max_model_len:
         raise ValueError(f"prompt: {n} tokens exceed max_model_len={max_model_len}")
+    if n >= kv_capacity_tokens:   # not even one generated token fits: max_tokens is not to blame
+        raise ValueError(f"prompt: {n} tokens leave no room to generate in the KV cache ({kv_capacity_tokens} "
+                         f"tokens); raise num_kv_blocks or shorten the prompt")
     if max_tokens is None:
         max_tokens = max_model_len - n
         if max_tokens < 1:

@@ -255,6 +255,8 @@ class Scheduler:
     def _check_stop(self, req: Request, tok: int) -> None:
         num_out = len(req.output_token_ids)
         if tok in req.stop_token_ids and num_out >= req.min_tokens:
+            # The token that stopped it, EOS included: the engine, which knows the EOS ids and
+            # ignore_eos, reports None for EOS to users as vLLM does (llm_engine.public_stop_reason).
             req.status, req.stop_reason = RequestStatus.FINISHED_STOPPED, tok
         elif num_out >= req.max_tokens or req.num_tokens >= self.max_model_len:
             req.status = RequestStatus.FINISHED_LENGTH
