@@ -38,8 +38,12 @@ def run_steps(model: Any, cfg_heads: int, head_dim: int, layers: int, vocab: int
     return out
 
 
-def _rank_main(rank: int, port: int, folders: list[str]) -> dict[str, tuple[int, list[torch.Tensor]]]:
-    """One rank of a bare 2-process group: load each model's shards and run the steps."""
+def _rank_main(rank: int, port: int, folders: list[str],
+               before_leaving: Any = None) -> dict[str, tuple[int, list[torch.Tensor]]]:
+    """One rank of a bare 2-process group: load each model's shards and run the steps.
+
+    Rank 0 hosts the group's TCP store: it leaves only after the peer has left and exited
+    (`before_leaving`), else the peer's teardown can lose the store and abort (SIGABRT, seen in CI)."""
     from kvfleet.engine.distributed import destroy_tensor_parallel, init_tensor_parallel
 
     init_tensor_parallel(rank, 2, f"tcp://127.0.0.1:{port}", device="cpu", timeout_s=60)
@@ -51,6 +55,8 @@ def _rank_main(rank: int, port: int, folders: list[str]) -> dict[str, tuple[int,
             heads = model.model.layers[0].self_attn.num_kv_heads
             results[folder] = (heads, run_steps(model, heads, cfg.head_dim, cfg.num_layers, cfg.vocab_size))
     finally:
+        if before_leaving is not None:
+            before_leaving()
         destroy_tensor_parallel()
     return results
 
@@ -71,7 +77,7 @@ def test_sharded_layers_match_single_process(tiny_model_factory) -> None:
     peer = mp.get_context("spawn").Process(target=_rank_main, args=(1, port, folders))
     peer.start()
     try:
-        got = _rank_main(0, port, folders)
+        got = _rank_main(0, port, folders, before_leaving=lambda: peer.join(60))
     finally:
         peer.join(60)
     assert peer.exitcode == 0
