@@ -11,17 +11,18 @@ import gc
 import logging
 import os
 import time
-from typing import Any, Optional
+from typing import Any, NoReturn, Optional
 
 import torch
 
+from kvfleet.engine.async_step import PendingOutputs, split_updates
 from kvfleet.engine.config import EngineConfig
 from kvfleet.engine.core.beam_search import Beam, BeamSearchState
 from kvfleet.engine.core.inputs import PromptType, check_prompt, check_text, split_prompt
 from kvfleet.engine.core.kv_cache_manager import KVCacheManager
 from kvfleet.engine.core.request import Request, RequestStatus
 from kvfleet.engine.core.request_group import RequestGroup
-from kvfleet.engine.core.scheduler import ModelRunnerOutput, RequestUpdate, Scheduler
+from kvfleet.engine.core.scheduler import ModelRunnerOutput, RequestUpdate, Scheduler, SchedulerOutput
 from kvfleet.engine.model_config import ModelConfig
 from kvfleet.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from kvfleet.engine.sampling_params import SamplingParams
@@ -106,6 +107,9 @@ class LLMEngine:
         self.prompt_tokens = 0
         self.generation_tokens = 0
         self.idle_steps = 0          # consecutive steps that scheduled nothing (a stall if it grows)
+        self._pending: Optional[PendingOutputs] = None   # async scheduling: last step's outputs
+        self._carry: list[RequestOutput] = []            # outputs an abort processed, for the next step
+        self._final_only = False
         freeze_startup_heap()
 
     # --- requests ------------------------------------------------------------------
@@ -178,6 +182,8 @@ class LLMEngine:
 
     def abort_request(self, request_ids: list[str]) -> list[RequestOutput]:
         """End requests now (their blocks are freed at once); returns their final outputs."""
+        if self._pending is not None:   # async scheduling: the aborted outputs get every token
+            self._carry += self._take_pending(self._final_only)
         outs = []
         for rid in request_ids:
             group = self.groups.pop(rid, None)
@@ -195,11 +201,16 @@ class LLMEngine:
 
     # --- the step ------------------------------------------------------------------
     def step(self, final_only: bool = False) -> list[RequestOutput]:
-        """One engine step; outputs of the requests it advanced (only finished ones if `final_only`)."""
+        """One engine step; outputs of the requests it advanced (only finished ones if `final_only`).
+
+        With `async_scheduling` the outputs are those of the previous step (kvfleet.engine.async_step)."""
+        self._final_only = final_only
         sched = self.scheduler.schedule()
-        self.idle_steps = self.idle_steps + 1 if sched.is_empty else 0
         if sched.is_empty:
-            return []
+            flushed = self._pending is not None or bool(self._carry)
+            self.idle_steps = 0 if flushed else self.idle_steps + 1
+            return self._take_pending(final_only)
+        self.idle_steps = 0
         now = time.monotonic()
         for s in sched.scheduled:
             if s.start != s.request.num_cached_tokens:
@@ -208,14 +219,44 @@ class LLMEngine:
             if g is not None and g.metrics.first_scheduled_time is None:
                 g.metrics.first_scheduled_time = now
                 g.num_cached_tokens = max(0, s.request.num_cached_tokens)
+        overlap = self.config.async_scheduling
+        launched = None
+        if overlap:
+            try:
+                launched = self.runner.launch(sched, async_copy=True)
+            except Exception as e:
+                self._fail_step(sched, e)
+        # The device works on this step while the host processes the last one's outputs.
+        outs = self._take_pending(final_only) if overlap else []
         try:
-            result = self.runner.execute(sched)
+            result = self.runner.collect(launched) if launched is not None else self.runner.execute(sched)
         except Exception as e:
-            # The step's requests are in an unknown state: end them; the others go on.
-            failed = sorted({s.request.group_id for s in sched.scheduled if s.request.group_id})
-            self.abort_request(failed)
-            raise StepError(failed, e) from e
+            self._fail_step(sched, e)
         updates = self.scheduler.update_from_output(sched, result)
+        if overlap:
+            updates, later = split_updates(updates)
+            if later:   # prompt logprobs are processed now, with the updates that cannot wait
+                self._pending = PendingOutputs(later, ModelRunnerOutput(result.sampled_token_ids, result.logprobs))
+        return outs + self._process(updates, result, final_only)
+
+    def _fail_step(self, sched: SchedulerOutput, e: Exception) -> NoReturn:
+        # The step's requests are in an unknown state: end them; the others go on.
+        failed = sorted({s.request.group_id for s in sched.scheduled if s.request.group_id})
+        self.abort_request(failed)
+        raise StepError(failed, e) from e
+
+    def _take_pending(self, final_only: bool) -> list[RequestOutput]:
+        """The deferred outputs of the last step (async scheduling), and any an abort processed."""
+        outs, self._carry = self._carry, []
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            outs += self._process(pending.updates, pending.result, final_only)
+        return outs
+
+    def _process(self, updates: list[RequestUpdate], result: ModelRunnerOutput, final_only: bool
+                 ) -> list[RequestOutput]:
+        """The engine's side of a step after the scheduler's update: tokens into their groups
+        (detokenization, stop strings, beam picks, forks) and the `RequestOutput`s."""
         touched: dict[str, RequestGroup] = {}
         for rid, entries in result.prompt_logprobs.items():
             g = self._group_of(rid)

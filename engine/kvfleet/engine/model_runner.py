@@ -21,6 +21,7 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
+from kvfleet.engine.async_step import InFlight, copy_to_host_async
 from kvfleet.engine.attention.metadata import AttentionMetadata, build_attention_metadata
 from kvfleet.engine.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
 from kvfleet.engine.core.scheduler import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
@@ -180,14 +181,27 @@ class ModelRunner:
             return gr.run(input_ids, positions, self.kv_caches, md)
         return self.model(input_ids, positions, self.kv_caches, md)
 
-    @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        """One step, waiting for its results (the synchronous engine)."""
+        return self.collect(self.launch(sched))
+
+    def collect(self, step: InFlight) -> ModelRunnerOutput:
+        """Wait for a launched step's sampled tokens and return its output."""
+        step.wait()
+        if step.res is not None:
+            self._collect(step.reqs, step.res, step.out)
+        return step.out
+
+    @torch.inference_mode()
+    def launch(self, sched: SchedulerOutput, async_copy: bool = False) -> InFlight:
+        """Run the forward and the sampler; with `async_copy` the sampled values are copied to the
+        host without waiting (CUDA; `collect` waits). Prompt logprobs are collected at once."""
         if sched.copy_pairs:
             self._copy_blocks(sched.copy_pairs)
         out = ModelRunnerOutput()
         scheduled = sched.scheduled
         if not scheduled:
-            return out
+            return InFlight([], None, out)
         dev = self.device
         inp = build_step_inputs(scheduled, self.block_size, self._block_rows)
         qsl = inp.query_start_loc
@@ -207,15 +221,17 @@ class ModelRunner:
         if plp_rows:
             idx += [r for _, _, r, _ in plp_rows]
         if not idx:
-            return out
+            return InFlight([], None, out)
         logits = self.model.compute_logits(hidden[host_tensor(idx, np.int64, dev)])
+        step = InFlight(reqs, None, out)
         if reqs:
             batch = self._sampling_batch(reqs, logits.shape[-1])
-            res = self.sampler(logits[:len(reqs)], batch)
-            self._collect(reqs, res, out)
+            step.res = self.sampler(logits[:len(reqs)], batch)
+            if async_copy:
+                step.res, step.event = copy_to_host_async(step.res)
         if plp_rows:
             self._collect_prompt_logprobs(plp_rows, logits[len(reqs):], plp_k, out)
-        return out
+        return step
 
     # --- sampling inputs / outputs -------------------------------------------------
     def _sampling_batch(self, reqs: list[ScheduledRequest], vocab: int) -> SamplingBatch:

@@ -28,7 +28,7 @@ def default_max_model_len(reqs: list[BenchRequest], multiple: int = 256) -> int:
 class StepTimers:
     """Wraps the engine's step parts with timers (a CUDA sync around the forward, so it is GPU time)."""
 
-    def __init__(self, engine: Any, cuda: bool) -> None:
+    def __init__(self, engine: Any, cuda: bool, sync_forward: bool = True) -> None:
         import torch
 
         self.totals: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
@@ -61,9 +61,13 @@ class StepTimers:
             return out
 
         sched.schedule = schedule
-        runner.execute = timed("execute", runner.execute)
-        runner._forward = timed("forward", runner._forward, synced=True)
-        runner.sampler = _TimedCallable(runner.sampler, self._cur, sync)
+        if sync_forward:
+            runner.execute = timed("execute", runner.execute)
+        else:   # the async engine calls launch, then collect (its wait for the device) one step later
+            runner.launch = timed("execute", runner.launch)
+            runner.collect = timed("wait", runner.collect)
+        runner._forward = timed("forward", runner._forward, synced=sync_forward)
+        runner.sampler = _TimedCallable(runner.sampler, self._cur, sync if sync_forward else (lambda: None))
         sched.update_from_output = timed("update", sched.update_from_output)
         self.batch = 0
 
@@ -85,11 +89,13 @@ class StepTimers:
             n = max(1.0, tot["steps"])
             fwd, smp = tot.get("forward", 0.0), tot.get("sample", 0.0)
             prep = tot.get("execute", 0.0) - fwd - smp
-            rest = tot["step"] - tot.get("schedule", 0.0) - tot.get("execute", 0.0) - tot.get("update", 0.0)
+            rest = (tot["step"] - tot.get("schedule", 0.0) - tot.get("execute", 0.0) - tot.get("wait", 0.0)
+                    - tot.get("update", 0.0))
             out[kind] = {"steps": int(tot["steps"]), "mean_batch": tot["batch_sum"] / n,
                          "step_ms": 1e3 * tot["step"] / n, "schedule_ms": 1e3 * tot.get("schedule", 0.0) / n,
                          "prepare_ms": 1e3 * prep / n, "forward_ms": 1e3 * fwd / n, "sample_ms": 1e3 * smp / n,
-                         "update_ms": 1e3 * tot.get("update", 0.0) / n, "outputs_ms": 1e3 * rest / n}
+                         "update_ms": 1e3 * tot.get("update", 0.0) / n, "outputs_ms": 1e3 * rest / n,
+                         "wait_ms": 1e3 * tot.get("wait", 0.0) / n}
         return out
 
 
@@ -135,7 +141,8 @@ def run_kvfleet(args: argparse.Namespace, reqs: list[BenchRequest], warm: list[B
                        max_num_batched_tokens=args.max_num_batched_tokens,
                        gpu_memory_utilization=args.gpu_memory_utilization, num_kv_blocks=args.num_kv_blocks,
                        enable_prefix_caching=not args.no_prefix_caching, enforce_eager=args.enforce_eager,
-                       tensor_parallel_size=args.tensor_parallel_size)
+                       tensor_parallel_size=args.tensor_parallel_size,
+                       async_scheduling=bool(getattr(args, "async_scheduling", False)))
     t = time.monotonic()
     engine = LLMEngine(cfg)
     init_s = time.monotonic() - t
@@ -146,7 +153,9 @@ def run_kvfleet(args: argparse.Namespace, reqs: list[BenchRequest], warm: list[B
     if cuda:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
-    timers = StepTimers(engine, cuda)
+    # With async scheduling the forward is not synchronised (that would undo the overlap): its
+    # timer is then launch time only, and "outputs" is the host time not hidden behind the device.
+    timers = StepTimers(engine, cuda, sync_forward=not cfg.async_scheduling)
     block_size = cfg.block_size
     peak: dict[str, Any] = {"kv_blocks_used": -1}
 

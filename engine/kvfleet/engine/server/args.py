@@ -67,6 +67,8 @@ SERVE_FLAGS: tuple[Flag, ...] = (
     Flag("--enable-chunked-prefill", "Split long prompts over several steps.", boolean=True, default=True),
     Flag("--enable-prefix-caching", "Reuse KV blocks of shared prompt prefixes.", boolean=True, default=True),
     Flag("--enforce-eager", "Never capture CUDA graphs.", boolean=True, default=False),
+    Flag("--async-scheduling", "Process a step's outputs while the next step runs on the device.",
+         boolean=True, default=False),
     Flag("--seed", "Engine random seed.", type=int, default=0, metavar="N"),
     Flag("--load-format", "auto: read the weights (safetensors or GGUF); dummy: random weights of the right "
          "shapes (benchmarks).", default="auto", choices=("auto", "safetensors", "gguf", "dummy")),
@@ -141,7 +143,7 @@ def check_serve_args(args: argparse.Namespace) -> None:
 _ENGINE_KWARGS = ("tokenizer", "device", "dtype", "tensor_parallel_size", "max_model_len",
                   "gpu_memory_utilization", "max_num_seqs", "max_num_batched_tokens", "block_size",
                   "enable_prefix_caching", "enable_chunked_prefill", "enforce_eager", "seed", "load_format",
-                  "kv_cache_memory_bytes")
+                  "kv_cache_memory_bytes", "async_scheduling")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:

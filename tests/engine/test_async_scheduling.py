@@ -1,0 +1,220 @@
+"""Async scheduling (kvfleet.engine.async_step): the same outputs as the synchronous engine.
+
+With `async_scheduling=True` the engine processes step N-1's outputs while step N runs, so a stop
+string is seen one step late, after the request was scheduled again: these tests check that no
+extra token reaches the output and no block is left held, and that every other rule (greedy
+tokens vs transformers under chunked prefill, prefix hits and preemption; stop ids, max/min
+tokens; seeded sampling; n>1, beam search and prompt logprobs, which fall back to processing at
+once) gives exactly what the synchronous engine gives.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+
+import pytest
+import torch
+
+from kvfleet.engine import LLM, AsyncLLM, SamplingParams
+from kvfleet.engine.async_step import split_updates
+from kvfleet.engine.core.request import RequestStatus
+
+PROMPT_LENS = (3, 16, 17, 33, 41)
+MAX_NEW = 10
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, min_tokens=MAX_NEW)
+
+
+def prompts_for(vocab: int, lens: tuple[int, ...] = PROMPT_LENS, seed: int = 1) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lens]
+
+
+def summary(outs) -> list:
+    """Everything a user sees of a batch of outputs."""
+    return [[(c.index, c.text, c.token_ids, c.finish_reason, c.stop_reason, c.cumulative_logprob,
+              c.logprobs) for c in o.outputs] + [o.prompt_logprobs] for o in outs]
+
+
+def assert_no_leak(llm: LLM) -> None:
+    s = llm.stats()
+    assert s["kv_blocks_used"] == 0 and s["num_running"] == 0 and s["num_waiting"] == 0
+    eng = llm.llm_engine
+    eng.kv.check_invariants()
+    assert eng.kv.pool.num_free_blocks == s["kv_blocks_total"]
+    assert not eng.groups and eng._pending is None and not eng._carry
+    assert not eng.runner._block_rows.row_of and not eng.runner._generators
+
+
+@pytest.fixture(scope="module")
+def refs(tiny_model_dir):
+    import transformers
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32).eval()
+    prompts = prompts_for(hf.config.vocab_size)
+    with torch.no_grad():
+        ids = [hf.generate(torch.tensor([p]), do_sample=False, max_new_tokens=MAX_NEW, min_new_tokens=MAX_NEW,
+                           pad_token_id=0)[0, len(p):].tolist() for p in prompts]
+    return prompts, ids
+
+
+@pytest.fixture(scope="module")
+def pair(tiny_model_dir):
+    """(synchronous, async) engines over the same tiny model and settings."""
+    kw = dict(num_kv_blocks=96, max_num_batched_tokens=64)
+    return LLM(str(tiny_model_dir), **kw), LLM(str(tiny_model_dir), async_scheduling=True, **kw)
+
+
+def test_greedy_matches_transformers_with_chunks_prefix_hits_and_preemption(tiny_model_dir, refs) -> None:
+    prompts, ref_ids = refs
+    llm = LLM(str(tiny_model_dir), max_num_batched_tokens=16, num_kv_blocks=64, async_scheduling=True)
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)] == ref_ids
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)] == ref_ids   # prefix hits
+    assert llm.stats()["prefix_cache_hits"] == 16 + 32 + 32
+    assert_no_leak(llm)
+    # Room for the longest request alone but not for the batch: preemption, then recompute.
+    need = math.ceil((max(PROMPT_LENS) + MAX_NEW) / 8)
+    kw = dict(block_size=8, num_kv_blocks=need + 2, enable_prefix_caching=False)
+    small = LLM(str(tiny_model_dir), async_scheduling=True, **kw)
+    outs = small.generate(prompts, GREEDY)
+    assert [o.outputs[0].token_ids for o in outs] == ref_ids
+    assert small.stats()["num_preemptions"] > 0
+    sync = LLM(str(tiny_model_dir), **kw)
+    assert summary(sync.generate(prompts, GREEDY)) == summary(outs)
+    assert_no_leak(small)
+
+
+def test_stop_rules_exact(pair, tiny_model_dir) -> None:
+    sync, fast = pair
+    tok = sync.get_tokenizer()
+    texts = ["the quick brown fox", "hello world, this is", "a b c d e f g", "once upon a time there"]
+    free = sync.generate(texts, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
+    # Stop strings and ids taken from what greedy decoding really produces, so they do fire.
+    stop_str = [o.outputs[0].text[3:5] or "e" for o in free]
+    stop_ids = [o.outputs[0].token_ids[4] for o in free]
+    params = [SamplingParams(temperature=0.0, max_tokens=12, stop=[s]) for s in stop_str]
+    params += [SamplingParams(temperature=0.0, max_tokens=12, stop=[s], include_stop_str_in_output=True)
+               for s in stop_str]
+    params += [SamplingParams(temperature=0.0, max_tokens=12, stop_token_ids=[i]) for i in stop_ids]
+    params += [SamplingParams(temperature=0.0, max_tokens=12, stop_token_ids=[i], min_tokens=7) for i in stop_ids]
+    params += [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (1, 2, 5, 9)]
+    prompts = texts * 5
+    a = sync.generate(prompts, params)
+    # Count the requests a step had scheduled that were finished before its update (late stops).
+    sch = fast.llm_engine.scheduler
+    orig, late = sch.update_from_output, [0]
+
+    def update(sched, result):
+        late[0] += sum(s.request.status is not RequestStatus.RUNNING for s in sched.scheduled)
+        return orig(sched, result)
+
+    sch.update_from_output = update
+    try:
+        b = fast.generate(prompts, params)
+    finally:
+        del sch.update_from_output
+    assert late[0] > 0              # the one-step-late stop string path really ran
+    assert summary(a) == summary(b)
+    reasons = {c.finish_reason for o in b for c in o.outputs}
+    assert reasons == {"stop", "length"}
+    # The stop strings really fired and truncated (a late stop adds no token and no text).
+    for o, s in zip(b[:4], stop_str):
+        assert o.outputs[0].finish_reason == "stop" and s not in o.outputs[0].text
+        assert len(tok.encode(o.outputs[0].text)) <= len(o.outputs[0].token_ids) + 1
+    assert_no_leak(fast)
+
+
+def test_seeded_sampling_n_beam_and_prompt_logprobs_same_as_sync(pair) -> None:
+    sync, fast = pair
+    prompts = prompts_for(500, (5, 20, 37), seed=4)
+    cases = [
+        SamplingParams(temperature=0.9, top_p=0.9, seed=11, max_tokens=15, ignore_eos=True, logprobs=2),
+        SamplingParams(temperature=1.1, n=3, seed=5, max_tokens=8, ignore_eos=True,
+                       repetition_penalty=1.3, presence_penalty=0.5),
+        SamplingParams(use_beam_search=True, best_of=3, n=2, max_tokens=6),
+        SamplingParams(temperature=0.0, max_tokens=6, prompt_logprobs=2, logprobs=1),
+        SamplingParams(temperature=0.7, best_of=3, n=1, seed=2, max_tokens=7),
+    ]
+    for p in cases:
+        assert summary(sync.generate(prompts, p)) == summary(fast.generate(prompts, p)), p
+        assert_no_leak(fast)
+
+
+def test_no_leak_after_abort_and_abort_output_has_every_token(pair) -> None:
+    _, fast = pair
+    eng = fast.llm_engine
+    prompts = prompts_for(500, (5, 20, 37, 64), seed=0)
+    eng.add_request("a", prompts[0], SamplingParams(max_tokens=30, ignore_eos=True))
+    eng.add_request("b", prompts[1], SamplingParams(n=3, max_tokens=12, temperature=0.8, seed=3))
+    eng.add_request("c", prompts[2], SamplingParams(max_tokens=40, ignore_eos=True))
+    eng.add_request("d", prompts[3], SamplingParams(use_beam_search=True, best_of=2, max_tokens=6))
+    for _ in range(5):
+        eng.step()
+    assert eng._pending is not None          # the last step's outputs really wait
+    seq = eng.groups["c"].seqs[0].seq
+    have = list(seq.output_token_ids)
+    assert len(have) > 0
+    (out,) = eng.abort_request(["c"])
+    assert out.finished and out.outputs[0].token_ids == have
+    while eng.has_unfinished_requests():
+        eng.step()
+    assert_no_leak(fast)
+
+
+def test_split_updates_keeps_groups_that_need_the_engine_now() -> None:
+    from kvfleet.engine.core.request import Request
+    from kvfleet.engine.core.scheduler import RequestUpdate
+
+    a0, a1, b0 = (Request(rid, [1, 2], max_tokens=3, group_id=rid[0]) for rid in ("a#0", "a#1", "b#0"))
+    plain = [RequestUpdate(a0, 5, False), RequestUpdate(b0, 6, False)]
+    assert split_updates(plain) == ([], plain)
+    beam = RequestUpdate(a1, None, False)   # a beam pick (no sampled token) in group a
+    assert split_updates(plain + [beam]) == ([plain[0], beam], [plain[1]])
+
+
+def test_async_llm_streams_with_async_scheduling(tiny_model_dir) -> None:
+    prompts = [[5, 6, 7], list(range(10, 40)), [99] * 17]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    engine = AsyncLLM(str(tiny_model_dir), num_kv_blocks=64, max_model_len=256, async_scheduling=True)
+
+    async def one(p, i):
+        return [o async for o in engine.generate(p, params, f"s{i}")]
+
+    async def main():
+        try:
+            return await asyncio.gather(*[one(p, i) for i, p in enumerate(prompts)])
+        finally:
+            await engine.shutdown()
+
+    streams = asyncio.run(main())
+    offline = LLM(str(tiny_model_dir), num_kv_blocks=64, max_model_len=256).generate(prompts, params)
+    for outs, ref in zip(streams, offline):
+        assert len(outs) > 1 and outs[-1].finished and not any(o.finished for o in outs[:-1])
+        lens = [len(o.outputs[0].token_ids) for o in outs]
+        assert lens == sorted(lens) and lens[-1] == 12
+        assert outs[-1].outputs[0].token_ids == ref.outputs[0].token_ids
+        assert outs[-1].outputs[0].text == ref.outputs[0].text
+
+
+def test_config_rejects_non_bool(tiny_model_dir) -> None:
+    with pytest.raises(ValueError, match="async_scheduling"):
+        LLM(str(tiny_model_dir), async_scheduling="yes")
+
+
+def test_throughput_bench_with_async_scheduling(tiny_model_dir, tmp_path) -> None:
+    import json
+
+    from kvfleet.engine.bench.throughput import main
+    from kvfleet.engine.bench.workloads import BenchRequest, write_jsonl
+
+    reqs = [BenchRequest(list(range(3 + i, 20 + 2 * i)), 3 + i % 4) for i in range(5)]
+    write_jsonl(reqs, tmp_path / "w.jsonl")
+    out = tmp_path / "r.json"
+    assert main(["--model", str(tiny_model_dir), "--workload", str(tmp_path / "w.jsonl"), "--out", str(out),
+                 "--dtype", "float32", "--device", "cpu", "--num-kv-blocks", "32", "--warmup-requests", "1",
+                 "--async-scheduling"]) == 0
+    res = json.loads(out.read_text())
+    assert res["args"]["async_scheduling"] is True and res["requests_with_wrong_length"] == 0
+    assert res["output_tokens"] == sum(r.max_tokens for r in reqs)
+    decode = res["step_breakdown_ms"]["decode"]
+    assert decode["steps"] > 0 and decode["prepare_ms"] >= 0 and decode["wait_ms"] >= 0
