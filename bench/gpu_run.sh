@@ -4,8 +4,9 @@
 # both workloads with kvfleet and the hf baseline. Writes $OUT/{log.txt,kernels.json,
 # engine_check.json,results.json} and prints a short table last.
 #
-#   bash bench/gpu_run.sh [STAGE ...]     stages: kernels engine kvfleet hf hf-issue profile tp (2+ GPUs)
+#   bash bench/gpu_run.sh [STAGE ...]     stages: kernels engine kvfleet async hf hf-issue profile tp (2+ GPUs)
 #                                         (default: kernels engine kvfleet hf)
+#   async scheduling A/B in one call:     bash bench/gpu_run.sh async
 #   BUDGET_S=560 (stop starting new steps when they would not finish inside it)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -73,6 +74,16 @@ kvfleet)  # the runs expected to gain most from the last change first, in case t
   bench_kv kvfleet-qwen3-0.6b-chat-mix 120 --model bench/models/qwen3-0.6b --workload chat-mix --backend kvfleet
   bench_kv kvfleet-llama-3.1-8b-random-1024-128 150 --model bench/models/llama-3.1-8b --workload random-1024-128 --backend kvfleet --decode-probe 256x1024
   bench_kv kvfleet-qwen3-0.6b-random-1024-128 120 --model bench/models/qwen3-0.6b --workload random-1024-128 --backend kvfleet --decode-probe 256x1024 ;;
+async)  # A/B of async scheduling (kvfleet.engine.async_step) in one call: a GPU check (CUDA event + pinned
+  # copy path) that its outputs equal the synchronous engine's, then each kvfleet run without and with
+  # the flag back to back, Qwen3 first (host-bound: where the gain is predicted), Llama last
+  step async-check 120 $PY -m pytest -q -p no:cacheprovider tests/engine/test_async_scheduling.py
+  for run in "qwen3-0.6b random-1024-128 120" "qwen3-0.6b chat-mix 120" "llama-3.1-8b chat-mix 150" \
+             "llama-3.1-8b random-1024-128 150"; do
+    set -- $run
+    bench_kv "kvfleet-$1-$2-sync" "$3" --model "bench/models/$1" --workload "$2" --backend kvfleet
+    bench_kv "kvfleet-$1-$2-async" "$3" --model "bench/models/$1" --workload "$2" --backend kvfleet --async-scheduling
+  done ;;
 hf)
   bench hf-llama-3.1-8b-random-1024-128 90 --model bench/models/llama-3.1-8b --workload random-1024-128 --backend hf --num-prompts 256 --hf-batch-size 64
   bench hf-llama-3.1-8b-chat-mix 240 --model bench/models/llama-3.1-8b --workload chat-mix --backend hf --num-prompts 64 --hf-batch-size 64
