@@ -1,11 +1,13 @@
 """Async scheduling (kvfleet.engine.async_step): the same outputs as the synchronous engine.
 
-With `async_scheduling=True` the engine processes step N-1's outputs while step N runs, so a stop
-string is seen one step late, after the request was scheduled again: these tests check that no
-extra token reaches the output and no block is left held, and that every other rule (greedy
-tokens vs transformers under chunked prefill, prefix hits and preemption; stop ids, max/min
-tokens; seeded sampling; n>1, beam search and prompt logprobs, which fall back to processing at
-once) gives exactly what the synchronous engine gives.
+With `async_scheduling=True` the engine schedules and prepares step N+1 while step N runs (decode
+inputs are placeholders filled on the device from step N's samples) and processes step N's outputs
+while N+1 runs, so a request that stops at N (stop id, EOS, stop string) was already planned in N+1:
+these tests check that its extra token never reaches the output and no block or row is left held,
+that the overlap really happens, and that every other rule (greedy tokens vs transformers under
+chunked prefill, prefix hits and preemption, also of a sequence whose token is in flight; stop ids,
+max/min tokens; seeded sampling; n>1, beam search and prompt logprobs, whose groups skip the
+placeholder planning) gives exactly what the synchronous engine gives.
 """
 
 from __future__ import annotations
@@ -17,8 +19,8 @@ import pytest
 import torch
 
 from kvfleet.engine import LLM, AsyncLLM, SamplingParams
-from kvfleet.engine.async_step import split_updates
-from kvfleet.engine.core.request import RequestStatus
+from kvfleet.engine.core.request import Request, RequestStatus
+from kvfleet.engine.core.scheduler import Scheduler, may_continue
 
 PROMPT_LENS = (3, 16, 17, 33, 41)
 MAX_NEW = 10
@@ -42,8 +44,23 @@ def assert_no_leak(llm: LLM) -> None:
     eng = llm.llm_engine
     eng.kv.check_invariants()
     assert eng.kv.pool.num_free_blocks == s["kv_blocks_total"]
-    assert not eng.groups and eng._pending is None and not eng._carry
+    assert not eng.groups and eng._inflight is None
     assert not eng.runner._block_rows.row_of and not eng.runner._generators
+    # Blocks are hashed only once their token ids are known: every cached block is a full one.
+    bs = eng.kv.block_size
+    assert all(t is None or len(t) == bs for t in eng.kv.pool.block_tokens)
+
+
+def count_preempted_in_flight(monkeypatch) -> list[int]:
+    """Counts sequences preempted while their sampled token was in flight (their token is kept)."""
+    orig, seen = Scheduler.update_from_output, [0]
+
+    def update(self, sched, result):
+        seen[0] += sum(s.needs_sample and s.request.status is RequestStatus.PREEMPTED for s in sched.scheduled)
+        return orig(self, sched, result)
+
+    monkeypatch.setattr(Scheduler, "update_from_output", update)
+    return seen
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +82,9 @@ def pair(tiny_model_dir):
     return LLM(str(tiny_model_dir), **kw), LLM(str(tiny_model_dir), async_scheduling=True, **kw)
 
 
-def test_greedy_matches_transformers_with_chunks_prefix_hits_and_preemption(tiny_model_dir, refs) -> None:
+def test_greedy_matches_transformers_with_chunks_prefix_hits_and_preemption(tiny_model_dir, refs,
+                                                                           monkeypatch) -> None:
+    in_flight = count_preempted_in_flight(monkeypatch)
     prompts, ref_ids = refs
     llm = LLM(str(tiny_model_dir), max_num_batched_tokens=16, num_kv_blocks=64, async_scheduling=True)
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)] == ref_ids
@@ -81,6 +100,12 @@ def test_greedy_matches_transformers_with_chunks_prefix_hits_and_preemption(tiny
     assert small.stats()["num_preemptions"] > 0
     sync = LLM(str(tiny_model_dir), **kw)
     assert summary(sync.generate(prompts, GREEDY)) == summary(outs)
+    assert_no_leak(small)
+    # Seeded random sampling under the same preemptions: each sequence's generator advances once
+    # per sampled token, also for a token sampled just before its sequence was preempted.
+    seeded = SamplingParams(temperature=1.0, seed=3, max_tokens=MAX_NEW, ignore_eos=True, logprobs=1)
+    assert summary(sync.generate(prompts, seeded)) == summary(small.generate(prompts, seeded))
+    assert in_flight[0] > 0    # a sequence was preempted with its token in flight, and kept it
     assert_no_leak(small)
 
 
@@ -150,7 +175,7 @@ def test_no_leak_after_abort_and_abort_output_has_every_token(pair) -> None:
     eng.add_request("d", prompts[3], SamplingParams(use_beam_search=True, best_of=2, max_tokens=6))
     for _ in range(5):
         eng.step()
-    assert eng._pending is not None          # the last step's outputs really wait
+    assert eng._inflight is not None         # a launched step is really in flight
     seq = eng.groups["c"].seqs[0].seq
     have = list(seq.output_token_ids)
     assert len(have) > 0
@@ -161,15 +186,38 @@ def test_no_leak_after_abort_and_abort_output_has_every_token(pair) -> None:
     assert_no_leak(fast)
 
 
-def test_split_updates_keeps_groups_that_need_the_engine_now() -> None:
-    from kvfleet.engine.core.request import Request
-    from kvfleet.engine.core.scheduler import RequestUpdate
+def test_next_step_is_scheduled_and_prepared_before_the_last_ids_are_read(tiny_model_dir) -> None:
+    """The overlap itself: fails if the engine silently went synchronous."""
+    prompts = prompts_for(500, (5, 9, 20), seed=2)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    kw = dict(num_kv_blocks=64, max_num_batched_tokens=64)
+    fast, sync = LLM(str(tiny_model_dir), async_scheduling=True, **kw), LLM(str(tiny_model_dir), **kw)
+    eng, runner = fast.llm_engine, fast.llm_engine.runner
+    events: list[str] = []
+    for obj, name in ((eng.scheduler, "schedule"), (runner, "prepare"), (runner, "launch"), (runner, "collect")):
+        def hook(*a, _f=getattr(obj, name), _n=name, **k):
+            events.append(_n)
+            return _f(*a, **k)
+        setattr(obj, name, hook)
+    assert summary(fast.generate(prompts, params)) == summary(sync.generate(prompts, params))
+    # Every decode token after the first is fed from the last step's samples on the device.
+    assert runner.num_placeholder_inputs == len(prompts) * (params.max_tokens - 1)
+    assert sync.llm_engine.runner.num_placeholder_inputs == 0
+    # Step N+1 is scheduled and prepared after step N's launch and before its ids are collected.
+    i = events.index("launch")
+    assert events[i:i + 5] == ["launch", "schedule", "prepare", "collect", "launch"]
+    assert eng.num_overlapped_steps == params.max_tokens - 1
+    assert_no_leak(fast)
 
-    a0, a1, b0 = (Request(rid, [1, 2], max_tokens=3, group_id=rid[0]) for rid in ("a#0", "a#1", "b#0"))
-    plain = [RequestUpdate(a0, 5, False), RequestUpdate(b0, 6, False)]
-    assert split_updates(plain) == ([], plain)
-    beam = RequestUpdate(a1, None, False)   # a beam pick (no sampled token) in group a
-    assert split_updates(plain + [beam]) == ([plain[0], beam], [plain[1]])
+
+def test_placeholders_only_for_sequences_that_may_go_on() -> None:
+    req = Request("a#0", [1, 2, 3], max_tokens=2)
+    assert may_continue(req, max_model_len=100)     # the token planned now is its 1st of 2
+    req.num_placeholders = 1                        # one in flight: the one planned now is its last
+    assert not may_continue(req, max_model_len=100)
+    assert not may_continue(Request("b#0", [1, 2, 3], max_tokens=9), max_model_len=4)
+    assert not may_continue(Request("c#0", [1, 2], max_tokens=9, external_tokens=True), 100)   # beam
+    assert not may_continue(Request("d#0", [1, 2], max_tokens=9, compute_limit=1), 100)        # fork parent
 
 
 def test_async_llm_streams_with_async_scheduling(tiny_model_dir) -> None:

@@ -1,25 +1,29 @@
-"""Async scheduling (`EngineConfig.async_scheduling`, default off): overlap host work with the device.
+"""Async scheduling (`EngineConfig.async_scheduling`, default off): keep the device busy.
 
-With it on, `LLMEngine.step()` for step N launches the forward and sampling (`ModelRunner.launch`;
-on CUDA the sampled ids go to pinned host memory with a non-blocking copy and a CUDA event, so
-nothing waits), then processes the outputs of step N-1 — detokenization, stop strings, per-request
-bookkeeping, `RequestOutput`s: the largest host part of a decode step in bench/NOTES.md — while the
-device works, and only then waits for step N's token ids (`ModelRunner.collect`). The scheduler is
-updated at once (its token-based stops — EOS, stop ids, max_tokens, min_tokens — are exact and
-applied before step N+1 is scheduled); the engine's own processing of step N waits one step.
-
-What this does not do (yet): schedule step N+1 before step N's tokens are on the host (vLLM's
-placeholder tokens). Here only output processing overlaps the device.
+With it on, one `LLMEngine.step()` does, while step N (launched by the previous call) runs:
+1. schedule step N+1 as if every running decode of step N had its token already: that token is a
+   placeholder (`Request.num_placeholders`: the token count advances and blocks are allocated for
+   it; its id is not known yet);
+2. prepare N+1's input tensors (`ModelRunner.prepare`); a placeholder's input id is taken on the
+   device from step N's sampled-id tensor (index by its row in N), so nothing waits for the host;
+3. wait for N's ids (`ModelRunner.collect`; on CUDA a non-blocking copy to pinned memory + event)
+   and update the scheduler with the real tokens (EOS, stop ids, max/min_tokens exact);
+4. launch N+1 (forward and sampling: the sampler's inputs, penalties and min_tokens masks, are
+   built now, from the real tokens), then process N's outputs (detokenization, stop strings,
+   beam picks, forks, `RequestOutput`s) while N+1 runs. The outputs returned are step N's.
 
 Correctness cases:
-- a stop string is only seen when a step's outputs are processed, i.e. one step late: the request
-  was already scheduled again; `finish_requests` frees its blocks at once and the scheduler's update
-  of that step skips it (it is no longer RUNNING), so its extra token is dropped.
-- groups whose updates need the engine before the next schedule (beam search picks, forks of n>1
-  samples) are processed at once, as in the synchronous engine, and so are prompt logprobs; the
-  other groups of the same step still wait.
-- an abort first processes the pending outputs (so the aborted output has every token), and the
-  outputs that produced for other requests are returned by the next `step()`.
+- no placeholder where the token just planned surely ends the sequence (max_tokens,
+  max_model_len: `scheduler.may_continue`), nor for beam search (the engine picks the tokens) or a
+  parent about to fork; those sequences skip one step instead. A sequence still in prefill has
+  nothing sampled in flight, so it is never a placeholder case.
+- a sequence that stops at step N (stop id, EOS, or a stop string seen while processing N) was
+  already planned in N+1: its blocks are freed at once, N+1 computes its row (shapes are fixed) but
+  does not sample it, and the scheduler's update of N+1 skips it, so its extra token never shows.
+- a sequence preempted by N+1's scheduling while its token was in flight keeps that token (it was
+  sampled from its full context; it is appended and checked for stops when N's ids arrive).
+- prefix caching hashes a block only once all its token ids are known (never past `num_tokens`).
+- an abort frees the sequence at once; the launched step's row for it is discarded.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ from typing import Optional
 
 import torch
 
-from kvfleet.engine.core.scheduler import ModelRunnerOutput, RequestUpdate, ScheduledRequest
+from kvfleet.engine.core.scheduler import ModelRunnerOutput, ScheduledRequest
 from kvfleet.engine.sampler import SamplerOutput
 
 
@@ -42,6 +46,10 @@ class InFlight:
     res: Optional[SamplerOutput]
     out: ModelRunnerOutput
     event: Optional[torch.cuda.Event] = None
+    sampled_on_device: Optional[torch.Tensor] = None   # long [len(reqs)], where the next step reads
+
+    def row_of(self) -> dict[str, int]:
+        return {s.request.request_id: i for i, s in enumerate(self.reqs)}
 
     def wait(self) -> None:
         if self.event is not None:
@@ -65,22 +73,3 @@ def copy_to_host_async(res: SamplerOutput) -> tuple[SamplerOutput, Optional[torc
     event = torch.cuda.Event()
     event.record()
     return SamplerOutput(**host), event   # type: ignore[arg-type]
-
-
-@dataclass
-class PendingOutputs:
-    """A step whose scheduler update is done and whose engine-side processing waits one step."""
-
-    updates: list[RequestUpdate]
-    result: ModelRunnerOutput
-
-
-def split_updates(updates: list[RequestUpdate]) -> tuple[list[RequestUpdate], list[RequestUpdate]]:
-    """(now, later): the updates the engine must process before the next schedule — every update
-    of a group that has a beam-search pick or a fork of n>1 samples (no sampled token) — and the
-    plain sampled tokens, whose processing may wait until the next step is launched."""
-    eager = {u.request.group_id for u in updates if u.new_token_id is None}
-    if not eager:
-        return [], updates
-    now = [u for u in updates if u.request.group_id in eager]
-    return now, [u for u in updates if u.request.group_id not in eager]

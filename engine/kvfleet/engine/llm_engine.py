@@ -15,7 +15,7 @@ from typing import Any, NoReturn, Optional
 
 import torch
 
-from kvfleet.engine.async_step import PendingOutputs, split_updates
+from kvfleet.engine.async_step import InFlight
 from kvfleet.engine.config import EngineConfig
 from kvfleet.engine.core.beam_search import Beam, BeamSearchState
 from kvfleet.engine.core.inputs import PromptType, check_prompt, check_text, split_prompt
@@ -99,6 +99,7 @@ class LLMEngine:
         self.runner.init_kv_cache(num_blocks)
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, budget, max_len, config.enable_chunked_prefill)
+        self.scheduler.async_placeholders = config.async_scheduling
         eos = set(self.model_config.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos.add(int(self.tokenizer.eos_token_id))
@@ -107,9 +108,9 @@ class LLMEngine:
         self.prompt_tokens = 0
         self.generation_tokens = 0
         self.idle_steps = 0          # consecutive steps that scheduled nothing (a stall if it grows)
-        self._pending: Optional[PendingOutputs] = None   # async scheduling: last step's outputs
-        self._carry: list[RequestOutput] = []            # outputs an abort processed, for the next step
-        self._final_only = False
+        # Async scheduling: the launched step whose sampled ids are not collected yet.
+        self._inflight: Optional[tuple[SchedulerOutput, InFlight]] = None
+        self.num_overlapped_steps = 0   # steps scheduled and prepared while the previous one ran
         freeze_startup_heap()
 
     # --- requests ------------------------------------------------------------------
@@ -182,8 +183,6 @@ class LLMEngine:
 
     def abort_request(self, request_ids: list[str]) -> list[RequestOutput]:
         """End requests now (their blocks are freed at once); returns their final outputs."""
-        if self._pending is not None:   # async scheduling: the aborted outputs get every token
-            self._carry += self._take_pending(self._final_only)
         outs = []
         for rid in request_ids:
             group = self.groups.pop(rid, None)
@@ -194,6 +193,11 @@ class LLMEngine:
             self.runner.release(seq_ids)
             group.aborted = True
             outs.append(group.make_output())
+        if not self.groups and self._inflight is not None:
+            # Async scheduling: the launched step only holds discarded work now.
+            sched, step = self._inflight
+            self._inflight = None
+            self.scheduler.update_from_output(sched, self.runner.collect(step))
         return outs
 
     def has_unfinished_requests(self) -> bool:
@@ -204,13 +208,60 @@ class LLMEngine:
         """One engine step; outputs of the requests it advanced (only finished ones if `final_only`).
 
         With `async_scheduling` the outputs are those of the previous step (kvfleet.engine.async_step)."""
-        self._final_only = final_only
+        if self.config.async_scheduling:
+            return self._step_overlapped(final_only)
         sched = self.scheduler.schedule()
         if sched.is_empty:
-            flushed = self._pending is not None or bool(self._carry)
-            self.idle_steps = 0 if flushed else self.idle_steps + 1
-            return self._take_pending(final_only)
+            self.idle_steps += 1
+            return []
         self.idle_steps = 0
+        self._mark_scheduled(sched)
+        try:
+            result = self.runner.execute(sched)
+        except Exception as e:
+            self._fail_step(sched, e)
+        updates = self.scheduler.update_from_output(sched, result)
+        return self._process(updates, result, final_only)
+
+    def _step_overlapped(self, final_only: bool) -> list[RequestOutput]:
+        """Async scheduling: schedule and prepare step N+1 while step N (launched by the last call)
+        runs on the device, then wait for N's ids, update the scheduler, launch N+1, and process
+        N's outputs while N+1 runs. Returns step N's outputs."""
+        prev, self._inflight = self._inflight, None
+        sched = self.scheduler.schedule()
+        if sched.is_empty and prev is None:
+            self.idle_steps += 1
+            return []
+        self.idle_steps = 0
+        prepared = None
+        if not sched.is_empty:
+            self._mark_scheduled(sched)
+            try:
+                prepared = self.runner.prepare(sched, prev[1] if prev is not None else None)
+            except Exception as e:
+                self._inflight = prev
+                self._fail_step(sched, e)
+            if prev is not None:
+                self.num_overlapped_steps += 1
+        updates: list[RequestUpdate] = []
+        result = None
+        if prev is not None:
+            try:
+                result = self.runner.collect(prev[1])
+            except Exception as e:
+                self._fail_step(prev[0], e)
+            updates = self.scheduler.update_from_output(prev[0], result)
+        if prepared is not None:
+            try:
+                self._inflight = (sched, self.runner.launch(sched, async_copy=True, prepared=prepared))
+            except Exception as e:
+                self._fail_step(sched, e)
+        outs = self._process(updates, result, final_only) if result is not None else []
+        if not self.groups and self._inflight is not None:
+            outs += self._step_overlapped(final_only)   # only discarded work is left: collect it
+        return outs
+
+    def _mark_scheduled(self, sched: SchedulerOutput) -> None:
         now = time.monotonic()
         for s in sched.scheduled:
             if s.start != s.request.num_cached_tokens:
@@ -219,39 +270,12 @@ class LLMEngine:
             if g is not None and g.metrics.first_scheduled_time is None:
                 g.metrics.first_scheduled_time = now
                 g.num_cached_tokens = max(0, s.request.num_cached_tokens)
-        overlap = self.config.async_scheduling
-        launched = None
-        if overlap:
-            try:
-                launched = self.runner.launch(sched, async_copy=True)
-            except Exception as e:
-                self._fail_step(sched, e)
-        # The device works on this step while the host processes the last one's outputs.
-        outs = self._take_pending(final_only) if overlap else []
-        try:
-            result = self.runner.collect(launched) if launched is not None else self.runner.execute(sched)
-        except Exception as e:
-            self._fail_step(sched, e)
-        updates = self.scheduler.update_from_output(sched, result)
-        if overlap:
-            updates, later = split_updates(updates)
-            if later:   # prompt logprobs are processed now, with the updates that cannot wait
-                self._pending = PendingOutputs(later, ModelRunnerOutput(result.sampled_token_ids, result.logprobs))
-        return outs + self._process(updates, result, final_only)
 
     def _fail_step(self, sched: SchedulerOutput, e: Exception) -> NoReturn:
         # The step's requests are in an unknown state: end them; the others go on.
         failed = sorted({s.request.group_id for s in sched.scheduled if s.request.group_id})
         self.abort_request(failed)
         raise StepError(failed, e) from e
-
-    def _take_pending(self, final_only: bool) -> list[RequestOutput]:
-        """The deferred outputs of the last step (async scheduling), and any an abort processed."""
-        outs, self._carry = self._carry, []
-        pending, self._pending = self._pending, None
-        if pending is not None:
-            outs += self._process(pending.updates, pending.result, final_only)
-        return outs
 
     def _process(self, updates: list[RequestUpdate], result: ModelRunnerOutput, final_only: bool
                  ) -> list[RequestOutput]:

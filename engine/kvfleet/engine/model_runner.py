@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import math
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import numpy as np
@@ -27,9 +28,19 @@ from kvfleet.engine.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
 from kvfleet.engine.core.scheduler import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from kvfleet.engine.model_config import ModelConfig
 from kvfleet.engine.sampler import Sampler, SamplingBatch, gather_logprobs
-from kvfleet.engine.step_inputs import BlockTableRows, build_step_inputs
+from kvfleet.engine.step_inputs import BlockTableRows, StepInputs, build_step_inputs
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Prepared:
+    """A step's inputs on the device, built before it is launched."""
+
+    inputs: StepInputs
+    md: AttentionMetadata
+    input_ids: torch.Tensor
+    positions: torch.Tensor
 
 
 def host_tensor(values: list, dtype: type, device: torch.device) -> torch.Tensor:
@@ -78,6 +89,7 @@ class ModelRunner:
         self._generators: dict[str, torch.Generator] = {}
         self._param_rows: dict[str, tuple[float, int, float, float, float, float, float, bool]] = {}
         # Persistent block tables, one row per sequence (rows are added as sequences appear).
+        self.num_placeholder_inputs = 0   # decode inputs taken on the device (async scheduling)
         self._block_rows = BlockTableRows(math.ceil((model_config.max_model_len + 1) / self.block_size) + 1)
 
     # --- KV cache ------------------------------------------------------------------
@@ -193,15 +205,12 @@ class ModelRunner:
         return step.out
 
     @torch.inference_mode()
-    def launch(self, sched: SchedulerOutput, async_copy: bool = False) -> InFlight:
-        """Run the forward and the sampler; with `async_copy` the sampled values are copied to the
-        host without waiting (CUDA; `collect` waits). Prompt logprobs are collected at once."""
-        if sched.copy_pairs:
-            self._copy_blocks(sched.copy_pairs)
-        out = ModelRunnerOutput()
+    def prepare(self, sched: SchedulerOutput, prev: Optional[InFlight] = None) -> Optional[Prepared]:
+        """A step's input tensors. Decodes whose token is still being sampled by the launched step
+        `prev` (async scheduling) take it from `prev`'s sampled ids on the device: no host wait."""
         scheduled = sched.scheduled
         if not scheduled:
-            return InFlight([], None, out)
+            return None
         dev = self.device
         inp = build_step_inputs(scheduled, self.block_size, self._block_rows)
         qsl = inp.query_start_loc
@@ -213,10 +222,37 @@ class ModelRunner:
             max_query_len=inp.max_query_len, max_seq_len=max(inp.seq_lens),
             query_start_loc_cpu=qsl, seq_lens_cpu=inp.seq_lens)
         input_ids = host_tensor(inp.input_ids, np.int64, dev)
-        positions = host_tensor(inp.positions, np.int64, dev)
-        hidden = self._forward(input_ids, positions, md)
-        reqs = [s for s in scheduled if s.needs_sample]
-        idx = [qsl[i + 1] - 1 for i, s in enumerate(scheduled) if s.needs_sample]
+        if inp.placeholders:
+            if prev is None or prev.sampled_on_device is None:
+                raise RuntimeError("a step has placeholder tokens but no launched step samples them")
+            row_of = prev.row_of()
+            at = host_tensor([i for i, _ in inp.placeholders], np.int64, dev)
+            src = host_tensor([row_of[rid] for _, rid in inp.placeholders], np.int64, dev)
+            input_ids.index_copy_(0, at, prev.sampled_on_device.index_select(0, src))
+            self.num_placeholder_inputs += len(inp.placeholders)
+        return Prepared(inp, md, input_ids, host_tensor(inp.positions, np.int64, dev))
+
+    @torch.inference_mode()
+    def launch(self, sched: SchedulerOutput, async_copy: bool = False,
+               prepared: Optional[Prepared] = None) -> InFlight:
+        """Run the forward and the sampler (inputs from `prepare` unless given); with `async_copy`
+        the sampled values are copied to the host without waiting (CUDA; `collect` waits). Prompt
+        logprobs are collected at once. Sequences finished since `prepare` are computed (the
+        forward's shapes are fixed by then) but not sampled: their work is discarded."""
+        if sched.copy_pairs:
+            self._copy_blocks(sched.copy_pairs)
+        out = ModelRunnerOutput()
+        scheduled = sched.scheduled
+        if prepared is None:
+            prepared = self.prepare(sched)
+        if prepared is None:
+            return InFlight([], None, out)
+        dev = self.device
+        qsl, md = prepared.inputs.query_start_loc, prepared.md
+        hidden = self._forward(prepared.input_ids, prepared.positions, md)
+        live = [i for i, s in enumerate(scheduled) if s.needs_sample and not s.request.is_finished]
+        reqs = [scheduled[i] for i in live]
+        idx = [qsl[i + 1] - 1 for i in live]
         plp_rows, plp_k = self._prompt_logprob_rows(scheduled, qsl)
         if plp_rows:
             idx += [r for _, _, r, _ in plp_rows]
@@ -227,6 +263,7 @@ class ModelRunner:
         if reqs:
             batch = self._sampling_batch(reqs, logits.shape[-1])
             step.res = self.sampler(logits[:len(reqs)], batch)
+            step.sampled_on_device = step.res.sampled
             if async_copy:
                 step.res, step.event = copy_to_host_async(step.res)
         if plp_rows:

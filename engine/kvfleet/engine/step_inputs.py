@@ -25,6 +25,9 @@ class StepInputs:
     seq_lens: list[int]          # [B] context length after this step
     max_query_len: int
     block_tables: np.ndarray     # int32 [B, max table length], padded with 0
+    # (index in input_ids, request id) of each decode whose token is not known on the host yet
+    # (async scheduling: the runner fills it on the device from the previous step's samples)
+    placeholders: list[tuple[int, str]]
 
 
 def build_step_inputs(scheduled: Sequence[ScheduledRequest], block_size: int, rows: "BlockTableRows") -> StepInputs:
@@ -38,6 +41,7 @@ def build_step_inputs(scheduled: Sequence[ScheduledRequest], block_size: int, ro
     total = 0
     max_q = 0
     width = 0
+    placeholders: list[tuple[int, str]] = []
     bs = block_size
     row_of, update, lens = rows.row_of, rows.update, rows.lens
     for s in scheduled:
@@ -51,7 +55,12 @@ def build_step_inputs(scheduled: Sequence[ScheduledRequest], block_size: int, ro
         if len(table) > width:
             width = len(table)
         if n == 1:   # a decode: one token, one slot
-            ids.append(s.request.all_token_ids[start])
+            toks = s.request.all_token_ids
+            if start < len(toks):
+                ids.append(toks[start])
+            else:
+                placeholders.append((total, s.request.request_id))
+                ids.append(0)
             pos.append(start)
             slots.append(table[start // bs] * bs + start % bs)
         else:
@@ -69,7 +78,7 @@ def build_step_inputs(scheduled: Sequence[ScheduledRequest], block_size: int, ro
         seq_lens.append(end)
         if n > max_q:
             max_q = n
-    return StepInputs(ids, pos, slots, qsl, seq_lens, max_q, rows.gather(batch_rows, width))
+    return StepInputs(ids, pos, slots, qsl, seq_lens, max_q, rows.gather(batch_rows, width), placeholders)
 
 
 class BlockTableRows:

@@ -159,7 +159,8 @@ class KVCacheManager:
         if not table:
             return
         bs = self.block_size
-        num_full = min(req.num_computed_tokens // bs, len(table))
+        # Never past the tokens whose ids are known (async scheduling computes placeholders ahead).
+        num_full = min(min(req.num_computed_tokens, req.num_tokens) // bs, len(table))
         start = self._num_registered.get(req.request_id, 0)
         if num_full <= start:
             return   # most steps: no block became full

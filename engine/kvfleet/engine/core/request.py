@@ -59,6 +59,9 @@ class Request:
     sampling_params: Any = None
     seed: Optional[int] = None       # per-sequence seed (a group's seed + sample index)
     num_logprobs: int = -1           # top-k logprobs per sampled token (0: only its own; -1: none)
+    # Async scheduling: tokens sampled by launched steps whose ids are not appended yet. The next
+    # step may already compute them (their ids come from the device; kvfleet.engine.async_step).
+    num_placeholders: int = 0
 
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
@@ -97,7 +100,7 @@ class Request:
         """How many tokens should be computed before the next sample (or the fork)."""
         if self.compute_limit is not None:
             return min(self.compute_limit, self.num_tokens)
-        return self.num_tokens
+        return len(self._all_token_ids) + self.num_placeholders
 
     @property
     def num_tokens_to_compute(self) -> int:

@@ -70,6 +70,16 @@ class RequestUpdate:
     finished: bool
 
 
+def may_continue(req: Request, max_model_len: int) -> bool:
+    """Async scheduling: may the sequence go on after the token just planned (not yet known)?
+    No for beam search (the engine picks its tokens), a parent about to fork, and a sequence whose
+    length limit (max_tokens, max_model_len) that token surely reaches; only stop ids can't be known."""
+    if req.external_tokens or req.compute_limit is not None:
+        return False
+    ahead = req.num_placeholders + 1
+    return len(req.output_token_ids) + ahead < req.max_tokens and req.num_tokens + ahead < max_model_len
+
+
 class Scheduler:
     def __init__(self, kv_cache_manager: KVCacheManager, max_num_seqs: int,
                  max_num_batched_tokens: int, max_model_len: int,
@@ -83,6 +93,9 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
+        # Async scheduling: a sampled token still in flight counts as a placeholder, so the next
+        # step can be planned before its id is known (kvfleet.engine.async_step).
+        self.async_placeholders = False
 
     # --- queue management ----------------------------------------------------------
     def add_request(self, req: Request) -> None:
@@ -215,7 +228,10 @@ class Scheduler:
             req.num_computed_tokens = done
             table = tables[req.request_id]
             assert len(table) * bs >= done
-            add(ScheduledRequest(req, start, n, table, done == req.num_tokens, changed(req)))
+            needs_sample = done == req.num_tokens + req.num_placeholders
+            add(ScheduledRequest(req, start, n, table, needs_sample, changed(req)))
+            if needs_sample and self.async_placeholders and may_continue(req, self.max_model_len):
+                req.num_placeholders += 1
         assert out.num_batched_tokens <= self.max_num_batched_tokens
         return out
 
@@ -230,7 +246,10 @@ class Scheduler:
         for s in sched.scheduled:
             req = s.request
             if req.status is not RUNNING:
-                continue  # aborted or preempted since
+                # Aborted or preempted since. A sequence preempted while its token was in flight
+                # (async scheduling) keeps that token: it was sampled from its full context.
+                if not (s.needs_sample and req.status is RequestStatus.PREEMPTED and not req.external_tokens):
+                    continue
             cache_full_blocks(req)
             if not s.needs_sample:
                 if req.compute_limit is not None and req.num_tokens_to_compute == 0:
@@ -240,10 +259,14 @@ class Scheduler:
                 updates.append(RequestUpdate(req, None, False))       # the engine picks (beam search)
                 continue
             tok = sampled[req.request_id]
+            if req.num_placeholders:
+                req.num_placeholders -= 1
             req.append_output_token(tok)
             self._check_stop(req, tok)
-            finished = req.status is not RUNNING   # _check_stop only ever moves it to a finished state
+            finished = req.is_finished
             if finished:
+                if req.status is not RUNNING and req in self.waiting:   # (see preempted above)
+                    self.waiting.remove(req)
                 self._free(req)
                 num_finished += 1
             updates.append(RequestUpdate(req, tok, finished))
@@ -253,6 +276,7 @@ class Scheduler:
         return updates
 
     def _check_stop(self, req: Request, tok: int) -> None:
+        # Only ever moves a request to a finished state.
         num_out = len(req.output_token_ids)
         if tok in req.stop_token_ids and num_out >= req.min_tokens:
             # The token that stopped it, EOS included: the engine, which knows the EOS ids and
@@ -266,7 +290,7 @@ class Scheduler:
         req.append_output_token(tok)
         self._check_stop(req, tok)
         if req.is_finished:
-            self.running.remove(req)
+            (self.running if req in self.running else self.waiting).remove(req)
             self._free(req)
         return req.is_finished
 
