@@ -266,3 +266,32 @@ def test_throughput_bench_with_async_scheduling(tiny_model_dir, tmp_path) -> Non
     assert res["output_tokens"] == sum(r.max_tokens for r in reqs)
     decode = res["step_breakdown_ms"]["decode"]
     assert decode["steps"] > 0 and decode["prepare_ms"] >= 0 and decode["wait_ms"] >= 0
+
+
+@pytest.mark.parametrize("broken", ["launch", "collect"])
+def test_a_failing_step_ends_its_requests_and_the_rest_goes_on(tiny_model_dir, broken) -> None:
+    """A failure while step N+1 is planned on step N ends the requests of both (a request admitted
+    in N+1 was advanced by the scheduler but never computed); the engine goes on."""
+    greedy = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    llm = LLM(str(tiny_model_dir), num_kv_blocks=64, async_scheduling=True)
+    eng = llm.llm_engine
+    eng.add_request("in-step", [1, 2, 3], greedy)
+    eng.step()                                 # in-step's prefill is launched (step N)
+    eng.add_request("joins", [7, 8, 9, 10], greedy)   # admitted in step N+1
+    real = getattr(eng.runner, broken)
+
+    def fail(*a, **k):
+        raise RuntimeError("injected")
+
+    setattr(eng.runner, broken, fail)
+    with pytest.raises(RuntimeError, match="step failed for 2 request"):
+        eng.step()
+    setattr(eng.runner, broken, real)
+    assert not eng.groups and eng.stats()["kv_blocks_used"] == 0 and eng._inflight is None
+    eng.add_request("after", [4, 5, 6], greedy)
+    outs = []
+    while eng.has_unfinished_requests():
+        outs.extend(eng.step())
+    ref = LLM(str(tiny_model_dir), num_kv_blocks=64).generate([[4, 5, 6]], greedy)
+    assert outs[-1].request_id == "after" and outs[-1].outputs[0].token_ids == ref[0].outputs[0].token_ids
+    assert_no_leak(llm)

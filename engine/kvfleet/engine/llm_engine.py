@@ -248,14 +248,14 @@ class LLMEngine:
         if prev is not None:
             try:
                 result = self.runner.collect(prev[1])
-            except Exception as e:
-                self._fail_step(prev[0], e)
+            except Exception as e:   # N+1 was planned on N's tokens: its requests end too
+                self._fail_step(SchedulerOutput(prev[0].scheduled + sched.scheduled), e)
             updates = self.scheduler.update_from_output(prev[0], result)
         if prepared is not None:
             try:
                 self._inflight = (sched, self.runner.launch(sched, async_copy=True, prepared=prepared))
-            except Exception as e:
-                self._fail_step(sched, e)
+            except Exception as e:   # N's updates are lost with the raise: its requests end too
+                self._fail_step(SchedulerOutput(sched.scheduled + (prev[0].scheduled if prev else [])), e)
         outs = self._process(updates, result, final_only) if result is not None else []
         if not self.groups and self._inflight is not None:
             outs += self._step_overlapped(final_only)   # only discarded work is left: collect it
