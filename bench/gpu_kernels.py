@@ -25,6 +25,7 @@ if DRY:
 import torch  # noqa: E402
 
 from kvfleet.engine.attention import build_attention_metadata, torch_paged_attention
+from kvfleet.engine.bench.decode_probe import median_cuda_ms
 from kvfleet.engine.attention.triton_backend import triton_paged_attention
 from kvfleet.engine.kernels import (
     apply_rotary_cos_sin, fused_add_rms_norm, paged_attention_ref, paged_decode_attention, prefill_attention,
@@ -54,19 +55,7 @@ def bench_ms(fn: Callable[[], Any], iters: int = 30) -> float:
         t = time.perf_counter()
         fn()
         return (time.perf_counter() - t) * 1e3
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    times.sort()
-    return times[len(times) // 2]
+    return median_cuda_ms(fn, iters)
 
 
 def ceilings() -> dict[str, float]:

@@ -24,10 +24,11 @@ def copy_bandwidth(device: torch.device, nbytes: int = 2 * 2**30) -> float:
     """Device-to-device copy bandwidth in bytes/s, counting bytes read plus written."""
     x = torch.randn(nbytes // 2, dtype=torch.bfloat16, device=device)
     y = torch.empty_like(x)
-    return 2 * nbytes / (_median_ms(lambda: y.copy_(x), 20) / 1e3)
+    return 2 * nbytes / (median_cuda_ms(lambda: y.copy_(x), 20) / 1e3)
 
 
-def _median_ms(fn: Any, iters: int) -> float:
+def median_cuda_ms(fn: Any, iters: int) -> float:
+    """Median time of `fn` in ms over `iters` runs, by CUDA events, after 3 warm-ups."""
     for _ in range(3):
         fn()
     torch.cuda.synchronize()
@@ -66,8 +67,8 @@ def probe_decode_step(engine: Any, batch: int, ctx: int, iters: int = 20) -> dic
         with torch.inference_mode():
             model.compute_logits(model(ids, pos, runner.kv_caches, md))
 
-    ms = _median_ms(step, iters)
-    eager_ms = _median_ms(eager, max(5, iters // 4))
+    ms = median_cuda_ms(step, iters)
+    eager_ms = median_cuda_ms(eager, max(5, iters // 4))
     weight_bytes = decode_weight_bytes(model)
     elem = runner.kv_caches[0].element_size()
     kv_bytes = batch * ctx * cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * elem
@@ -104,4 +105,4 @@ def matmul_rate(device: torch.device, n: int = 8192) -> float:
     """Measured bf16 matmul FLOP/s on random data."""
     a = torch.randn(n, n, dtype=torch.bfloat16, device=device)
     b = torch.randn(n, n, dtype=torch.bfloat16, device=device)
-    return 2 * n**3 / (_median_ms(lambda: a @ b, 10) / 1e3)
+    return 2 * n**3 / (median_cuda_ms(lambda: a @ b, 10) / 1e3)
