@@ -8,10 +8,13 @@
 #                                         (default: kernels engine kvfleet hf)
 #   async scheduling A/B in one call:     bash bench/gpu_run.sh async
 #   BUDGET_S=560 (stop starting new steps when they would not finish inside it)
+#   two GPUs, two stage lists at once (each process its own OUT and runs folder):
+#     CUDA_VISIBLE_DEVICES=1 OUT=$OUT/b bash bench/gpu_run.sh engine hf & CUDA_VISIBLE_DEVICES=0 OUT=$OUT/a bash bench/gpu_run.sh async; wait
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/kvfleet-out}
-mkdir -p "$OUT" /tmp/kvfleet-runs
+RUNS=${RUNS:-/tmp/kvfleet-runs-${CUDA_VISIBLE_DEVICES:-all}}
+mkdir -p "$OUT" "$RUNS"
 export PYTHONPATH="$PWD/engine:$PWD/operator${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 PY=${PY:-python3}
@@ -35,7 +38,7 @@ step() {  # step NAME MAX_SECONDS CMD...: run if it can finish in the budget (el
   return $rc
 }
 merge() {
-  $PY - "$OUT/results.json" /tmp/kvfleet-runs <<'PYEOF'
+  $PY - "$OUT/results.json" "$RUNS" <<'PYEOF'
 import json, pathlib, sys
 runs = {p.stem: json.loads(p.read_text()) for p in sorted(pathlib.Path(sys.argv[2]).glob("*.json"))}
 pathlib.Path(sys.argv[1]).write_text(json.dumps(runs, indent=1))
@@ -44,7 +47,7 @@ PYEOF
 bench() {  # bench NAME MAX_SECONDS ARGS...
   local name=$1 max=$2; shift 2
   step "bench $name" "$max" $PY -m kvfleet.engine.bench.throughput --load-format dummy --dtype bfloat16 \
-    --out "/tmp/kvfleet-runs/$name.json" --label "$name" "$@"
+    --out "$RUNS/$name.json" --label "$name" "$@"
   local rc=$?
   merge
   return $rc
@@ -53,7 +56,7 @@ bench_kv() {  # kvfleet at vLLM's H200 limits (1024 seqs); if that run fails, on
   local name=$1 max=$2; shift 2
   bench "$name" "$max" "$@"
   local rc=$?  # 124: out of time (retrying would only eat the budget); anything else: a failure
-  if [[ ! -f "/tmp/kvfleet-runs/$name.json" && $rc -ne 124 ]]; then
+  if [[ ! -f "$RUNS/$name.json" && $rc -ne 124 ]]; then
     bench "$name-256seqs" "$max" "$@" --max-num-seqs 256 --max-num-batched-tokens 8192
   fi
 }
