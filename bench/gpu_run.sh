@@ -84,7 +84,7 @@ async)  # A/B of async scheduling (kvfleet.engine.async_step) in one call: a GPU
   for run in "qwen3-0.6b random-1024-128 120" "qwen3-0.6b chat-mix 120" "llama-3.1-8b chat-mix 150" \
              "llama-3.1-8b random-1024-128 150"; do
     set -- $run
-    bench_kv "kvfleet-$1-$2-sync" "$3" --model "bench/models/$1" --workload "$2" --backend kvfleet
+    bench_kv "kvfleet-$1-$2-sync" "$3" --model "bench/models/$1" --workload "$2" --backend kvfleet --no-async-scheduling
     bench_kv "kvfleet-$1-$2-async" "$3" --model "bench/models/$1" --workload "$2" --backend kvfleet --async-scheduling
   done ;;
 hf)

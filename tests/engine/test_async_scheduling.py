@@ -79,7 +79,7 @@ def refs(tiny_model_dir):
 def pair(tiny_model_dir):
     """(synchronous, async) engines over the same tiny model and settings."""
     kw = dict(num_kv_blocks=96, max_num_batched_tokens=64)
-    return LLM(str(tiny_model_dir), **kw), LLM(str(tiny_model_dir), async_scheduling=True, **kw)
+    return LLM(str(tiny_model_dir), async_scheduling=False, **kw), LLM(str(tiny_model_dir), async_scheduling=True, **kw)
 
 
 def test_greedy_matches_transformers_with_chunks_prefix_hits_and_preemption(tiny_model_dir, refs,
@@ -191,7 +191,8 @@ def test_next_step_is_scheduled_and_prepared_before_the_last_ids_are_read(tiny_m
     prompts = prompts_for(500, (5, 9, 20), seed=2)
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     kw = dict(num_kv_blocks=64, max_num_batched_tokens=64)
-    fast, sync = LLM(str(tiny_model_dir), async_scheduling=True, **kw), LLM(str(tiny_model_dir), **kw)
+    fast = LLM(str(tiny_model_dir), async_scheduling=True, **kw)
+    sync = LLM(str(tiny_model_dir), async_scheduling=False, **kw)
     eng, runner = fast.llm_engine, fast.llm_engine.runner
     events: list[str] = []
     for obj, name in ((eng.scheduler, "schedule"), (runner, "prepare"), (runner, "launch"), (runner, "collect")):

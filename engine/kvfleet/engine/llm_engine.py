@@ -7,6 +7,8 @@ applies what the scheduler cannot see (stop strings, beam choices), and builds t
 
 from __future__ import annotations
 
+import dataclasses
+
 import gc
 import logging
 import os
@@ -80,8 +82,11 @@ class LLMEngine:
         from kvfleet.engine.model_runner import ModelRunner
         from kvfleet.engine.tokenizer import load_tokenizer
 
-        self.config = config.validate()
+        config.validate()
         self.device = resolve_device(config.device)
+        if config.async_scheduling is None:  # auto: overlap where there is a device to overlap with
+            config = dataclasses.replace(config, async_scheduling=self.device.type == "cuda")
+        self.config = config
         torch.manual_seed(config.seed)
         self.model_config = ModelConfig.from_pretrained(str(config.model), config.max_model_len, config.dtype,
                                                         self.device)

@@ -142,7 +142,7 @@ def run_kvfleet(args: argparse.Namespace, reqs: list[BenchRequest], warm: list[B
                        gpu_memory_utilization=args.gpu_memory_utilization, num_kv_blocks=args.num_kv_blocks,
                        enable_prefix_caching=not args.no_prefix_caching, enforce_eager=args.enforce_eager,
                        tensor_parallel_size=args.tensor_parallel_size,
-                       async_scheduling=bool(getattr(args, "async_scheduling", False)))
+                       async_scheduling=getattr(args, "async_scheduling", None))
     t = time.monotonic()
     engine = LLMEngine(cfg)
     init_s = time.monotonic() - t
@@ -155,7 +155,7 @@ def run_kvfleet(args: argparse.Namespace, reqs: list[BenchRequest], warm: list[B
         torch.cuda.reset_peak_memory_stats()
     # With async scheduling the forward is not synchronised (that would undo the overlap): its
     # timer is then launch time only, and "outputs" is the host time not hidden behind the device.
-    timers = StepTimers(engine, cuda, sync_forward=not cfg.async_scheduling)
+    timers = StepTimers(engine, cuda, sync_forward=not engine.config.async_scheduling)
     block_size = cfg.block_size
     peak: dict[str, Any] = {"kv_blocks_used": -1}
 
@@ -210,6 +210,7 @@ def run_kvfleet(args: argparse.Namespace, reqs: list[BenchRequest], warm: list[B
         b, ctx = (int(x) for x in args.decode_probe.lower().split("x"))
         res["decode_probe"] = probe_decode_step(engine, b, ctx)
     res["tensor_parallel_size"] = args.tensor_parallel_size
+    res["async_scheduling"] = bool(engine.config.async_scheduling)
     engine.shutdown()  # stops tensor-parallel workers
     return res
 

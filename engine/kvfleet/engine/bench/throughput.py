@@ -42,8 +42,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     ap.add_argument("--num-kv-blocks", type=int, default=None, help="fixed KV pool (CPU runs)")
     ap.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
-    ap.add_argument("--async-scheduling", action="store_true",
-                    help="kvfleet: process a step's outputs while the next runs (kvfleet.engine.async_step)")
+    ap.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                    help="kvfleet: schedule and process outputs beside the device's step (kvfleet.engine.async_step;"
+                         " default: on for CUDA)")
     ap.add_argument("--no-prefix-caching", action="store_true")
     ap.add_argument("--hf-batch-size", type=int, default=64)
     ap.add_argument("--warmup-requests", type=int, default=4)

@@ -67,8 +67,8 @@ SERVE_FLAGS: tuple[Flag, ...] = (
     Flag("--enable-chunked-prefill", "Split long prompts over several steps.", boolean=True, default=True),
     Flag("--enable-prefix-caching", "Reuse KV blocks of shared prompt prefixes.", boolean=True, default=True),
     Flag("--enforce-eager", "Never capture CUDA graphs.", boolean=True, default=False),
-    Flag("--async-scheduling", "Process a step's outputs while the next step runs on the device.",
-         boolean=True, default=False),
+    Flag("--async-scheduling", "Schedule and process outputs while the step before runs on the device "
+         "(default: on for CUDA, off on CPU).", boolean=True, default=None),
     Flag("--seed", "Engine random seed.", type=int, default=0, metavar="N"),
     Flag("--load-format", "auto: read the weights (safetensors or GGUF); dummy: random weights of the right "
          "shapes (benchmarks).", default="auto", choices=("auto", "safetensors", "gguf", "dummy")),
