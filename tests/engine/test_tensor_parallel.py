@@ -195,3 +195,39 @@ def test_two_gpus_nccl_match_one_gpu(tiny_model_factory) -> None:
     finally:
         tp.shutdown()
     assert [p.exitcode for p in tp.procs] == [0]  # the worker left on its own, not killed
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+def test_two_gpus_engine_greedy_with_cuda_graphs_matches_one_gpu_and_transformers(tiny_model_factory) -> None:
+    """The whole engine at tensor parallel 2 on cuda:0 + cuda:1, decode steps replayed from CUDA graphs
+    captured on both ranks: greedy tokens identical to tensor parallel 1 and to transformers (float32)."""
+    import transformers
+
+    from kvfleet.engine import LLM, SamplingParams
+    from kvfleet.engine.distributed.executor import TensorParallelGraphRunner
+
+    folder = str(tiny_model_factory("llama"))
+    gen = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(3, 250, (n,), generator=gen).tolist() for n in (1, 5, 17, 40, 64, 90, 3, 33)]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).to("cuda:0").eval()
+    with torch.no_grad():
+        ref = [hf.generate(torch.tensor([p], device="cuda:0"), do_sample=False, max_new_tokens=24, min_new_tokens=24,
+                           pad_token_id=0)[0, len(p):].tolist() for p in prompts]
+    del hf
+    kw = dict(dtype="float32", device="cuda", max_num_seqs=16, max_num_batched_tokens=64, gpu_memory_utilization=0.3)
+    one = LLM(folder, **kw)
+    tp1 = [list(o.outputs[0].token_ids) for o in one.generate(prompts, params)]
+    one.shutdown()
+    two = LLM(folder, tensor_parallel_size=2, **kw)  # this process becomes rank 0; one worker on cuda:1
+    try:
+        runner = two.llm_engine.runner.graph_runner
+        assert isinstance(runner, TensorParallelGraphRunner)
+        tp2 = [list(o.outputs[0].token_ids) for o in two.generate(prompts, params)]
+        assert runner.replays >= 20  # the decode steps ran from the graphs, on both ranks
+    finally:
+        two.shutdown()
+    assert tp1 == ref
+    assert tp2 == ref

@@ -171,12 +171,17 @@ class ModelRunner:
         concurrency = num_blocks * self.block_size / self.model_config.max_model_len
         logger.info("KV cache: %d blocks of %d tokens (%.2f GiB); max concurrency %.2fx at max_model_len=%d",
                     num_blocks, self.block_size, gib, concurrency, self.model_config.max_model_len)
-        if self.device.type == "cuda" and not self.engine_config.enforce_eager and not self.tensor_parallel:
-            # decode CUDA graphs over these KV tensors (kvfleet.engine.cuda_graphs, the kernels area)
-            from kvfleet.engine.cuda_graphs import build_graph_runner
+        if self.device.type == "cuda" and not self.engine_config.enforce_eager:
+            # decode CUDA graphs over these KV tensors (kvfleet.engine.cuda_graphs, the kernels area);
+            # under tensor parallelism every rank captures its own (TensorParallelModel.capture_graphs)
+            args = (self.kv_caches, self.engine_config.max_num_seqs, self.model_config.max_model_len,
+                    self.block_size, self.device)
+            if self.tensor_parallel:
+                self.graph_runner = self.model.capture_graphs(*args)
+            else:
+                from kvfleet.engine.cuda_graphs import build_graph_runner
 
-            self.graph_runner = build_graph_runner(self.model, self.kv_caches, self.engine_config.max_num_seqs,
-                                                   self.model_config.max_model_len, self.block_size, self.device)
+                self.graph_runner = build_graph_runner(self.model, *args)
 
     # --- one step ------------------------------------------------------------------
     def release(self, request_ids: list[str]) -> None:

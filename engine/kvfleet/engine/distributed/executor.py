@@ -5,7 +5,8 @@ rank 0's shards; the returned `TensorParallelModel` has the model interface
 (`model(ids, positions, kv_caches, md)`, `compute_logits(rows)`), and mirrors every
 call to the workers before running it locally. The engine additionally calls
 `copy_blocks(pairs)` after its own copy-on-write copies and `shutdown()` at the end,
-and sizes its KV cache with `num_kv_heads` (this rank's heads). A worker that dies
+sizes its KV cache with `num_kv_heads` (this rank's heads), and on CUDA captures decode
+graphs on every rank with `capture_graphs(...)`. A worker that dies
 makes a watchdog log the rank and exit code and end the process (`on_worker_death`).
 """
 
@@ -63,16 +64,32 @@ class TensorParallelModel:
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[torch.Tensor], attn_metadata: AttentionMetadata) -> torch.Tensor:
+        self._send_step("forward", input_ids, positions, kv_caches, attn_metadata)
+        return self.model(input_ids, positions, kv_caches, attn_metadata)
+
+    def _send_step(self, cmd: str, input_ids: torch.Tensor, positions: torch.Tensor,
+                   kv_caches: list[torch.Tensor], md: AttentionMetadata) -> None:
+        """Tell the workers to run `cmd` ("forward" eager, "replay" a captured graph) on this step."""
         self._check_workers()
-        md = attn_metadata
         header = StepHeader(
             num_tokens=int(input_ids.shape[0]), num_seqs=len(md.seq_lens_cpu), table_width=int(md.block_tables.shape[1]),
             max_query_len=md.max_query_len, max_seq_len=md.max_seq_len, query_start_loc_cpu=list(md.query_start_loc_cpu),
             seq_lens_cpu=list(md.seq_lens_cpu), cache_shape=tuple(kv_caches[0].shape), num_layers=len(kv_caches),
         )
-        broadcast_object(("forward", header))  # host data only: no wait for the device
+        broadcast_object((cmd, header))  # host data only: no wait for the device
         dist.broadcast(pack_step(input_ids, positions, md), src=0)
-        return self.model(input_ids, positions, kv_caches, md)
+
+    def capture_graphs(self, kv_caches: list[torch.Tensor], max_batch: int, max_model_len: int, block_size: int,
+                       device: torch.device) -> "TensorParallelGraphRunner":
+        """Decode CUDA graphs on every rank: each captures the same batch sizes in the same order over
+        its own shard and KV cache, so the all-reduces inside the graphs pair up at replay."""
+        from kvfleet.engine.cuda_graphs import CudaGraphRunner
+
+        self._check_workers()
+        broadcast_object(("capture", tuple(kv_caches[0].shape), len(kv_caches), max_batch, max_model_len, block_size))
+        local = CudaGraphRunner(self.model, kv_caches, max_batch, max_model_len, block_size, device)
+        local.capture()
+        return TensorParallelGraphRunner(self, local)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         broadcast_object(("logits", tuple(hidden.shape)))
@@ -127,6 +144,25 @@ class TensorParallelModel:
                 logger.warning("tensor parallel worker %s did not exit; killing it", proc.name)
                 proc.kill()
                 proc.join(5)
+
+
+class TensorParallelGraphRunner:
+    """The model runner's `graph_runner` under tensor parallelism: the step's inputs go to the
+    workers, then every rank replays its own graph of the same batch size."""
+
+    def __init__(self, tp: TensorParallelModel, local: Any) -> None:
+        self.tp, self.local = tp, local
+        self.sizes = local.sizes
+        self.replays = 0
+
+    def can_run(self, num_tokens: int, attn_metadata: AttentionMetadata) -> bool:
+        return bool(self.local.can_run(num_tokens, attn_metadata))
+
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
+            attn_metadata: AttentionMetadata) -> torch.Tensor:
+        self.tp._send_step("replay", input_ids, positions, kv_caches, attn_metadata)
+        self.replays += 1
+        return self.local.run(input_ids, positions, kv_caches, attn_metadata)
 
 
 def _watch_startup(procs: list[Any], started: threading.Event, on_death: Callable[[str], None]) -> None:

@@ -3,8 +3,9 @@
 The driver (rank 0, inside the engine) broadcasts one control message per call on
 the model; the worker runs the same call on its shards so the collectives inside
 the forward pair up. Control messages (small, host-only, over gloo):
-("forward", StepHeader), ("logits", rows_shape), ("copy_blocks", src, dst),
-("free_cache",), ("shutdown",). The step's tensors follow a "forward" header as one
+("forward", StepHeader), ("replay", StepHeader) (a captured decode graph),
+("capture", cache_shape, num_layers, max_batch, max_model_len, block_size),
+("logits", rows_shape), ("copy_blocks", src, dst), ("free_cache",), ("shutdown",). The step's tensors follow a "forward" header as one
 packed int64 tensor broadcast over the tensor group (NCCL on GPUs), so the driver
 never waits for the device to build a message.
 """
@@ -102,22 +103,39 @@ class ShardWorker:
         self.model, self.device, self.dtype = model, device, dtype
         self.kv_caches: list[torch.Tensor] = []
         self.hidden: torch.Tensor | None = None
+        self.graphs: Any = None  # CudaGraphRunner over this rank's shard and cache, once captured
 
     def _ensure_cache(self, shape: tuple[int, ...], num_layers: int) -> None:
         if not self.kv_caches or tuple(self.kv_caches[0].shape) != tuple(shape):
+            self.graphs = None   # they read the old cache
             self.kv_caches = []  # free the old pool before taking the new one
             self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(num_layers)]
+
+    def _receive_step(self, header: StepHeader) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        packed = torch.empty(header.packed_len, dtype=torch.int64, device=self.device)
+        dist.broadcast(packed, src=0)
+        self._ensure_cache(header.cache_shape, header.num_layers)
+        return unpack_step(packed, header)
 
     def handle(self, msg: tuple[Any, ...]) -> bool:
         """Run one driver call; False on shutdown."""
         cmd = msg[0]
         if cmd == "forward":
-            header: StepHeader = msg[1]
-            packed = torch.empty(header.packed_len, dtype=torch.int64, device=self.device)
-            dist.broadcast(packed, src=0)
-            ids, positions, md = unpack_step(packed, header)
-            self._ensure_cache(header.cache_shape, header.num_layers)
+            ids, positions, md = self._receive_step(msg[1])
             self.hidden = self.model(ids, positions, self.kv_caches, md)
+        elif cmd == "replay":
+            ids, positions, md = self._receive_step(msg[1])
+            if self.graphs is None:
+                raise RuntimeError("tensor parallel worker: asked to replay a CUDA graph it has not captured")
+            self.hidden = self.graphs.run(ids, positions, self.kv_caches, md)
+        elif cmd == "capture":
+            from kvfleet.engine.cuda_graphs import CudaGraphRunner
+
+            shape, num_layers, max_batch, max_model_len, block_size = msg[1:]
+            self._ensure_cache(shape, num_layers)
+            graphs = CudaGraphRunner(self.model, self.kv_caches, max_batch, max_model_len, block_size, self.device)
+            graphs.capture()
+            self.graphs = graphs
         elif cmd == "logits":
             rows = torch.empty(msg[1], dtype=self.dtype, device=self.device)
             dist.broadcast(rows, src=0)
@@ -127,6 +145,7 @@ class ShardWorker:
             for cache in self.kv_caches:
                 cache[:, dst] = cache[:, src]
         elif cmd == "free_cache":
+            self.graphs = None
             self.kv_caches = []
         elif cmd == "shutdown":
             return False
