@@ -4,7 +4,8 @@
 # both workloads with kvfleet and the hf baseline. Writes $OUT/{log.txt,kernels.json,
 # engine_check.json,results.json} and prints a short table last.
 #
-#   bash bench/gpu_run.sh [STAGE ...]     stages: kernels engine kvfleet async hf hf-issue profile tp (2+ GPUs)
+#   bash bench/gpu_run.sh [STAGE ...]     stages: kernels engine kvfleet async hf hf-issue profile host-profile
+#                                         tp (2+ GPUs)
 #                                         (default: kernels engine kvfleet hf)
 #   async scheduling A/B in one call:     bash bench/gpu_run.sh async
 #   BUDGET_S=560 (stop starting new steps when they would not finish inside it)
@@ -97,6 +98,10 @@ hf-issue)  # the issue's table only: Llama with the hf baseline
   bench hf-llama-3.1-8b-chat-mix 240 --model bench/models/llama-3.1-8b --workload chat-mix --backend hf --num-prompts 64 --hf-batch-size 64
   bench hf-qwen3-0.6b-random-1024-128 60 --model bench/models/qwen3-0.6b --workload random-1024-128 --backend hf --num-prompts 256 --hf-batch-size 64 ;;
 profile) step profile 60 $PY bench/gpu_profile.py "$OUT/profile.txt" ;;
+host-profile)  # cProfile of the host side of a Qwen3 chat-mix run (slowed by the profiler: not a reported figure)
+  step host-profile 120 $PY -m kvfleet.engine.bench.throughput --load-format dummy --dtype bfloat16 \
+    --model bench/models/qwen3-0.6b --workload chat-mix --backend kvfleet --out /tmp/kvfleet-profiled.json \
+    --profile-host "$OUT/host-profile.txt" ;;
 tp)  # issue 8, on nvidia-h200-x2: TP=2 logits and engine greedy tokens (CUDA graphs on both ranks) equal
   # TP=1 and transformers; 8B chat-mix at TP 1 vs 2 with decode probes; a 70B that needs TP 2
   step tp-check 240 $PY -m pytest -q -p no:cacheprovider tests/engine/test_tensor_parallel.py; rc=$?

@@ -261,9 +261,11 @@ def test_throughput_bench_with_async_scheduling(tiny_model_dir, tmp_path) -> Non
     out = tmp_path / "r.json"
     assert main(["--model", str(tiny_model_dir), "--workload", str(tmp_path / "w.jsonl"), "--out", str(out),
                  "--dtype", "float32", "--device", "cpu", "--num-kv-blocks", "32", "--warmup-requests", "1",
-                 "--async-scheduling"]) == 0
+                 "--async-scheduling", "--profile-host", str(tmp_path / "prof.txt")]) == 0
     res = json.loads(out.read_text())
     assert res["args"]["async_scheduling"] is True and res["requests_with_wrong_length"] == 0
+    assert res["async_scheduling"] is True
+    assert "llm_engine.py" in (tmp_path / "prof.txt").read_text()   # the timed run's host profile
     assert res["output_tokens"] == sum(r.max_tokens for r in reqs)
     decode = res["step_breakdown_ms"]["decode"]
     assert decode["steps"] > 0 and decode["prepare_ms"] >= 0 and decode["wait_ms"] >= 0

@@ -12,6 +12,7 @@ import argparse
 import logging
 import time
 from collections import defaultdict
+from pathlib import Path
 from typing import Any, Callable
 
 from kvfleet.engine.bench.stats import kv_fragmentation, percentiles, request_latencies
@@ -117,6 +118,17 @@ def _params(n: int) -> Any:
     return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
 
 
+def _write_profile(prof: Any, path: str) -> None:
+    import io
+    import pstats
+
+    buf = io.StringIO()
+    st = pstats.Stats(prof, stream=buf)
+    st.sort_stats("tottime").print_stats(45)
+    st.sort_stats("cumulative").print_stats(35)
+    Path(path).write_text(buf.getvalue())
+
+
 def _drain(engine: Any, on_step: Callable[[list[Any], float], None] | None = None) -> list[Any]:
     done = []
     while engine.has_unfinished_requests():
@@ -172,10 +184,19 @@ def run_kvfleet(args: argparse.Namespace, reqs: list[BenchRequest], warm: list[B
     t0 = time.monotonic()
     for i, r in enumerate(reqs):
         engine.add_request(f"r{i}", {"prompt_token_ids": r.prompt_token_ids}, _params(r.max_tokens), arrival_time=t0)
-    done = _drain(engine, on_step)
+    prof_path = getattr(args, "profile_host", None)
+    if prof_path:  # where the host's time goes on the real machine (slows the run: not for reported figures)
+        import cProfile
+
+        prof = cProfile.Profile()
+        done = prof.runcall(_drain, engine, on_step)
+    else:
+        done = _drain(engine, on_step)
     if cuda:
         torch.cuda.synchronize()
     wall = time.monotonic() - t0
+    if prof_path:
+        _write_profile(prof, prof_path)
     by_id = {o.request_id: o for o in done}
     ttft, tpot, short = [], [], 0
     for i, r in enumerate(reqs):

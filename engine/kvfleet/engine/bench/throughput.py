@@ -46,6 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="kvfleet: schedule and process outputs beside the device's step (kvfleet.engine.async_step;"
                          " default: on for CUDA)")
     ap.add_argument("--no-prefix-caching", action="store_true")
+    ap.add_argument("--profile-host", default=None, metavar="FILE",
+                    help="kvfleet: cProfile the timed run, top functions to FILE (slows the run)")
     ap.add_argument("--hf-batch-size", type=int, default=64)
     ap.add_argument("--warmup-requests", type=int, default=4)
     ap.add_argument("--label", default=None, help="free text stored in the JSON")
