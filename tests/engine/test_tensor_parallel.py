@@ -198,7 +198,7 @@ def test_two_gpus_nccl_match_one_gpu(tiny_model_factory) -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(120, method="thread")  # a hang dumps every thread's stack, then ends the run
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
 def test_two_gpus_engine_greedy_with_cuda_graphs_matches_one_gpu_and_transformers(tiny_model_factory) -> None:
     """The whole engine at tensor parallel 2 on cuda:0 + cuda:1, decode steps replayed from CUDA graphs

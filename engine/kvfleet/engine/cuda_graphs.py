@@ -83,7 +83,7 @@ class CudaGraphRunner:
         )
 
     @torch.inference_mode()
-    def capture(self) -> None:
+    def capture(self, capture_error_mode: str = "global") -> None:
         start = time.monotonic()
         free_before = torch.cuda.mem_get_info(self.device)[0]
         # Padding state during capture: every row writes nothing and reads one cached token.
@@ -99,7 +99,7 @@ class CudaGraphRunner:
                     self.model(*args)
             torch.cuda.current_stream(self.device).wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
+            with torch.cuda.graph(graph, pool=self.pool, capture_error_mode=capture_error_mode):
                 out = self.model(*args)
             if self.pool is None:
                 self.pool = graph.pool()

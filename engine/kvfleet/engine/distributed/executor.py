@@ -88,7 +88,7 @@ class TensorParallelModel:
         self._check_workers()
         broadcast_object(("capture", tuple(kv_caches[0].shape), len(kv_caches), max_batch, max_model_len, block_size))
         local = CudaGraphRunner(self.model, kv_caches, max_batch, max_model_len, block_size, device)
-        local.capture()
+        local.capture(capture_error_mode="thread_local")  # NCCL's own threads keep running meanwhile
         return TensorParallelGraphRunner(self, local)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -105,11 +105,15 @@ class TensorParallelModel:
     def free_cache(self) -> None:
         broadcast_object(("free_cache",))
 
-    def parameters(self) -> Any:
-        return self.model.parameters()
+    def parameters(self, *args: Any, **kwargs: Any) -> Any:
+        return self.model.parameters(*args, **kwargs)
 
-    def named_parameters(self) -> Any:
-        return self.model.named_parameters()
+    def named_parameters(self, *args: Any, **kwargs: Any) -> Any:
+        return self.model.named_parameters(*args, **kwargs)
+
+    @property
+    def lm_head(self) -> Any:
+        return getattr(self.model, "lm_head", None)
 
     # --- life cycle ---------------------------------------------------------------
     def _check_workers(self) -> None:

@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import threading
 import time
+import traceback
 from dataclasses import dataclass
 from typing import Any
 
@@ -134,7 +136,7 @@ class ShardWorker:
             shape, num_layers, max_batch, max_model_len, block_size = msg[1:]
             self._ensure_cache(shape, num_layers)
             graphs = CudaGraphRunner(self.model, self.kv_caches, max_batch, max_model_len, block_size, self.device)
-            graphs.capture()
+            graphs.capture(capture_error_mode="thread_local")
             self.graphs = graphs
         elif cmd == "logits":
             rows = torch.empty(msg[1], dtype=self.dtype, device=self.device)
@@ -175,5 +177,10 @@ def worker_main(rank: int, spec: WorkerSpec, parent_pid: int) -> None:
     model, device = build_shard(spec, rank)
     try:
         ShardWorker(model, device, spec.dtype).serve()
-    finally:
-        destroy_tensor_parallel()
+    except BaseException:
+        # Say why, then leave at once: leaving the group with collectives in flight can block, and the
+        # driver (whose watchdog ends the engine when a worker exits) would wait for this one forever.
+        traceback.print_exc()
+        sys.stderr.flush()
+        os._exit(1)
+    destroy_tensor_parallel()
