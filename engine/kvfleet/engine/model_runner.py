@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -176,7 +177,12 @@ class ModelRunner:
             # under tensor parallelism every rank captures its own (TensorParallelModel.capture_graphs)
             args = (self.kv_caches, self.engine_config.max_num_seqs, self.model_config.max_model_len,
                     self.block_size, self.device)
-            if self.tensor_parallel:
+            if self.tensor_parallel and os.environ.get("KVFLEET_TP_CUDA_GRAPHS") != "1":
+                # Capturing NCCL all-reduces in graphs hung on two H200s (bench/NOTES.md, tensor
+                # parallelism); until that is understood TP decode runs eager, which works.
+                logger.info("tensor parallel: decode steps run eager (KVFLEET_TP_CUDA_GRAPHS=1 captures "
+                            "graphs on every rank: experimental)")
+            elif self.tensor_parallel:
                 self.graph_runner = self.model.capture_graphs(*args)
             else:
                 from kvfleet.engine.cuda_graphs import build_graph_runner

@@ -71,7 +71,8 @@ def probe_decode_step(engine: Any, batch: int, ctx: int, iters: int = 20) -> dic
     eager_ms = median_cuda_ms(eager, max(5, iters // 4))
     weight_bytes = decode_weight_bytes(model)
     elem = runner.kv_caches[0].element_size()
-    kv_bytes = batch * ctx * cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * elem
+    # this rank's KV heads: under tensor parallelism each GPU reads its own share (weights likewise)
+    kv_bytes = batch * ctx * cfg.num_layers * 2 * runner.num_kv_heads * cfg.head_dim * elem
     bw = copy_bandwidth(device)
     floor_ms = (weight_bytes + kv_bytes) / bw * 1e3
     used_graph = runner.graph_runner is not None and runner.graph_runner.can_run(batch, md)

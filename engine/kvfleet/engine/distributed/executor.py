@@ -24,7 +24,8 @@ import torch
 import torch.distributed as dist
 
 from kvfleet.engine.attention.metadata import AttentionMetadata
-from kvfleet.engine.distributed.parallel_state import broadcast_object, destroy_tensor_parallel, local_kv_heads
+from kvfleet.engine.distributed.parallel_state import (arm_hang_dump, broadcast_object, destroy_tensor_parallel,
+                                                       local_kv_heads)
 from kvfleet.engine.distributed.worker import StepHeader, WorkerSpec, build_shard, pack_step, worker_main
 
 logger = logging.getLogger(__name__)
@@ -198,6 +199,7 @@ def start_tensor_parallel(
     spec = WorkerSpec(model=str(model), max_model_len=max_model_len, dtype=dtype, load_format=load_format,
                       seed=seed, device_type=device_type, tp_size=tp_size,
                       init_method=f"tcp://127.0.0.1:{free_loopback_port()}", timeout_s=timeout_s)
+    arm_hang_dump()
     ctx = mp.get_context("spawn")
     procs = [ctx.Process(target=worker_main, args=(rank, spec, os.getpid()), daemon=True, name=f"kvfleet-tp{rank}")
              for rank in range(1, tp_size)]

@@ -62,6 +62,17 @@ def init_tensor_parallel(
     logger.info("tensor parallel rank %d/%d (%s)", rank, world_size, backend)
 
 
+def arm_hang_dump() -> None:
+    """With KVFLEET_HANG_DUMP_S=N, print every thread's Python stack to stderr every N seconds (this
+    process): a debugging aid for runs where one rank waits in a collective for a peer that never comes."""
+    seconds = float(os.environ.get("KVFLEET_HANG_DUMP_S", "0") or 0)
+    if seconds > 0:
+        import faulthandler
+        import sys
+
+        faulthandler.dump_traceback_later(seconds, repeat=True, file=sys.stderr)
+
+
 def destroy_tensor_parallel() -> None:
     global _STATE
     if _STATE.owns_process_group and dist.is_initialized():

@@ -25,7 +25,8 @@ import torch
 import torch.distributed as dist
 
 from kvfleet.engine.attention.metadata import AttentionMetadata
-from kvfleet.engine.distributed.parallel_state import broadcast_object, destroy_tensor_parallel, init_tensor_parallel
+from kvfleet.engine.distributed.parallel_state import (arm_hang_dump, broadcast_object, destroy_tensor_parallel,
+                                                       init_tensor_parallel)
 
 logger = logging.getLogger(__name__)
 
@@ -174,6 +175,7 @@ def worker_main(rank: int, spec: WorkerSpec, parent_pid: int) -> None:
     logging.basicConfig(level=os.environ.get("KVFLEET_LOG_LEVEL", "WARNING"))
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     threading.Thread(target=_exit_when_orphaned, args=(parent_pid,), daemon=True).start()
+    arm_hang_dump()
     model, device = build_shard(spec, rank)
     try:
         ShardWorker(model, device, spec.dtype).serve()
