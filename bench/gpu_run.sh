@@ -107,6 +107,9 @@ tp)  # issue 8, on nvidia-h200-x2. The engine at TP=2 gives the greedy tokens of
   # of both ranks every 30 s while it runs (KVFLEET_HANG_DUMP_S). If the graph check fails, it runs again with
   # NCCL's cuMem allocator and graph buffer registration off (the first suspects); the benchmarks then use
   # graphs only with a setting that passed.
+  # the two GPUs' link and NCCL alone (peer access, transports via NCCL_DEBUG, an all-reduce eager and in a graph)
+  NCCL_DEBUG=INFO step tp-diag 90 $PY bench/gpu_tp_diag.py "$OUT/tp_diag.json"
+  grep -E "via |NCCL version|P2P|SHM" "$LOG" | sort | uniq -c | head -20
   export KVFLEET_HANG_DUMP_S=30
   step tp-check-eager 80 $PY -m pytest -q -s -p no:cacheprovider tests/engine/test_tensor_parallel.py -k "two_gpus_engine and eager"
   tpgraphs=()
