@@ -1,7 +1,8 @@
 """Throughput by backend and workload (with the issue's vLLM figures) as a PNG.
 
-Usage: python bench/plot.py OUT.png RESULTS_DIR [RESULTS_DIR ...]
-(one kvfleet series per results folder, named after it; hf runs from any folder)
+Usage: python bench/plot.py OUT.png [NAME=]RESULTS_DIR [[NAME=]RESULTS_DIR ...]
+(one kvfleet series per results folder, named after it, or per variant of an A/B folder whose labels
+end in -sync / -async; hf runs from any folder)
 """
 
 from __future__ import annotations
@@ -19,27 +20,31 @@ from summarize import VLLM, load_runs  # noqa: E402
 
 MODELS = ("llama-3.1-8b", "qwen3-0.6b")
 WORKLOADS = ("random-1024-128", "chat-mix")
-KV_COLORS = ("#1f77b4", "#2ca02c", "#9467bd")
+KV_COLORS = ("#1f77b4", "#2ca02c", "#9467bd", "#ff7f0e")
 
 
-def collect(folders: list[Path]) -> tuple[dict[tuple[str, str, str], tuple[float, float]], list[tuple[str, str]]]:
+def collect(folders: list[tuple[str, Path]]) -> tuple[dict[tuple[str, str, str], tuple[float, float]], list[tuple[str, str]]]:
     """(series, model, workload) -> (output tok/s, total tok/s), and the series with their colours."""
     data: dict[tuple[str, str, str], tuple[float, float]] = {}
     series: list[tuple[str, str]] = []
-    for i, folder in enumerate(folders):
-        kv = f"kvfleet {folder.name}"
-        for r in load_runs(folder).values():
-            name = kv if r["backend"] == "kvfleet" else "hf static batches"
+    for series_name, folder in folders:
+        for label, r in sorted(load_runs(folder).items()):
+            if r["backend"] == "kvfleet":
+                # an A/B run in one folder (labels ending -sync / -async) gives a series per variant
+                variant = label.rsplit("-", 1)[1] if label.endswith(("-sync", "-async")) else ""
+                name = f"kvfleet {series_name}" + (f" {variant}" if variant else "")
+                if all(name != s for s, _ in series):
+                    series.append((name, KV_COLORS[len(series) % len(KV_COLORS)]))
+            else:
+                name = "hf static batches"
             data[(name, r["model"], r["workload"])] = (r["output_tokens_per_s"], r["total_tokens_per_s"])
-            if r["backend"] == "kvfleet" and (kv, KV_COLORS[i % 3]) not in series:
-                series.append((kv, KV_COLORS[i % 3]))
     series += [("vLLM 0.26 (issue)", "#999999"), ("hf static batches", "#d62728")]
     for (model, wl), (out, tot) in VLLM.items():
         data[("vLLM 0.26 (issue)", model, wl)] = (float(out), float(tot))
     return data, series
 
 
-def plot(folders: list[Path], out_png: Path) -> None:
+def plot(folders: list[tuple[str, Path]], out_png: Path) -> None:
     data, series_list = collect(folders)
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     for ax, metric, title in ((axes[0], 0, "output tokens/s"), (axes[1], 1, "total tokens/s")):
@@ -69,7 +74,9 @@ def main(argv: list[str]) -> int:
         print(__doc__, file=sys.stderr)
         return 2
     out = Path(argv[1])
-    plot([Path(a) for a in argv[2:]], out)
+    # NAME=DIR names a folder's series (default: the folder's name)
+    plot([(a.split("=", 1)[0], Path(a.split("=", 1)[1])) if "=" in a else (Path(a).name, Path(a))
+          for a in argv[2:]], out)
     print(out)
     return 0
 
