@@ -109,6 +109,7 @@ tp)  # issue 8, on nvidia-h200-x2. The engine at TP=2 gives the greedy tokens of
   # graphs only with a setting that passed.
   # the two GPUs' link and NCCL alone (peer access, transports via NCCL_DEBUG, an all-reduce eager and in a graph)
   NCCL_DEBUG=INFO step tp-diag 90 $PY bench/gpu_tp_diag.py "$OUT/tp_diag.json"
+  TORCH_NCCL_TRACE_BUFFER_SIZE=0 step tp-diag-no-flight-recorder 60 $PY bench/gpu_tp_diag.py "$OUT/tp_diag_nofr.json"
   grep -E "via |NCCL version|P2P|SHM" "$LOG" | sort | uniq -c | head -20
   export KVFLEET_HANG_DUMP_S=30
   step tp-check-eager 80 $PY -m pytest -q -s -p no:cacheprovider tests/engine/test_tensor_parallel.py -k "two_gpus_engine and eager"

@@ -50,6 +50,18 @@ def _rank(rank: int, port: int, cuda: bool, queue: Any) -> None:
     dist.all_reduce(x)
     res["sum_ok"] = bool((x == 2).all())
     res["eager_allreduce_ms"] = _timed(lambda: dist.all_reduce(x), 50, cuda)
+    # Host time per call, not waiting for the GPU: what an eager TP forward pays per all-reduce
+    # (64 per Llama-8B step); through the Python API and straight on the process group.
+    pg = dist.distributed_c10d._get_default_group()
+    for name, call in (("api", lambda: dist.all_reduce(x)), ("process_group", lambda: pg.allreduce([x]))):
+        if cuda:
+            torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(200):
+            call()
+        res[f"host_us_per_allreduce_{name}"] = (time.perf_counter() - t) / 200 * 1e6
+        if cuda:
+            torch.cuda.synchronize()
     if cuda:
         y = torch.ones(ROWS, HIDDEN, dtype=dtype, device=dev)
         s = torch.cuda.Stream(dev)
