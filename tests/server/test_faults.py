@@ -24,7 +24,7 @@ LONG = {"model": "tiny", "prompt": "once upon a time", "max_tokens": 1000, "igno
 @pytest.fixture(scope="module")
 def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     srv = start_server(tiny_model_dir, tmp_path_factory.mktemp("fault-logs"), "--max-num-seqs", "1",
-                       "--max-queue-len", "4", "--shutdown-grace-period", "30")
+                       "--max-queue-len", "4", "--shutdown-grace-period", "30", "--max-request-bytes", "65536")
     yield srv
     srv.stop()
 
@@ -157,6 +157,31 @@ def test_engine_limits_refused_before_a_stream_starts(server: Server, path: str,
     assert resp.status_code == 400, resp.text
     assert resp.json()["error"]["param"] == "n" and "max_num_seqs=1" in resp.json()["error"]["message"]
     assert back_to_idle(server, idle) and server.metric("kvfleet:num_requests_waiting") == 0
+
+
+def test_oversized_bodies_get_413_without_being_read(server: Server) -> None:
+    """Over --max-request-bytes: refused from the Content-Length alone, or while a chunked body (no
+    Content-Length) is read; OpenAI-style error either way, and the server goes on."""
+    big = {"model": "tiny", "prompt": "x " * 40_000, "max_tokens": 1}   # ~80 kB of JSON
+    r = httpx.post(f"{server.url}/v1/completions", json=big, timeout=30)
+    assert r.status_code == 413, r.text
+    err = r.json()["error"]
+    assert err["code"] == "request_too_large" and err["type"] == "invalid_request_error"
+    assert "65536" in err["message"]
+
+    def chunks() -> Iterator[bytes]:
+        yield b'{"model": "tiny", "prompt": "'
+        for _ in range(20):
+            yield b"y " * 4096
+        yield b'", "max_tokens": 1}'
+
+    r = httpx.post(f"{server.url}/v1/completions", content=chunks(), timeout=30,
+                   headers={"Content-Type": "application/json"})
+    assert r.status_code == 413, r.text
+    assert r.json()["error"]["code"] == "request_too_large"
+    ok = httpx.post(f"{server.url}/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 2},
+                    timeout=60)
+    assert ok.status_code == 200, ok.text
 
 
 def test_sigterm_drains_then_exits_zero(server: Server) -> None:

@@ -10,7 +10,8 @@ from typing import Any, AsyncIterator, Callable
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kvfleet.engine.server import protocol as P
 from kvfleet.engine.server.auth import DEFAULT_TENANT, bearer_token, tenant_for
@@ -26,7 +27,7 @@ logger = logging.getLogger("kvfleet.server")
 VERSION = "0.1.0"
 PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
 TENANT_KEY = "kvfleet.tenant"
-ERRORS: dict[int | str, dict[str, Any]] = {code: {"model": P.ErrorResponse} for code in (400, 401, 404, 429, 503)}
+ERRORS: dict[int | str, dict[str, Any]] = {code: {"model": P.ErrorResponse} for code in (400, 401, 404, 413, 429, 503)}
 
 
 class Gate:
@@ -63,13 +64,39 @@ class Gate:
                                "loading", {"Retry-After": "5"})
             return
         scope[TENANT_KEY] = tenant
-        await self.app(scope, receive, send)
+        limit = st.max_request_bytes
+        declared = dict(scope.get("headers") or []).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            await self._reject(scope, receive, send, 413, f"Request body of {int(declared)} bytes is over this "
+                               f"server's limit of {limit} bytes (--max-request-bytes).", "request_too_large",
+                               {"Connection": "close"})
+            return
+        await self.app(scope, _limited(receive, limit), send)
 
     @staticmethod
     async def _reject(scope: Scope, receive: Receive, send: Send, status: int, message: str, code: str,
                       headers: dict[str, str]) -> None:
         await JSONResponse(error_body(status, message, code=code), status_code=status,
                            headers=headers)(scope, receive, send)
+
+
+def _limited(receive: Receive, limit: int) -> Receive:
+    """`receive` that counts body bytes: a body without Content-Length (chunked) that grows past the
+    limit ends in a 413 (raised where the route reads it) instead of filling memory."""
+    seen = 0
+
+    async def wrapped() -> Message:
+        nonlocal seen
+        message = await receive()
+        if message["type"] == "http.request":
+            seen += len(message.get("body", b""))
+            if seen > limit:
+                # an HTTPException passes FastAPI's body parsing as is (other errors become a 400)
+                raise StarletteHTTPException(413, f"Request body is over this server's limit of {limit} bytes "
+                                             "(--max-request-bytes).")
+        return message
+
+    return wrapped
 
 
 def _tenant(request: Request) -> str:

@@ -79,6 +79,8 @@ SERVE_FLAGS: tuple[Flag, ...] = (
          "key get 401 and the tenant labels the request metrics.", metavar="FILE"),
     Flag("--max-queue-len", "Most requests waiting for their first token; beyond it a request gets 429 with "
          "Retry-After (default: no limit).", type=int, metavar="N"),
+    Flag("--max-request-bytes", "Largest request body accepted; larger ones get 413 without being read.",
+         type=int, default=32 * 2**20, metavar="BYTES"),
     Flag("--shutdown-grace-period", "Seconds running requests may take to finish after SIGTERM (new ones "
          "get 503).", type=float, default=30.0, metavar="SECONDS"),
     Flag("--log-level", "Log level of kvfleet and uvicorn.", default="info",
@@ -126,7 +128,7 @@ def check_serve_args(args: argparse.Namespace) -> None:
     """Cross-flag rules argparse cannot express; raises ValueError naming the flag."""
     if args.api_key and args.api_keys_file:
         raise ValueError("--api-key and --api-keys-file are exclusive")
-    for name in ("port", "tensor_parallel_size", "block_size"):
+    for name in ("port", "tensor_parallel_size", "block_size", "max_request_bytes"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
     for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "max_queue_len",

@@ -160,6 +160,8 @@ def install_error_handlers(app: FastAPI) -> None:
         code = None
         if exc.status_code == 404:
             message, code = "Not found: no such route", "not_found"
+        elif exc.status_code == 413:
+            code = "request_too_large"
         elif exc.status_code == 400:  # FastAPI could not decode the body (not UTF-8, bad encoding)
             message, code = f"Malformed request body ({message}): send UTF-8 JSON", "invalid_json"
         return ErrorJSONResponse(error_body(exc.status_code, message, code=code), status_code=exc.status_code,

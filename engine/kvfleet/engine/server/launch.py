@@ -98,7 +98,7 @@ def run_server(args: argparse.Namespace) -> int:
     name = args.served_model_name or (args.model if args.model else Path(model).stem.split(".")[0])
     state = ServerState(model_name=name, model_path=model, keys=keys, max_queue_len=args.max_queue_len,
                         chat_template=template, log_requests=not args.disable_log_requests,
-                        block_size=args.block_size)
+                        block_size=args.block_size, max_request_bytes=args.max_request_bytes)
     kwargs = engine_kwargs(args)
 
     def load_engine() -> Any:
