@@ -5,7 +5,7 @@
 # engine_check.json,results.json} and prints a short table last.
 #
 #   bash bench/gpu_run.sh [STAGE ...]     stages: kernels engine kvfleet async hf hf-issue profile host-profile
-#                                         tp (2+ GPUs)
+#                                         tp-check tp-bench (2+ GPUs)
 #                                         (default: kernels engine kvfleet hf)
 #   async scheduling A/B in one call:     bash bench/gpu_run.sh async
 #   BUDGET_S=560 (stop starting new steps when they would not finish inside it)
@@ -102,28 +102,27 @@ host-profile)  # cProfile of the host side of a Qwen3 chat-mix run (slowed by th
   step host-profile 120 $PY -m kvfleet.engine.bench.throughput --load-format dummy --dtype bfloat16 \
     --model bench/models/qwen3-0.6b --workload chat-mix --backend kvfleet --out /tmp/kvfleet-profiled.json \
     --profile-host "$OUT/host-profile.txt" ;;
-tp)  # issue 8, on nvidia-h200-x2. The engine at TP=2 gives the greedy tokens of TP=1 and transformers, eager
-  # and with decode CUDA graphs on both ranks (KVFLEET_TP_CUDA_GRAPHS=1: hung in two calls, see NOTES). Stacks
-  # of both ranks every 30 s while it runs (KVFLEET_HANG_DUMP_S). If the graph check fails, it runs again with
-  # NCCL's cuMem allocator and graph buffer registration off (the first suspects); the benchmarks then use
-  # graphs only with a setting that passed.
-  # the two GPUs' link and NCCL alone (peer access, transports via NCCL_DEBUG, an all-reduce eager and in a graph)
+tp-check)  # issue 8 on nvidia-h200-x2, part 1 (~6 min): why TP decode graphs hung (see NOTES). The link and NCCL
+  # alone (peer access, transports via NCCL_DEBUG, host time per all-reduce with and without the flight recorder, an
+  # all-reduce captured in a graph); the direct NCCL binding eager and in a graph; then the engine at TP 2 against TP 1
+  # and transformers: eager, with graphs over torch.distributed, with graphs over the direct binding. Every rank
+  # dumps its stacks every 30 s while a check runs, so a hang shows where each waits.
   NCCL_DEBUG=INFO step tp-diag 90 $PY bench/gpu_tp_diag.py "$OUT/tp_diag.json"
-  TORCH_NCCL_TRACE_BUFFER_SIZE=0 step tp-diag-no-flight-recorder 60 $PY bench/gpu_tp_diag.py "$OUT/tp_diag_nofr.json"
   grep -E "via |NCCL version|P2P|SHM" "$LOG" | sort | uniq -c | head -20
+  TORCH_NCCL_TRACE_BUFFER_SIZE=0 step tp-diag-no-flight-recorder 60 $PY bench/gpu_tp_diag.py "$OUT/tp_diag_nofr.json"
   export KVFLEET_HANG_DUMP_S=30
-  step tp-check-eager 80 $PY -m pytest -q -s -p no:cacheprovider tests/engine/test_tensor_parallel.py -k "two_gpus_engine and eager"
-  tpgraphs=()
-  if KVFLEET_TP_CUDA_GRAPHS=1 step tp-check-graphs 100 $PY -m pytest -q -s -p no:cacheprovider tests/engine/test_tensor_parallel.py -k "two_gpus_engine and graphs"; then
-    tpgraphs=(env KVFLEET_TP_CUDA_GRAPHS=1)
-  elif NCCL_CUMEM_ENABLE=0 NCCL_GRAPH_REGISTER=0 step tp-check-graphs-nocumem 100 $PY -m pytest -q -s -p no:cacheprovider tests/engine/test_tensor_parallel.py -k "two_gpus_engine and graphs"; then
-    tpgraphs=(env KVFLEET_TP_CUDA_GRAPHS=1 NCCL_CUMEM_ENABLE=0 NCCL_GRAPH_REGISTER=0)
-  fi
-  unset KVFLEET_HANG_DUMP_S
-  echo "TP benchmarks: ${tpgraphs[*]:-eager}" | tee -a "$LOG"
-  PY="${tpgraphs[*]} python3" bench kvfleet-llama-3.1-8b-chat-mix-tp2 100 --model bench/models/llama-3.1-8b --workload chat-mix --backend kvfleet --tensor-parallel-size 2 --decode-probe 256x1024
+  t="$PY -m pytest -q -s -p no:cacheprovider"
+  step tp-direct-nccl 80 $t tests/engine/test_direct_nccl.py -k two_gpus
+  step tp-engine-graphs-nccl 100 $t tests/engine/test_tensor_parallel.py -k "two_gpus_engine and nccl"
+  step tp-engine-eager 70 $t tests/engine/test_tensor_parallel.py -k "two_gpus_engine and eager"
+  step tp-engine-graphs-torch 100 $t tests/engine/test_tensor_parallel.py -k "two_gpus_engine and graphs and not nccl"
+  unset KVFLEET_HANG_DUMP_S ;;
+tp-bench)  # part 2 (~5.5 min): TP_ENV holds the settings part 1 passed with, e.g.
+  # TP_ENV="KVFLEET_TP_CUDA_GRAPHS=1 KVFLEET_TP_ALLREDUCE=nccl" bash bench/gpu_run.sh tp-bench   (empty: eager)
+  echo "TP benchmarks with: ${TP_ENV:-eager, torch.distributed}" | tee -a "$LOG"
+  PY="env ${TP_ENV:-} python3" bench kvfleet-llama-3.1-8b-chat-mix-tp2 100 --model bench/models/llama-3.1-8b --workload chat-mix --backend kvfleet --tensor-parallel-size 2 --decode-probe 256x1024
   bench kvfleet-llama-3.1-8b-chat-mix-tp1 75 --model bench/models/llama-3.1-8b --workload chat-mix --backend kvfleet --decode-probe 256x1024
-  PY="${tpgraphs[*]} python3" bench kvfleet-llama-3.1-70b-chat-mix-tp2 150 --model bench/models/llama-3.1-70b --workload chat-mix --backend kvfleet --tensor-parallel-size 2 --num-prompts 128 --decode-probe 64x1024 ;;
+  PY="env ${TP_ENV:-} python3" bench kvfleet-llama-3.1-70b-chat-mix-tp2 150 --model bench/models/llama-3.1-70b --workload chat-mix --backend kvfleet --tensor-parallel-size 2 --num-prompts 128 --decode-probe 64x1024 ;;
 *) echo "unknown stage $s" ;;
 esac; done
 

@@ -62,6 +62,30 @@ def _rank(rank: int, port: int, cuda: bool, queue: Any) -> None:
         res[f"host_us_per_allreduce_{name}"] = (time.perf_counter() - t) / 200 * 1e6
         if cuda:
             torch.cuda.synchronize()
+    if cuda:  # the direct NCCL binding (kvfleet.engine.distributed.nccl): same measurements
+        from kvfleet.engine.distributed.nccl import make_communicator
+
+        control = dist.new_group(backend="gloo")
+
+        def share(obj: Any) -> Any:
+            box = [obj]
+            dist.broadcast_object_list(box, src=0, group=control)
+            return box[0]
+
+        try:
+            comm = make_communicator(rank, 2, dev, share)
+            z = torch.ones(ROWS, HIDDEN, dtype=dtype, device=dev)
+            comm.all_reduce(z)
+            torch.cuda.synchronize()
+            res["direct_sum_ok"] = bool((z == 2).all())
+            res["direct_allreduce_ms"] = _timed(lambda: comm.all_reduce(z), 50, cuda)
+            t = time.perf_counter()
+            for _ in range(200):
+                comm.all_reduce(z)
+            res["host_us_per_allreduce_direct"] = (time.perf_counter() - t) / 200 * 1e6
+            torch.cuda.synchronize()
+        except Exception as exc:
+            res["direct_error"] = repr(exc)[:500]
     if cuda:
         y = torch.ones(ROWS, HIDDEN, dtype=dtype, device=dev)
         s = torch.cuda.Stream(dev)

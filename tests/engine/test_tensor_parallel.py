@@ -200,11 +200,12 @@ def test_two_gpus_nccl_match_one_gpu(tiny_model_factory) -> None:
 @pytest.mark.gpu
 @pytest.mark.timeout(90, method="thread")  # a hang dumps every thread's stack, then ends the run
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
-@pytest.mark.parametrize("graphs", ["eager", "cuda-graphs"])
+@pytest.mark.parametrize("graphs", ["eager", "cuda-graphs", "cuda-graphs-nccl"])
 def test_two_gpus_engine_greedy_matches_one_gpu_and_transformers(tiny_model_factory, graphs, monkeypatch) -> None:
     """The whole engine at tensor parallel 2 on cuda:0 + cuda:1: greedy tokens identical to tensor
     parallel 1 and to transformers (float32), eager and with decode CUDA graphs captured on both ranks
-    (KVFLEET_TP_CUDA_GRAPHS=1, experimental: it hung on two H200s). Progress lines locate a hang."""
+    (KVFLEET_TP_CUDA_GRAPHS=1, experimental: it hung on two H200s), with torch.distributed's all-reduce
+    or the direct NCCL one. Progress lines locate a hang."""
     import sys
 
     import transformers
@@ -215,8 +216,10 @@ def test_two_gpus_engine_greedy_matches_one_gpu_and_transformers(tiny_model_fact
     def say(msg: str) -> None:
         print(f"[tp-engine {graphs}] {msg}", file=sys.stderr, flush=True)
 
-    if graphs == "cuda-graphs":
+    if graphs != "eager":
         monkeypatch.setenv("KVFLEET_TP_CUDA_GRAPHS", "1")
+    if graphs.endswith("nccl"):  # all-reduces through the direct NCCL binding (the workers inherit it)
+        monkeypatch.setenv("KVFLEET_TP_ALLREDUCE", "nccl")
     folder = str(tiny_model_factory("llama"))
     gen = torch.Generator().manual_seed(11)
     prompts = [torch.randint(3, 250, (n,), generator=gen).tolist() for n in (1, 5, 17, 40, 64, 90, 3, 33)]
@@ -237,7 +240,7 @@ def test_two_gpus_engine_greedy_matches_one_gpu_and_transformers(tiny_model_fact
     say("tensor parallel 2 engine built")
     try:
         runner = two.llm_engine.runner.graph_runner
-        assert isinstance(runner, TensorParallelGraphRunner) == (graphs == "cuda-graphs")
+        assert isinstance(runner, TensorParallelGraphRunner) == (graphs != "eager")
         tp2 = [list(o.outputs[0].token_ids) for o in two.generate(prompts, params)]
         say("tensor parallel 2 generate done")
         if runner is not None:

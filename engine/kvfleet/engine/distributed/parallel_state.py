@@ -26,6 +26,7 @@ class _TPState:
     size: int = 1
     owns_process_group: bool = False
     control_group: Any = None
+    nccl: Any = None   # a direct NcclCommunicator (KVFLEET_TP_ALLREDUCE=nccl), else torch.distributed
 
 
 _STATE = _TPState()
@@ -58,7 +59,18 @@ def init_tensor_parallel(
     elif dist.get_world_size() != world_size:
         raise ValueError(f"tensor_parallel_size: {world_size} != torch.distributed world size {dist.get_world_size()}")
     control = dist.new_group(backend="gloo", timeout=timeout) if backend != "gloo" else dist.group.WORLD
-    _STATE = _TPState(rank=rank, size=world_size, owns_process_group=owns, control_group=control)
+    nccl = None
+    if backend == "nccl":
+        from kvfleet.engine.distributed.nccl import make_communicator, use_direct_nccl
+
+        if use_direct_nccl():
+            def share(obj: Any) -> Any:
+                box = [obj]
+                dist.broadcast_object_list(box, src=0, group=control)
+                return box[0]
+
+            nccl = make_communicator(rank, world_size, torch.device(device), share)
+    _STATE = _TPState(rank=rank, size=world_size, owns_process_group=owns, control_group=control, nccl=nccl)
     logger.info("tensor parallel rank %d/%d (%s)", rank, world_size, backend)
 
 
@@ -75,6 +87,11 @@ def arm_hang_dump() -> None:
 
 def destroy_tensor_parallel() -> None:
     global _STATE
+    if _STATE.nccl is not None:
+        try:
+            _STATE.nccl.close()
+        except Exception as exc:  # leaving anyway
+            logger.warning("closing the NCCL communicator failed: %s", exc)
     if _STATE.owns_process_group and dist.is_initialized():
         dist.destroy_process_group()
     _STATE = _TPState()
@@ -92,6 +109,8 @@ def tp_all_reduce(x: torch.Tensor) -> torch.Tensor:
     """Sum over ranks (in place when distributed)."""
     if _STATE.size == 1:
         return x
+    if _STATE.nccl is not None:
+        return _STATE.nccl.all_reduce(x)
     dist.all_reduce(x)
     return x
 
