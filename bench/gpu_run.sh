@@ -107,15 +107,16 @@ tp-check)  # issue 8 on nvidia-h200-x2, part 1 (~6 min): why TP decode graphs hu
   # all-reduce captured in a graph); the direct NCCL binding eager and in a graph; then the engine at TP 2 against TP 1
   # and transformers: eager, with graphs over torch.distributed, with graphs over the direct binding. Every rank
   # dumps its stacks every 30 s while a check runs, so a hang shows where each waits.
-  NCCL_DEBUG=INFO step tp-diag 90 $PY bench/gpu_tp_diag.py "$OUT/tp_diag.json"
+  NCCL_DEBUG=INFO step tp-diag 75 $PY bench/gpu_tp_diag.py "$OUT/tp_diag.json"
   grep -E "via |NCCL version|P2P|SHM" "$LOG" | sort | uniq -c | head -20
-  TORCH_NCCL_TRACE_BUFFER_SIZE=0 step tp-diag-no-flight-recorder 60 $PY bench/gpu_tp_diag.py "$OUT/tp_diag_nofr.json"
+  TORCH_NCCL_TRACE_BUFFER_SIZE=0 step tp-diag-no-flight-recorder 45 $PY bench/gpu_tp_diag.py "$OUT/tp_diag_nofr.json"
   export KVFLEET_HANG_DUMP_S=30
   t="$PY -m pytest -q -s -p no:cacheprovider"
-  step tp-direct-nccl 80 $t tests/engine/test_direct_nccl.py -k two_gpus
-  step tp-engine-graphs-nccl 100 $t tests/engine/test_tensor_parallel.py -k "two_gpus_engine and nccl"
-  step tp-engine-eager 70 $t tests/engine/test_tensor_parallel.py -k "two_gpus_engine and eager"
-  step tp-engine-graphs-torch 100 $t tests/engine/test_tensor_parallel.py -k "two_gpus_engine and graphs and not nccl"
+  step tp-direct-nccl 60 $t tests/engine/test_direct_nccl.py -k two_gpus
+  step tp-engine-graphs-nccl 90 $t tests/engine/test_tensor_parallel.py -k "two_gpus_engine and cuda-graphs-nccl"
+  step tp-engine-piecewise-nccl 90 $t tests/engine/test_tensor_parallel.py -k "two_gpus_engine and piecewise"
+  step tp-engine-eager 60 $t tests/engine/test_tensor_parallel.py -k "two_gpus_engine and eager"
+  step tp-engine-graphs-torch 90 $t tests/engine/test_tensor_parallel.py -k "two_gpus_engine and cuda-graphs and not nccl"
   unset KVFLEET_HANG_DUMP_S ;;
 tp-bench)  # part 2 (~5.5 min): TP_ENV holds the settings part 1 passed with, e.g.
   # TP_ENV="KVFLEET_TP_CUDA_GRAPHS=1 KVFLEET_TP_ALLREDUCE=nccl" bash bench/gpu_run.sh tp-bench   (empty: eager)

@@ -200,7 +200,7 @@ def test_two_gpus_nccl_match_one_gpu(tiny_model_factory) -> None:
 @pytest.mark.gpu
 @pytest.mark.timeout(90, method="thread")  # a hang dumps every thread's stack, then ends the run
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
-@pytest.mark.parametrize("graphs", ["eager", "cuda-graphs", "cuda-graphs-nccl"])
+@pytest.mark.parametrize("graphs", ["eager", "cuda-graphs", "cuda-graphs-nccl", "piecewise-nccl"])
 def test_two_gpus_engine_greedy_matches_one_gpu_and_transformers(tiny_model_factory, graphs, monkeypatch) -> None:
     """The whole engine at tensor parallel 2 on cuda:0 + cuda:1: greedy tokens identical to tensor
     parallel 1 and to transformers (float32), eager and with decode CUDA graphs captured on both ranks
@@ -217,7 +217,7 @@ def test_two_gpus_engine_greedy_matches_one_gpu_and_transformers(tiny_model_fact
         print(f"[tp-engine {graphs}] {msg}", file=sys.stderr, flush=True)
 
     if graphs != "eager":
-        monkeypatch.setenv("KVFLEET_TP_CUDA_GRAPHS", "1")
+        monkeypatch.setenv("KVFLEET_TP_CUDA_GRAPHS", "piecewise" if graphs.startswith("piecewise") else "1")
     if graphs.endswith("nccl"):  # all-reduces through the direct NCCL binding (the workers inherit it)
         monkeypatch.setenv("KVFLEET_TP_ALLREDUCE", "nccl")
     folder = str(tiny_model_factory("llama"))
@@ -265,3 +265,54 @@ def test_hang_dump_prints_every_threads_stack_when_asked() -> None:
     quiet = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60,
                            env={k: v for k, v in os.environ.items() if k != "KVFLEET_HANG_DUMP_S"})
     assert quiet.returncode == 0 and "most recent call first" not in quiet.stderr
+
+
+def test_piecewise_graph_cuts_at_each_all_reduce_and_replays_them_in_order(monkeypatch) -> None:
+    """The structure of a piecewise capture (CUDA stubbed out: on a GPU the 2-GPU engine test runs it for
+    real): one graph part per stretch between all-reduces, and a replay that runs part, all-reduce, part..."""
+    from kvfleet.engine import cuda_graphs
+    from kvfleet.engine.distributed import parallel_state as ps
+
+    log: list[str] = []
+
+    class FakeGraph:
+        count = 0
+
+        def __init__(self) -> None:
+            self.name = f"g{FakeGraph.count}"
+            FakeGraph.count += 1
+
+        def capture_begin(self, pool=None, capture_error_mode="global") -> None:  # noqa: ANN001
+            log.append(f"begin {self.name} pool={pool} mode={capture_error_mode}")
+
+        def capture_end(self) -> None:
+            log.append(f"end {self.name}")
+
+        def replay(self) -> None:
+            log.append(f"replay {self.name}")
+
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", FakeGraph)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: __import__("contextlib").nullcontext())
+    monkeypatch.setattr(ps, "_STATE", ps._TPState(rank=0, size=2))
+    monkeypatch.setattr(ps, "tp_all_reduce_now", lambda x: log.append(f"all-reduce {int(x[0])}") or x)
+    xs = [torch.tensor([i]) for i in range(3)]
+
+    def forward() -> torch.Tensor:
+        log.append("ops 0")
+        for x in xs:
+            y = ps.tp_all_reduce(x)
+            assert y is x
+            log.append(f"ops after {int(x[0])}")
+        return xs[-1]
+
+    pieces = cuda_graphs.PiecewiseGraph()
+    out = pieces.capture(forward, pool="P", stream=None, capture_error_mode="thread_local")
+    assert out is xs[-1] and [x for _, x in pieces.parts] == [xs[0], xs[1], xs[2], None]
+    assert log == ["begin g0 pool=P mode=thread_local", "ops 0", "end g0", "begin g1 pool=P mode=thread_local",
+                   "ops after 0", "end g1", "begin g2 pool=P mode=thread_local", "ops after 1", "end g2",
+                   "begin g3 pool=P mode=thread_local", "ops after 2", "end g3"]
+    assert ps._CUT is None  # the hook is gone after the capture: eager all-reduces are real again
+    log.clear()
+    pieces.replay()
+    assert log == ["replay g0", "all-reduce 0", "replay g1", "all-reduce 1", "replay g2", "all-reduce 2", "replay g3"]

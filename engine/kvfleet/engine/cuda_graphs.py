@@ -48,6 +48,47 @@ def pick_bucket(sizes: list[int], n: int) -> int | None:
     return None
 
 
+class PiecewiseGraph:
+    """One forward captured as several graphs cut at its tensor-parallel all-reduces: `replay()`
+    replays each part, then runs the all-reduce that ended it eagerly, so no collective is ever inside
+    a graph (for setups where capturing one hangs). All parts share the runner's memory pool and are
+    always replayed in capture order, as a pool shared by several graphs requires."""
+
+    def __init__(self) -> None:
+        self.parts: list[tuple[torch.cuda.CUDAGraph, torch.Tensor | None]] = []
+
+    def capture(self, fn: Any, pool: Any, stream: torch.cuda.Stream, capture_error_mode: str) -> Any:
+        from kvfleet.engine.distributed.parallel_state import all_reduce_cut
+
+        current = [torch.cuda.CUDAGraph()]
+
+        def cut(x: torch.Tensor) -> torch.Tensor:
+            current[0].capture_end()
+            self.parts.append((current[0], x))    # x: written by this part, summed before the next
+            current[0] = torch.cuda.CUDAGraph()
+            current[0].capture_begin(pool=pool, capture_error_mode=capture_error_mode)
+            return x
+
+        torch.cuda.synchronize()
+        with torch.cuda.stream(stream):
+            current[0].capture_begin(pool=pool, capture_error_mode=capture_error_mode)
+            try:
+                with all_reduce_cut(cut):
+                    out = fn()
+            finally:
+                current[0].capture_end()
+            self.parts.append((current[0], None))
+        return out
+
+    def replay(self) -> None:
+        from kvfleet.engine.distributed.parallel_state import tp_all_reduce_now
+
+        for graph, x in self.parts:
+            graph.replay()
+            if x is not None:
+                tp_all_reduce_now(x)
+
+
 class CudaGraphRunner:
     """Captured decode forwards of ``model`` over ``kv_caches``, one per padded batch size."""
 
@@ -69,7 +110,7 @@ class CudaGraphRunner:
         self.block_tables = torch.zeros(n, self.max_blocks, dtype=torch.int32, device=device)
         # one token per sequence: query_start_loc is 0..n, never changes
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.graphs: dict[int, Any] = {}   # CUDAGraph or PiecewiseGraph, each with replay()
         self.outputs: dict[int, torch.Tensor] = {}
         self.pool: Any = None
 
@@ -83,7 +124,8 @@ class CudaGraphRunner:
         )
 
     @torch.inference_mode()
-    def capture(self, capture_error_mode: str = "global") -> None:
+    def capture(self, capture_error_mode: str = "global", piecewise: bool = False) -> None:
+        """`piecewise`: each size as a PiecewiseGraph (tensor parallelism without captured collectives)."""
         start = time.monotonic()
         free_before = torch.cuda.mem_get_info(self.device)[0]
         # Padding state during capture: every row writes nothing and reads one cached token.
@@ -98,12 +140,19 @@ class CudaGraphRunner:
                 for _ in range(2):  # compile Triton kernels and let allocators settle outside the graph
                     self.model(*args)
             torch.cuda.current_stream(self.device).wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool, capture_error_mode=capture_error_mode):
-                out = self.model(*args)
-            if self.pool is None:
-                self.pool = graph.pool()
-            self.graphs[bs] = graph
+            if piecewise:
+                if self.pool is None:
+                    self.pool = torch.cuda.graph_pool_handle()
+                pieces = PiecewiseGraph()
+                out = pieces.capture(lambda: self.model(*args), self.pool, stream, capture_error_mode)
+                self.graphs[bs] = pieces
+            else:
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=self.pool, capture_error_mode=capture_error_mode):
+                    out = self.model(*args)
+                if self.pool is None:
+                    self.pool = graph.pool()
+                self.graphs[bs] = graph
             self.outputs[bs] = out
         self.seq_lens.zero_()
         torch.cuda.synchronize(self.device)

@@ -177,13 +177,14 @@ class ModelRunner:
             # under tensor parallelism every rank captures its own (TensorParallelModel.capture_graphs)
             args = (self.kv_caches, self.engine_config.max_num_seqs, self.model_config.max_model_len,
                     self.block_size, self.device)
-            if self.tensor_parallel and os.environ.get("KVFLEET_TP_CUDA_GRAPHS") != "1":
+            tp_graphs = os.environ.get("KVFLEET_TP_CUDA_GRAPHS", "0")
+            if self.tensor_parallel and tp_graphs not in ("1", "piecewise"):
                 # Capturing NCCL all-reduces in graphs hung on two H200s (bench/NOTES.md, tensor
                 # parallelism); until that is understood TP decode runs eager, which works.
-                logger.info("tensor parallel: decode steps run eager (KVFLEET_TP_CUDA_GRAPHS=1 captures "
-                            "graphs on every rank: experimental)")
+                logger.info("tensor parallel: decode steps run eager (KVFLEET_TP_CUDA_GRAPHS=1 captures whole "
+                            "graphs on every rank, =piecewise graphs cut at the all-reduces: experimental)")
             elif self.tensor_parallel:
-                self.graph_runner = self.model.capture_graphs(*args)
+                self.graph_runner = self.model.capture_graphs(*args, piecewise=tp_graphs == "piecewise")
             else:
                 from kvfleet.engine.cuda_graphs import build_graph_runner
 

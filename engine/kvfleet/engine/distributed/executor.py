@@ -81,15 +81,17 @@ class TensorParallelModel:
         dist.broadcast(pack_step(input_ids, positions, md), src=0)
 
     def capture_graphs(self, kv_caches: list[torch.Tensor], max_batch: int, max_model_len: int, block_size: int,
-                       device: torch.device) -> "TensorParallelGraphRunner":
+                       device: torch.device, piecewise: bool = False) -> "TensorParallelGraphRunner":
         """Decode CUDA graphs on every rank: each captures the same batch sizes in the same order over
-        its own shard and KV cache, so the all-reduces inside the graphs pair up at replay."""
+        its own shard and KV cache, so the all-reduces inside the graphs pair up at replay (or, with
+        `piecewise`, the eager all-reduces between the graphs' parts)."""
         from kvfleet.engine.cuda_graphs import CudaGraphRunner
 
         self._check_workers()
-        broadcast_object(("capture", tuple(kv_caches[0].shape), len(kv_caches), max_batch, max_model_len, block_size))
+        broadcast_object(("capture", tuple(kv_caches[0].shape), len(kv_caches), max_batch, max_model_len, block_size,
+                          piecewise))
         local = CudaGraphRunner(self.model, kv_caches, max_batch, max_model_len, block_size, device)
-        local.capture(capture_error_mode="thread_local")  # NCCL's own threads keep running meanwhile
+        local.capture(capture_error_mode="thread_local", piecewise=piecewise)  # NCCL's threads keep running
         return TensorParallelGraphRunner(self, local)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

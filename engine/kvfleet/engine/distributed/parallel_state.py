@@ -8,11 +8,12 @@ messages (step inputs) even when the tensors go over NCCL.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import logging
 import os
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -105,10 +106,32 @@ def get_tp_size() -> int:
     return _STATE.size
 
 
+_CUT: Callable[[torch.Tensor], torch.Tensor] | None = None
+
+
+@contextlib.contextmanager
+def all_reduce_cut(fn: Callable[[torch.Tensor], torch.Tensor]) -> Iterator[None]:
+    """While piecewise CUDA graphs are captured, every tensor-parallel all-reduce calls `fn(x)`
+    instead (it ends one graph at that point and starts the next; see cuda_graphs.PiecewiseGraph)."""
+    global _CUT
+    prev, _CUT = _CUT, fn
+    try:
+        yield
+    finally:
+        _CUT = prev
+
+
 def tp_all_reduce(x: torch.Tensor) -> torch.Tensor:
     """Sum over ranks (in place when distributed)."""
     if _STATE.size == 1:
         return x
+    if _CUT is not None:
+        return _CUT(x)
+    return tp_all_reduce_now(x)
+
+
+def tp_all_reduce_now(x: torch.Tensor) -> torch.Tensor:
+    """The all-reduce itself (what a piecewise graph's replay runs between its parts)."""
     if _STATE.nccl is not None:
         return _STATE.nccl.all_reduce(x)
     dist.all_reduce(x)

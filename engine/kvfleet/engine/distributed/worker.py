@@ -4,7 +4,7 @@ The driver (rank 0, inside the engine) broadcasts one control message per call o
 the model; the worker runs the same call on its shards so the collectives inside
 the forward pair up. Control messages (small, host-only, over gloo):
 ("forward", StepHeader), ("replay", StepHeader) (a captured decode graph),
-("capture", cache_shape, num_layers, max_batch, max_model_len, block_size),
+("capture", cache_shape, num_layers, max_batch, max_model_len, block_size, piecewise),
 ("logits", rows_shape), ("copy_blocks", src, dst), ("free_cache",), ("shutdown",). The step's tensors follow a "forward" header as one
 packed int64 tensor broadcast over the tensor group (NCCL on GPUs), so the driver
 never waits for the device to build a message.
@@ -134,10 +134,10 @@ class ShardWorker:
         elif cmd == "capture":
             from kvfleet.engine.cuda_graphs import CudaGraphRunner
 
-            shape, num_layers, max_batch, max_model_len, block_size = msg[1:]
+            shape, num_layers, max_batch, max_model_len, block_size, piecewise = msg[1:]
             self._ensure_cache(shape, num_layers)
             graphs = CudaGraphRunner(self.model, self.kv_caches, max_batch, max_model_len, block_size, self.device)
-            graphs.capture(capture_error_mode="thread_local")
+            graphs.capture(capture_error_mode="thread_local", piecewise=piecewise)
             self.graphs = graphs
         elif cmd == "logits":
             rows = torch.empty(msg[1], dtype=self.dtype, device=self.device)
