@@ -28,6 +28,9 @@ def kube(kubeconfig: str) -> Iterator[Kube]:
     client.close()
 
 
+SYSTEM_NAMESPACE = "kvfleet-system"
+
+
 def operator_log(cluster: Any, name: str) -> Path:
     return Path(cluster.logs) / f"operator-{name}.log"
 
@@ -36,7 +39,9 @@ def operator_log(cluster: Any, name: str) -> Path:
 def operator(crds: None, kubeconfig: str, cluster: Any, request: pytest.FixtureRequest) -> Iterator[OperatorProcess]:
     """The operator (standalone) for one scenario module; its log is in .cluster/logs/."""
     name = Path(str(request.node.fspath)).stem
-    proc = OperatorProcess(kubeconfig, operator_log(cluster, name)).start()
+    # as the chart sets it: the operator's own namespace is the platform's (tenants may not list it)
+    proc = OperatorProcess(kubeconfig, operator_log(cluster, name),
+                           env={"KVFLEET_SYSTEM_NAMESPACES": SYSTEM_NAMESPACE}).start()
     yield proc
     proc.stop()
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from operator_fixtures import (API, KUEUE, crds, deployments, engine_pods, flavors, kube, mdep_status,  # noqa: F401
-                               model_deployment, operator, suffix, tenants, workloads)
+from operator_fixtures import (API, KUEUE, SYSTEM_NAMESPACE, crds, deployments, engine_pods, flavors, kube,  # noqa: F401
+                               mdep_status, model_deployment, operator, suffix, tenants, workloads)
 
 from kvfleet.operator.kube import Kube
 from kvfleet.operator.testing import OperatorProcess, condition, wait_for
@@ -81,6 +81,19 @@ def test_admitted_replicas_run_on_the_flavors_nodes(kube: Kube, tenants: Any, fl
     assert ns in ready[0]["message"] and tenant in ready[0]["message"]
     assert kube.get("v1", "namespaces", ns)["metadata"]["labels"]["serving.kvfleet.dev/tenant"] == tenant
     assert kube.get(KUEUE, "localqueues", rival, ns) is None
+
+    # Nor may a tenant have the operator's own namespace.
+    squatter = f"squatter-{tenants.suffix}"
+    kube.apply({"apiVersion": API, "kind": "Tenant", "metadata": {"name": squatter},
+                "spec": {"namespaces": [SYSTEM_NAMESPACE], "quotas": [{"flavor": flavors["h200"], "nominal": 1}]}})
+    tenants.names.append(squatter)
+    ready = wait_for("squatter refused", lambda: [c for c in ((kube.get(API, "tenants", squatter) or {})
+                                                              .get("status") or {}).get("conditions", [])
+                                                  if c["reason"] == "ReservedNamespace"], timeout=30)
+    assert SYSTEM_NAMESPACE in ready[0]["message"] and ready[0]["status"] == "False"
+    labels = ((kube.get("v1", "namespaces", SYSTEM_NAMESPACE) or {}).get("metadata") or {}).get("labels") or {}
+    assert "serving.kvfleet.dev/tenant" not in labels
+    assert kube.get(KUEUE, "localqueues", squatter, SYSTEM_NAMESPACE) is None
 
     # Events and the operator's own metrics.
     events = kube.list("v1", "events", ns)

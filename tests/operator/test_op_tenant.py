@@ -100,3 +100,15 @@ def test_namespace_of_another_live_tenant_is_not_taken() -> None:
     assert ready["status"] == "False" and ready["reason"] == "NamespaceConflict"
     assert "team-a-dev (tenant team-b)" in ready["message"] and "spec.namespaces" in ready["message"]
     assert st["namespaces"] == ["team-a"]
+
+
+def test_platform_namespaces_are_never_given_to_a_tenant() -> None:
+    st = compute_tenant_status(TENANT, SPEC, None, [], "T", reserved=["team-a-dev"])
+    ready = st["conditions"][0]
+    assert ready["status"] == "False" and ready["reason"] == "ReservedNamespace"
+    assert "spec.namespaces" in ready["message"] and "team-a-dev" in ready["message"]
+    assert st["namespaces"] == ["team-a"]
+    both = compute_tenant_status(TENANT, SPEC, None, [], "T", {"team-a": "team-b"}, reserved=["team-a-dev"])
+    msg = both["conditions"][0]["message"]
+    assert both["conditions"][0]["reason"] == "ReservedNamespace" and "team-a (tenant team-b)" in msg
+    assert both["namespaces"] == []

@@ -129,7 +129,8 @@ def owned_workload_event(namespace: str, labels: dict[str, str], **_: Any) -> No
     ns = kube().get("v1", "namespaces", namespace) or {}
     tenant = ((ns.get("metadata") or {}).get("labels") or {}).get(LABEL_TENANT)
     if tenant:
-        _guarded("Tenant", tenant, lambda: reconcile_tenant(kube(), tenant, converge=False))
+        _guarded("Tenant", tenant, lambda: reconcile_tenant(kube(), tenant, converge=False,
+                                                            system_namespaces=config().system_namespaces))
 
 
 @kopf.on.event("apps", "v1", "deployments",

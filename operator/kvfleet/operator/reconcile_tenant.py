@@ -44,7 +44,8 @@ def reconcile_tenant(kube: Kube, name: str, converge: bool = True,
                      system_namespaces: Sequence[str] = ()) -> dict[str, Any] | None:
     """Apply what the Tenant becomes (unless `converge` is False: then only refresh its status).
 
-    `system_namespaces` may reach the tenant's engines through its NetworkPolicy (the operator's own)."""
+    `system_namespaces` may reach the tenant's engines through its NetworkPolicy (the operator's own);
+    a tenant may not have one of them (Ready=False, ReservedNamespace)."""
     tenant = kube.get(API_VERSION, TENANT_PLURAL, name)
     if tenant is None or tenant["metadata"].get("deletionTimestamp"):
         return None
@@ -56,11 +57,13 @@ def reconcile_tenant(kube: Kube, name: str, converge: bool = True,
         status = compute_tenant_status(tenant, None, exc.message, [], now)
     else:
         conflicts = _conflicts(kube, name, spec)
+        reserved = [ns for ns in spec.namespaces if ns in system_namespaces]
+        skip = set(conflicts) | set(reserved)
         if converge:
-            _converge(kube, tenant, spec, skip=set(conflicts), system_namespaces=system_namespaces)
-        workloads = [w for ns in spec.namespaces if ns not in conflicts
+            _converge(kube, tenant, spec, skip=skip, system_namespaces=system_namespaces)
+        workloads = [w for ns in spec.namespaces if ns not in skip
                      for w in kube.list(KUEUE_API_VERSION, "workloads", ns)]
-        status = compute_tenant_status(tenant, spec, None, workloads, now, conflicts)
+        status = compute_tenant_status(tenant, spec, None, workloads, now, conflicts, reserved)
     if {k: old_status.get(k) for k in status} != status:
         kube.merge_patch(tenant, {"status": status}, subresource="status")
         old_ready = next((c for c in old_status.get("conditions") or [] if c["type"] == "Ready"), {})

@@ -39,18 +39,27 @@ def namespace_conflicts(tenant_name: str, owners: Mapping[str, str | None], live
 
 def compute_tenant_status(tenant: Mapping[str, Any], spec: TenantSpec | None, problem: str | None,
                           workloads: Sequence[Mapping[str, Any]], now: str,
-                          conflicts: Mapping[str, str] | None = None) -> dict[str, Any]:
+                          conflicts: Mapping[str, str] | None = None,
+                          reserved: Sequence[str] = ()) -> dict[str, Any]:
+    """`conflicts`: namespaces (-> owner) another tenant holds; `reserved`: namespaces of the platform
+    (the operator's own and the chart's allowNamespaces), never given to a tenant. Neither is configured."""
     old = (tenant.get("status") or {}).get("conditions") or ()
     generation = int((tenant.get("metadata") or {}).get("generation", 0))
     if spec is None or problem:
         ready = set_condition(old, "Ready", False, "InvalidSpec", problem or "invalid spec", generation, now)
         return {"conditions": [ready], "observedGeneration": generation, "gpus": []}
     conflicts = conflicts or {}
-    served = [ns for ns in spec.namespaces if ns not in conflicts]
+    served = [ns for ns in spec.namespaces if ns not in conflicts and ns not in reserved]
+    problems = []
+    if reserved:
+        problems.append(f"reserved for the platform (the kvfleet operator's or a system namespace): "
+                        f"{', '.join(sorted(reserved))}")
     if conflicts:
         taken = ", ".join(f"{ns} (tenant {owner})" for ns, owner in sorted(conflicts.items()))
-        ready = set_condition(old, "Ready", False, "NamespaceConflict",
-                              f"spec.namespaces: already belong to another tenant: {taken}", generation, now)
+        problems.append(f"already belong to another tenant: {taken}")
+    if problems:
+        reason = "ReservedNamespace" if reserved else "NamespaceConflict"
+        ready = set_condition(old, "Ready", False, reason, "spec.namespaces: " + "; ".join(problems), generation, now)
     else:
         ready = set_condition(old, "Ready", True, "Reconciled",
                               f"ClusterQueue and {len(served)} namespace(s) configured", generation, now)
