@@ -105,7 +105,8 @@ host-profile)  # cProfile of the host side of a Qwen3 chat-mix run (slowed by th
     --profile-host "$OUT/host-profile.txt" ;;
 tp-check)  # issue 8 on nvidia-h200-x2, part 1 (~6 min): why TP decode graphs hung (see NOTES). The link and NCCL
   # alone (peer access, transports via NCCL_DEBUG, host time per all-reduce with and without the flight recorder, an
-  # all-reduce captured in a graph); the direct NCCL binding eager and in a graph; then the engine at TP 2 against TP 1
+  # all-reduce captured in a graph; NCCL's defaults: cuMem on); the direct NCCL binding eager and in a graph; then the
+  # engine (which sets NCCL_CUMEM_ENABLE=0 unless set) at TP 2 against TP 1
   # and transformers: eager, with graphs over torch.distributed, with graphs over the direct binding. Every rank
   # dumps its stacks every 30 s while a check runs, so a hang shows where each waits.
   NCCL_DEBUG=INFO step tp-diag 75 $PY bench/gpu_tp_diag.py "$OUT/tp_diag.json"

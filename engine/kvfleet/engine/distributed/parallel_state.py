@@ -52,6 +52,11 @@ def init_tensor_parallel(
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
     backend = backend or ("nccl" if torch.device(device).type == "cuda" else "gloo")
+    if backend == "nccl":
+        # NCCL >= 2.19 allocates through cuMem by default, which costs GPU memory for every CUDA graph
+        # that captures an all-reduce (NVIDIA/nccl#1234); vLLM turns it off the same way. A value the
+        # user set wins.
+        os.environ.setdefault("NCCL_CUMEM_ENABLE", "0")
     timeout = datetime.timedelta(seconds=timeout_s)
     owns = False
     if not dist.is_initialized():
