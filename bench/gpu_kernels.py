@@ -29,7 +29,7 @@ from kvfleet.engine.bench.decode_probe import median_cuda_ms
 from kvfleet.engine.attention.triton_backend import triton_paged_attention
 from kvfleet.engine.kernels import (
     apply_rotary_cos_sin, fused_add_rms_norm, paged_attention_ref, paged_decode_attention, prefill_attention,
-    reshape_and_cache, reshape_and_cache_ref, rms_norm, rms_norm_ref, rope_inv_freq, silu_and_mul, silu_mul_ref,
+    reshape_and_cache, reshape_and_cache_ref, rms_norm, rms_norm_ref, silu_and_mul, silu_mul_ref,
 )
 from kvfleet.engine.kernels.prefill_attention import prefill_work
 from kvfleet.engine.models.layers import RotaryEmbedding, apply_rotary

@@ -15,7 +15,6 @@ import logging
 import platform
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 

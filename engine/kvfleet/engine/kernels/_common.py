@@ -105,7 +105,7 @@ def check_tensor(
             fail(name, f"expected {ndim} dims, got shape {tuple(t.shape)}")
     if dtype is not None:
         allowed = dtype if isinstance(dtype, tuple) else (dtype,)
-        if not (t.dtype in allowed):
+        if t.dtype not in allowed:
             fail(name, f"dtype {t.dtype} not in {allowed}")
     if device is not None:
         if not (t.device == device):

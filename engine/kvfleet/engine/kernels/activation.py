@@ -40,7 +40,6 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     n = gate.shape[-1]
     g2, u2 = gate.reshape(-1, n), up.reshape(-1, n)
     out = torch.empty(g2.shape, dtype=gate.dtype, device=gate.device)
-    rows = g2.shape[0]
     _launch(g2, u2, out, 0)
     return out.view(gate.shape)
 
