@@ -1,4 +1,4 @@
-"""Async scheduling (`EngineConfig.async_scheduling`, default off): keep the device busy.
+"""Async scheduling (`EngineConfig.async_scheduling`; on by default on CUDA, off on CPU): keep the device busy.
 
 With it on, one `LLMEngine.step()` does, while step N (launched by the previous call) runs:
 1. schedule step N+1 as if every running decode of step N had its token already: that token is a
