@@ -19,8 +19,8 @@ def load_runs(folder: Path) -> dict[str, Any]:
     combined = folder / "results.json"
     if combined.is_file():
         return json.loads(combined.read_text())
-    return {p.stem: json.loads(p.read_text()) for p in sorted(folder.glob("*.json"))
-            if p.stem not in ("kernels", "engine_check")}
+    runs = {p.stem: json.loads(p.read_text()) for p in sorted(folder.glob("*.json"))}
+    return {name: r for name, r in runs.items() if isinstance(r, dict) and "model" in r and "backend" in r}
 
 
 def table(runs: dict[str, Any]) -> list[str]:
