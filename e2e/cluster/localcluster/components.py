@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from .layout import Layout
 from .procs import Component, Probe
 
@@ -68,24 +70,25 @@ def apiserver(layout: Layout) -> Component:
     return Component("kube-apiserver", argv, _admin_probe(layout, f"https://127.0.0.1:{port}/readyz"))
 
 
+def _secure_client_flags(kubeconfig: str, port: int, cert_dir: Path) -> tuple[str, ...]:
+    """What the controller manager and the scheduler share: one kubeconfig for everything, no leader
+    election, a serving port on loopback."""
+    return (f"--kubeconfig={kubeconfig}", f"--authentication-kubeconfig={kubeconfig}",
+            f"--authorization-kubeconfig={kubeconfig}", "--leader-elect=false", "--bind-address=127.0.0.1",
+            f"--secure-port={port}", f"--cert-dir={cert_dir}", "--profiling=false")
+
+
 def controller_manager(layout: Layout) -> Component:
     pki, kubeconfig = layout.pki, str(layout.run / "controller-manager.kubeconfig")
     port = layout.port("controller_manager")
     argv = (
         str(layout.binary("kube-controller-manager")),
-        f"--kubeconfig={kubeconfig}",
-        f"--authentication-kubeconfig={kubeconfig}",
-        f"--authorization-kubeconfig={kubeconfig}",
-        "--leader-elect=false",
-        "--bind-address=127.0.0.1",
-        f"--secure-port={port}",
-        f"--cert-dir={layout.run / 'controller-manager-certs'}",
+        *_secure_client_flags(kubeconfig, port, layout.run / "controller-manager-certs"),
         f"--service-account-private-key-file={pki / 'sa.key'}",
         f"--root-ca-file={pki / 'ca.crt'}",
         "--use-service-account-credentials=true",
         f"--cluster-signing-cert-file={pki / 'ca.crt'}",
         f"--cluster-signing-key-file={pki / 'ca.key'}",
-        "--profiling=false",
     )
     return Component("kube-controller-manager", argv, _admin_probe(layout, f"https://127.0.0.1:{port}/healthz"))
 
@@ -95,14 +98,7 @@ def scheduler(layout: Layout) -> Component:
     port = layout.port("scheduler")
     argv = (
         str(layout.binary("kube-scheduler")),
-        f"--kubeconfig={kubeconfig}",
-        f"--authentication-kubeconfig={kubeconfig}",
-        f"--authorization-kubeconfig={kubeconfig}",
-        "--leader-elect=false",
-        "--bind-address=127.0.0.1",
-        f"--secure-port={port}",
-        f"--cert-dir={layout.run / 'scheduler-certs'}",
-        "--profiling=false",
+        *_secure_client_flags(kubeconfig, port, layout.run / "scheduler-certs"),
     )
     return Component("kube-scheduler", argv, _admin_probe(layout, f"https://127.0.0.1:{port}/healthz"))
 

@@ -113,3 +113,27 @@ def check_tensor(
     if last_contiguous and t.numel() > 0:
         if not (t.stride(-1) == 1):
             fail(name, f"innermost stride must be 1, got {t.stride()}")
+
+
+def check_paged_attention_args(q: torch.Tensor, out: torch.Tensor, kv_cache: torch.Tensor,
+                               block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                               query_start_loc: torch.Tensor) -> tuple[int, int, int, int, int]:
+    """The checks every paged-attention wrapper makes; -> (block_size, Hkv, D, Hq, batch)."""
+    check_tensor("q", q, ndim=3, dtype=SUPPORTED_DTYPES)
+    check_tensor("out", out, ndim=3, dtype=q.dtype, device=q.device)
+    if not (out.shape == q.shape):
+        fail("out", f"shape {tuple(out.shape)} != q {tuple(q.shape)}")
+    check_tensor("kv_cache", kv_cache, ndim=5, dtype=q.dtype, device=q.device)
+    _, _, block_size, hkv, d = kv_cache.shape
+    hq = q.shape[1]
+    if not (q.shape[2] == d):
+        fail("q", f"head_dim {q.shape[2]} != cache head_dim {d}")
+    if not (hq % hkv == 0):
+        fail("q", f"{hq} query heads not a multiple of {hkv} KV heads")
+    check_tensor("block_tables", block_tables, ndim=2, dtype=torch.int32, device=q.device)
+    check_tensor("seq_lens", seq_lens, ndim=1, dtype=torch.int32, device=q.device)
+    check_tensor("query_start_loc", query_start_loc, ndim=1, dtype=torch.int32, device=q.device)
+    batch = seq_lens.shape[0]
+    if not (query_start_loc.shape[0] == batch + 1):
+        fail("query_start_loc", f"length must be B+1 = {batch + 1}")
+    return block_size, hkv, d, hq, batch

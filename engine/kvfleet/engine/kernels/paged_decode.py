@@ -20,7 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import SUPPORTED_DTYPES, fail, check_tensor, dot_precision, next_pow2, upcast_dots
+from ._common import (check_paged_attention_args, dot_precision, fail, next_pow2,
+                      upcast_dots)
 
 LOG2E = 1.4426950408889634
 
@@ -171,23 +172,8 @@ def paged_decode_attention(
     ``q``/``out`` ``[T, Hq, D]``; sequence ``b``'s token is row ``query_start_loc[b]``
     (sequences whose query length is not 1 are left untouched in ``out``).
     """
-    check_tensor("q", q, ndim=3, dtype=SUPPORTED_DTYPES)
-    check_tensor("out", out, ndim=3, dtype=q.dtype, device=q.device)
-    if not (out.shape == q.shape):
-        fail("out", f"shape {tuple(out.shape)} != q {tuple(q.shape)}")
-    check_tensor("kv_cache", kv_cache, ndim=5, dtype=q.dtype, device=q.device)
-    _, _, block_size, hkv, d = kv_cache.shape
-    hq = q.shape[1]
-    if not (q.shape[2] == d):
-        fail("q", f"head_dim {q.shape[2]} != cache head_dim {d}")
-    if not (hq % hkv == 0):
-        fail("q", f"{hq} query heads not a multiple of {hkv} KV heads")
-    check_tensor("block_tables", block_tables, ndim=2, dtype=torch.int32, device=q.device)
-    check_tensor("seq_lens", seq_lens, ndim=1, dtype=torch.int32, device=q.device)
-    check_tensor("query_start_loc", query_start_loc, ndim=1, dtype=torch.int32, device=q.device)
-    batch = seq_lens.shape[0]
-    if not (query_start_loc.shape[0] == batch + 1):
-        fail("query_start_loc", f"length must be B+1 = {batch + 1}")
+    block_size, hkv, d, hq, batch = check_paged_attention_args(q, out, kv_cache, block_tables, seq_lens,
+                                                                query_start_loc)
     if not (block_tables.shape[0] >= batch):
         fail("block_tables", f"{block_tables.shape[0]} rows < batch {batch}")
     if not (num_splits >= 1):

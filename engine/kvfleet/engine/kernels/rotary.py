@@ -7,7 +7,6 @@ float32, for every head of every token.
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
@@ -18,29 +17,14 @@ from ._common import SUPPORTED_DTYPES, fail, check_tensor, next_pow2
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None = None) -> torch.Tensor:
-    """Inverse frequencies, with Llama-3 scaling when ``scaling['rope_type'] == 'llama3'``."""
+    """Inverse frequencies (default, linear or Llama-3 scaling): the model code's own, arguments checked."""
     if not (head_dim > 0 and head_dim % 2 == 0):
         fail("head_dim", f"must be positive and even, got {head_dim}")
     if not (theta > 0):
         fail("rope_theta", f"must be > 0, got {theta}")
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-    rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
-    if rope_type in (None, "default"):
-        return inv_freq
-    if not (rope_type == "llama3"):
-        fail("rope_scaling", f"unsupported rope_type {rope_type!r}")
-    assert scaling is not None
-    factor = float(scaling["factor"])
-    low = float(scaling["low_freq_factor"])
-    high = float(scaling["high_freq_factor"])
-    old_len = float(scaling["original_max_position_embeddings"])
-    low_wavelen, high_wavelen = old_len / low, old_len / high
-    wavelen = 2 * math.pi / inv_freq
-    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
-    smooth = (old_len / wavelen - low) / (high - low)
-    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-    medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
-    return torch.where(medium, smoothed, scaled)
+    from kvfleet.engine.models.layers import rope_inv_freq as model_rope_inv_freq  # no import cycle at load
+
+    return model_rope_inv_freq(head_dim, theta, scaling)
 
 
 def build_cos_sin_cache(inv_freq: torch.Tensor, max_positions: int, device: torch.device | str = "cpu",

@@ -44,8 +44,8 @@ class Gate:
             return
         st = self.state
         tenant = DEFAULT_TENANT
+        headers = dict(scope.get("headers") or [])
         if st.keys is not None:
-            headers = dict(scope.get("headers") or [])
             raw = headers.get(b"authorization")
             found = tenant_for(bearer_token(raw.decode("latin-1") if raw else None), st.keys)
             if found is None:
@@ -65,7 +65,7 @@ class Gate:
             return
         scope[TENANT_KEY] = tenant
         limit = st.max_request_bytes
-        declared = dict(scope.get("headers") or []).get(b"content-length")
+        declared = headers.get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
             await self._reject(scope, receive, send, 413, f"Request body of {int(declared)} bytes is over this "
                                f"server's limit of {limit} bytes (--max-request-bytes).", "request_too_large",
