@@ -39,6 +39,8 @@ def _timed(fn: Any, iters: int, cuda: bool) -> float:
 
 def _rank(rank: int, port: int, cuda: bool, queue: Any) -> None:
     faulthandler.dump_traceback_later(HANG_S, repeat=True, file=sys.stderr)
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")   # rendezvous and bootstrap on loopback only
+    os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
     dev = torch.device("cuda", rank) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(dev)

@@ -265,6 +265,9 @@ def test_hang_dump_prints_every_threads_stack_when_asked() -> None:
     quiet = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60,
                            env={k: v for k, v in os.environ.items() if k != "KVFLEET_HANG_DUMP_S"})
     assert quiet.returncode == 0 and "most recent call first" not in quiet.stderr
+    bad = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60,
+                         env=dict(os.environ, KVFLEET_HANG_DUMP_S="soon"))
+    assert bad.returncode != 0 and "KVFLEET_HANG_DUMP_S: seconds between stack dumps, got 'soon'" in bad.stderr
 
 
 def test_piecewise_graph_cuts_at_each_all_reduce_and_replays_them_in_order(monkeypatch) -> None:
@@ -316,3 +319,16 @@ def test_piecewise_graph_cuts_at_each_all_reduce_and_replays_them_in_order(monke
     log.clear()
     pieces.replay()
     assert log == ["replay g0", "all-reduce 0", "replay g1", "all-reduce 1", "replay g2", "all-reduce 2", "replay g3"]
+
+
+def test_tp_graph_mode_is_read_from_the_environment(monkeypatch) -> None:
+    from kvfleet.engine.cuda_graphs import tp_graph_mode
+
+    monkeypatch.delenv("KVFLEET_TP_CUDA_GRAPHS", raising=False)
+    assert tp_graph_mode() == "eager"
+    for raw, mode in (("0", "eager"), ("1", "full"), ("piecewise", "piecewise")):
+        monkeypatch.setenv("KVFLEET_TP_CUDA_GRAPHS", raw)
+        assert tp_graph_mode() == mode
+    monkeypatch.setenv("KVFLEET_TP_CUDA_GRAPHS", "yes")
+    with pytest.raises(ValueError, match="KVFLEET_TP_CUDA_GRAPHS: '0', '1' or 'piecewise', got 'yes'"):
+        tp_graph_mode()

@@ -16,6 +16,7 @@ The model runner calls it through its ``graph_runner`` hook:
 from __future__ import annotations
 
 import logging
+import os
 import time
 from typing import Any
 
@@ -38,6 +39,16 @@ def graph_batch_sizes(max_batch: int) -> list[int]:
     if sizes[-1] != max_batch:
         sizes.append(max_batch)
     return sorted(set(sizes))
+
+
+def tp_graph_mode() -> str:
+    """Decode graphs under tensor parallelism, from KVFLEET_TP_CUDA_GRAPHS: "eager" (0, the default:
+    capturing all-reduces hung on two H200s), "full" (1) or "piecewise"."""
+    raw = os.environ.get("KVFLEET_TP_CUDA_GRAPHS", "0")
+    modes = {"0": "eager", "1": "full", "piecewise": "piecewise"}
+    if raw not in modes:
+        raise ValueError(f"KVFLEET_TP_CUDA_GRAPHS: '0', '1' or 'piecewise', got {raw!r}")
+    return modes[raw]
 
 
 def pick_bucket(sizes: list[int], n: int) -> int | None:

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -175,20 +174,19 @@ class ModelRunner:
         if self.device.type == "cuda" and not self.engine_config.enforce_eager:
             # decode CUDA graphs over these KV tensors (kvfleet.engine.cuda_graphs, the kernels area);
             # under tensor parallelism every rank captures its own (TensorParallelModel.capture_graphs)
+            from kvfleet.engine.cuda_graphs import build_graph_runner, tp_graph_mode
+
             args = (self.kv_caches, self.engine_config.max_num_seqs, self.model_config.max_model_len,
                     self.block_size, self.device)
-            tp_graphs = os.environ.get("KVFLEET_TP_CUDA_GRAPHS", "0")
-            if self.tensor_parallel and tp_graphs not in ("1", "piecewise"):
+            if not self.tensor_parallel:
+                self.graph_runner = build_graph_runner(self.model, *args)
+            elif (mode := tp_graph_mode()) == "eager":
                 # Capturing NCCL all-reduces in graphs hung on two H200s (bench/NOTES.md, tensor
                 # parallelism); until that is understood TP decode runs eager, which works.
                 logger.info("tensor parallel: decode steps run eager (KVFLEET_TP_CUDA_GRAPHS=1 captures whole "
                             "graphs on every rank, =piecewise graphs cut at the all-reduces: experimental)")
-            elif self.tensor_parallel:
-                self.graph_runner = self.model.capture_graphs(*args, piecewise=tp_graphs == "piecewise")
             else:
-                from kvfleet.engine.cuda_graphs import build_graph_runner
-
-                self.graph_runner = build_graph_runner(self.model, *args)
+                self.graph_runner = self.model.capture_graphs(*args, piecewise=mode == "piecewise")
 
     # --- one step ------------------------------------------------------------------
     def release(self, request_ids: list[str]) -> None:

@@ -83,7 +83,11 @@ def init_tensor_parallel(
 def arm_hang_dump() -> None:
     """With KVFLEET_HANG_DUMP_S=N, print every thread's Python stack to stderr every N seconds (this
     process): a debugging aid for runs where one rank waits in a collective for a peer that never comes."""
-    seconds = float(os.environ.get("KVFLEET_HANG_DUMP_S", "0") or 0)
+    raw = os.environ.get("KVFLEET_HANG_DUMP_S", "0") or "0"
+    try:
+        seconds = float(raw)
+    except ValueError:
+        raise ValueError(f"KVFLEET_HANG_DUMP_S: seconds between stack dumps, got {raw!r}") from None
     if seconds > 0:
         import faulthandler
         import sys
