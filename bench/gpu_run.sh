@@ -5,7 +5,7 @@
 # engine_check.json,results.json} and prints a short table last.
 #
 #   bash bench/gpu_run.sh [STAGE ...]     stages: kernels engine kvfleet async hf hf-issue profile host-profile
-#                                         tp-check tp-bench (2+ GPUs)
+#                                         tp tp-check tp-bench (2+ GPUs)
 #                                         (default: kernels engine kvfleet hf)
 #   async scheduling A/B in one call:     bash bench/gpu_run.sh async
 #   BUDGET_S=560 (stop starting new steps when they would not finish inside it)
@@ -111,21 +111,36 @@ tp-check)  # issue 8 on nvidia-h200-x2, part 1 (~6 min): why TP decode graphs hu
   # dumps its stacks every 30 s while a check runs, so a hang shows where each waits.
   NCCL_DEBUG=INFO step tp-diag 75 $PY bench/gpu_tp_diag.py "$OUT/tp_diag.json"
   grep -E "via |NCCL version|P2P|SHM" "$LOG" | sort | uniq -c | head -20
-  TORCH_NCCL_TRACE_BUFFER_SIZE=0 step tp-diag-no-flight-recorder 45 $PY bench/gpu_tp_diag.py "$OUT/tp_diag_nofr.json"
   export KVFLEET_HANG_DUMP_S=30
   t="$PY -m pytest -q -s -p no:cacheprovider"
-  step tp-direct-nccl 60 $t tests/engine/test_direct_nccl.py -k two_gpus
-  step tp-engine-graphs-nccl 90 $t tests/engine/test_tensor_parallel.py -k "two_gpus_engine and cuda-graphs-nccl"
-  step tp-engine-piecewise-nccl 90 $t tests/engine/test_tensor_parallel.py -k "two_gpus_engine and piecewise"
-  step tp-engine-eager 60 $t tests/engine/test_tensor_parallel.py -k "two_gpus_engine and eager"
-  step tp-engine-graphs-torch 90 $t tests/engine/test_tensor_parallel.py -k "two_gpus_engine and cuda-graphs and not nccl"
-  unset KVFLEET_HANG_DUMP_S ;;
-tp-bench)  # part 2 (~5.5 min): TP_ENV holds the settings part 1 passed with, e.g.
-  # TP_ENV="KVFLEET_TP_CUDA_GRAPHS=1 KVFLEET_TP_ALLREDUCE=nccl" bash bench/gpu_run.sh tp-bench   (empty: eager)
-  echo "TP benchmarks with: ${TP_ENV:-eager, torch.distributed}" | tee -a "$LOG"
+  # step limits above the tests' own timeouts (120 s, 90 s), so a hang ends in the test's stack dump
+  step tp-direct-nccl 130 $t tests/engine/test_direct_nccl.py -k two_gpus
+  step tp-engine-graphs-nccl 100 $t tests/engine/test_tensor_parallel.py -k "two_gpus_engine and cuda-graphs-nccl"
+  step tp-engine-piecewise-nccl 100 $t tests/engine/test_tensor_parallel.py -k "two_gpus_engine and piecewise"
+  step tp-engine-eager 100 $t tests/engine/test_tensor_parallel.py -k "two_gpus_engine and eager"
+  step tp-engine-graphs-torch 100 $t tests/engine/test_tensor_parallel.py -k "two_gpus_engine and cuda-graphs and not nccl"
+  unset KVFLEET_HANG_DUMP_S
+  TORCH_NCCL_TRACE_BUFFER_SIZE=0 step tp-diag-no-flight-recorder 45 $PY bench/gpu_tp_diag.py "$OUT/tp_diag_nofr.json"
+  ;;
+tp-bench)  # part 2 (~5.5 min): TP_ENV holds settings other than the defaults (graphs, direct NCCL), e.g.
+  # TP_ENV="KVFLEET_TP_CUDA_GRAPHS=0" bash bench/gpu_run.sh tp-bench   (empty: the defaults)
+  echo "TP benchmarks with: ${TP_ENV:-the defaults}" | tee -a "$LOG"
   PY="env ${TP_ENV:-} python3" bench kvfleet-llama-3.1-8b-chat-mix-tp2 100 --model bench/models/llama-3.1-8b --workload chat-mix --backend kvfleet --tensor-parallel-size 2 --decode-probe 256x1024
   bench kvfleet-llama-3.1-8b-chat-mix-tp1 75 --model bench/models/llama-3.1-8b --workload chat-mix --backend kvfleet --decode-probe 256x1024
   PY="env ${TP_ENV:-} python3" bench kvfleet-llama-3.1-70b-chat-mix-tp2 150 --model bench/models/llama-3.1-70b --workload chat-mix --backend kvfleet --tensor-parallel-size 2 --num-prompts 128 --decode-probe 64x1024 ;;
+tp)  # issue 8 in one call (~8.5 min): the 2-GPU checks with the defaults (decode graphs on every rank, all-reduces
+  # through the direct NCCL binding) and with torch.distributed's all-reduce, then the benchmarks: 8B chat-mix at
+  # TP 2 and TP 1, the 70B at TP 2, and last, if the budget allows, 8B TP 2 with torch.distributed's all-reduce
+  export KVFLEET_HANG_DUMP_S=30
+  t="$PY -m pytest -q -s -p no:cacheprovider"
+  step tp-direct-nccl 130 $t tests/engine/test_direct_nccl.py -k two_gpus
+  step tp-engine 130 $t tests/engine/test_tensor_parallel.py -k "two_gpus_engine and (cuda-graphs-nccl or cuda-graphs])"
+  step tp-logits 60 $t tests/engine/test_tensor_parallel.py -k "two_gpus_nccl_match_one_gpu"
+  unset KVFLEET_HANG_DUMP_S
+  bench kvfleet-llama-3.1-8b-chat-mix-tp2 100 --model bench/models/llama-3.1-8b --workload chat-mix --backend kvfleet --tensor-parallel-size 2 --decode-probe 256x1024
+  bench kvfleet-llama-3.1-8b-chat-mix-tp1 75 --model bench/models/llama-3.1-8b --workload chat-mix --backend kvfleet --decode-probe 256x1024
+  bench kvfleet-llama-3.1-70b-chat-mix-tp2 170 --model bench/models/llama-3.1-70b --workload chat-mix --backend kvfleet --tensor-parallel-size 2 --num-prompts 128 --decode-probe 64x1024
+  PY="env KVFLEET_TP_ALLREDUCE=torch python3" bench kvfleet-llama-3.1-8b-chat-mix-tp2-torch-allreduce 100 --model bench/models/llama-3.1-8b --workload chat-mix --backend kvfleet --tensor-parallel-size 2 --decode-probe 256x1024 ;;
 *) echo "unknown stage $s" ;;
 esac; done
 

@@ -41,6 +41,8 @@ def test_a_missing_library_and_bad_arguments_are_clear_errors(lib: nccl.NcclLibr
 
 def test_the_all_reduce_choice_is_read_from_the_environment(monkeypatch) -> None:
     monkeypatch.delenv("KVFLEET_TP_ALLREDUCE", raising=False)
+    assert nccl.use_direct_nccl() is True   # the default on GPUs (gloo on CPU never asks)
+    monkeypatch.setenv("KVFLEET_TP_ALLREDUCE", "torch")
     assert nccl.use_direct_nccl() is False
     monkeypatch.setenv("KVFLEET_TP_ALLREDUCE", "nccl")
     assert nccl.use_direct_nccl() is True
@@ -81,6 +83,7 @@ def _rank(rank: int, port: int, queue) -> None:  # noqa: ANN001
     torch.cuda.synchronize()
     queue.put((rank, eager_ok, bool((y == 8).all())))
     dist.barrier()
+    del graph  # NCCL's destroy waits for every graph that captured the communicator
     destroy_tensor_parallel()
 
 

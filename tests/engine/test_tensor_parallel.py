@@ -6,6 +6,7 @@ Tolerance: 1e-4 absolute on float32 logits (the all-reduce only changes summatio
 from __future__ import annotations
 
 import multiprocessing as mp
+import time
 from pathlib import Path
 from typing import Any
 
@@ -204,8 +205,9 @@ def test_two_gpus_nccl_match_one_gpu(tiny_model_factory) -> None:
 def test_two_gpus_engine_greedy_matches_one_gpu_and_transformers(tiny_model_factory, graphs, monkeypatch) -> None:
     """The whole engine at tensor parallel 2 on cuda:0 + cuda:1: greedy tokens identical to tensor
     parallel 1 and to transformers (float32), eager and with decode CUDA graphs captured on both ranks
-    (KVFLEET_TP_CUDA_GRAPHS=1, experimental: it hung on two H200s), with torch.distributed's all-reduce
-    or the direct NCCL one. Progress lines locate a hang."""
+    (whole or piecewise), with torch.distributed's all-reduce or the direct NCCL one (the default), and
+    a shutdown that returns (NCCL's destroy waits for live graphs that captured its communicator: the
+    first 2-GPU runs stopped there). Progress lines locate a hang."""
     import sys
 
     import transformers
@@ -216,10 +218,9 @@ def test_two_gpus_engine_greedy_matches_one_gpu_and_transformers(tiny_model_fact
     def say(msg: str) -> None:
         print(f"[tp-engine {graphs}] {msg}", file=sys.stderr, flush=True)
 
-    if graphs != "eager":
-        monkeypatch.setenv("KVFLEET_TP_CUDA_GRAPHS", "piecewise" if graphs.startswith("piecewise") else "1")
-    if graphs.endswith("nccl"):  # all-reduces through the direct NCCL binding (the workers inherit it)
-        monkeypatch.setenv("KVFLEET_TP_ALLREDUCE", "nccl")
+    # the workers inherit these
+    monkeypatch.setenv("KVFLEET_TP_CUDA_GRAPHS", {"eager": "0", "piecewise-nccl": "piecewise"}.get(graphs, "1"))
+    monkeypatch.setenv("KVFLEET_TP_ALLREDUCE", "nccl" if graphs.endswith("nccl") else "torch")
     folder = str(tiny_model_factory("llama"))
     gen = torch.Generator().manual_seed(11)
     prompts = [torch.randint(3, 250, (n,), generator=gen).tolist() for n in (1, 5, 17, 40, 64, 90, 3, 33)]
@@ -246,7 +247,10 @@ def test_two_gpus_engine_greedy_matches_one_gpu_and_transformers(tiny_model_fact
         if runner is not None:
             assert runner.replays >= 20  # the decode steps ran from the graphs, on both ranks
     finally:
+        t = time.monotonic()
         two.shutdown()
+        say(f"tensor parallel 2 shut down in {time.monotonic() - t:.1f}s")
+    assert time.monotonic() - t < 15   # not the bounded teardown's 20 s: the graphs went first
     assert tp1 == ref
     assert tp2 == ref
 
@@ -325,10 +329,30 @@ def test_tp_graph_mode_is_read_from_the_environment(monkeypatch) -> None:
     from kvfleet.engine.cuda_graphs import tp_graph_mode
 
     monkeypatch.delenv("KVFLEET_TP_CUDA_GRAPHS", raising=False)
-    assert tp_graph_mode() == "eager"
+    assert tp_graph_mode() == "full"
     for raw, mode in (("0", "eager"), ("1", "full"), ("piecewise", "piecewise")):
         monkeypatch.setenv("KVFLEET_TP_CUDA_GRAPHS", raw)
         assert tp_graph_mode() == mode
     monkeypatch.setenv("KVFLEET_TP_CUDA_GRAPHS", "yes")
     with pytest.raises(ValueError, match="KVFLEET_TP_CUDA_GRAPHS: '0', '1' or 'piecewise', got 'yes'"):
         tp_graph_mode()
+
+
+def test_a_teardown_that_blocks_is_left_behind_after_its_time(caplog) -> None:
+    """destroy_tensor_parallel's calls (NCCL's destroy can wait for a peer or a live graph forever) are
+    bounded: the process leaves with a warning instead of hanging on its way out."""
+    import threading
+
+    from kvfleet.engine.distributed.parallel_state import _bounded
+
+    never = threading.Event()
+    t = time.monotonic()
+    with caplog.at_level("WARNING"):
+        _bounded(never.wait, 0.3, "closing the NCCL communicator")
+    assert 0.3 <= time.monotonic() - t < 2
+    assert "closing the NCCL communicator did not finish in 0.3 s" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        _bounded(lambda: 1 / 0, 5, "destroying the process group")
+    assert "destroying the process group failed: division by zero" in caplog.text
+    never.set()

@@ -42,9 +42,10 @@ def graph_batch_sizes(max_batch: int) -> list[int]:
 
 
 def tp_graph_mode() -> str:
-    """Decode graphs under tensor parallelism, from KVFLEET_TP_CUDA_GRAPHS: "eager" (0, the default:
-    capturing all-reduces hung on two H200s), "full" (1) or "piecewise"."""
-    raw = os.environ.get("KVFLEET_TP_CUDA_GRAPHS", "0")
+    """Decode graphs under tensor parallelism, from KVFLEET_TP_CUDA_GRAPHS: "full" (1, the default:
+    whole forwards, all-reduces inside), "piecewise" (graphs cut at the all-reduces, which run eagerly
+    between the parts) or "eager" (0)."""
+    raw = os.environ.get("KVFLEET_TP_CUDA_GRAPHS", "1")
     modes = {"0": "eager", "1": "full", "piecewise": "piecewise"}
     if raw not in modes:
         raise ValueError(f"KVFLEET_TP_CUDA_GRAPHS: '0', '1' or 'piecewise', got {raw!r}")

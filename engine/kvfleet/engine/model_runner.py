@@ -181,10 +181,7 @@ class ModelRunner:
             if not self.tensor_parallel:
                 self.graph_runner = build_graph_runner(self.model, *args)
             elif (mode := tp_graph_mode()) == "eager":
-                # Capturing NCCL all-reduces in graphs hung on two H200s (bench/NOTES.md, tensor
-                # parallelism); until that is understood TP decode runs eager, which works.
-                logger.info("tensor parallel: decode steps run eager (KVFLEET_TP_CUDA_GRAPHS=1 captures whole "
-                            "graphs on every rank, =piecewise graphs cut at the all-reduces: experimental)")
+                logger.info("tensor parallel: decode steps run eager (KVFLEET_TP_CUDA_GRAPHS=0)")
             else:
                 self.graph_runner = self.model.capture_graphs(*args, piecewise=mode == "piecewise")
 
@@ -205,6 +202,8 @@ class ModelRunner:
             copy_remote(pairs)   # tensor-parallel workers hold their own shards of the cache
 
     def shutdown(self) -> None:
+        # CUDA graphs go first: NCCL will not destroy a communicator a live graph captured
+        self.graph_runner = None
         stop = getattr(self.model, "shutdown", None)
         if stop is not None:
             stop()

@@ -1,9 +1,9 @@
 """All-reduce straight through NCCL's C API (ctypes), on the caller's CUDA stream.
 
-Why not `torch.distributed.all_reduce`: on two H200s our decode CUDA graphs that captured it hung, and
-eager it cost ~0.5 ms of host time per call (bench/NOTES.md, tensor parallelism). A raw
-`ncclAllReduce` is one C call on the current stream: nothing to wait for, no side stream, no work
-objects, so it is what a CUDA graph can capture (vLLM's pynccl follows the same idea). It uses the
+Why not `torch.distributed.all_reduce`: a raw `ncclAllReduce` is one C call on the current stream:
+no side stream and its events, no work object, no flight-recorder entry, so a captured graph holds the
+collective alone and an eager call costs ~15 us of host time against ~24 us through torch.distributed
+(two H200s, bench/NOTES.md; vLLM's pynccl follows the same idea). It uses the
 libnccl that PyTorch ships (`nvidia/nccl/lib/libnccl.so.2`), or KVFLEET_NCCL_LIBRARY.
 
 The communicator's unique id travels over the existing gloo control group; every rank of the group
@@ -128,9 +128,9 @@ class NcclCommunicator:
 
 
 def use_direct_nccl() -> bool:
-    """KVFLEET_TP_ALLREDUCE=nccl routes tensor-parallel all-reduces through `NcclCommunicator`
-    (default "torch": torch.distributed, the path measured so far)."""
-    choice = os.environ.get("KVFLEET_TP_ALLREDUCE", "torch")
+    """Tensor-parallel all-reduces on GPUs go through `NcclCommunicator` (KVFLEET_TP_ALLREDUCE=nccl,
+    the default) or through torch.distributed (=torch)."""
+    choice = os.environ.get("KVFLEET_TP_ALLREDUCE", "nccl")
     if choice not in ("torch", "nccl"):
         raise ValueError(f"KVFLEET_TP_ALLREDUCE: 'torch' or 'nccl', got {choice!r}")
     return choice == "nccl"

@@ -95,15 +95,40 @@ def arm_hang_dump() -> None:
         faulthandler.dump_traceback_later(seconds, repeat=True, file=sys.stderr)
 
 
-def destroy_tensor_parallel() -> None:
-    global _STATE
-    if _STATE.nccl is not None:
+def _bounded(fn: Callable[[], Any], seconds: float, what: str) -> None:
+    """Run a teardown call that may block (NCCL waits for what still uses the communicator) for at most
+    `seconds`: the process is leaving, so a stuck teardown is reported and left behind, never waited on."""
+    import threading
+
+    errors: list[BaseException] = []
+
+    def call() -> None:
         try:
-            _STATE.nccl.close()
-        except Exception as exc:  # leaving anyway
-            logger.warning("closing the NCCL communicator failed: %s", exc)
+            fn()
+        except BaseException as exc:  # leaving anyway
+            errors.append(exc)
+
+    t = threading.Thread(target=call, name=f"teardown-{what}", daemon=True)
+    t.start()
+    t.join(seconds)
+    if t.is_alive():
+        logger.warning("%s did not finish in %g s; leaving it behind", what, seconds)
+    elif errors:
+        logger.warning("%s failed: %s", what, errors[0])
+
+
+def destroy_tensor_parallel(timeout_s: float = 20.0) -> None:
+    """Leave the group. CUDA graphs that captured its collectives must be gone first (NCCL's destroy
+    waits for every graph still holding the communicator: that was the "hang" of the first 2-GPU runs);
+    the teardown is bounded anyway, so a peer that vanished cannot keep this process from exiting."""
+    global _STATE
+    import gc
+
+    gc.collect()   # graphs in reference cycles
+    if _STATE.nccl is not None:
+        _bounded(_STATE.nccl.close, timeout_s, "closing the NCCL communicator")
     if _STATE.owns_process_group and dist.is_initialized():
-        dist.destroy_process_group()
+        _bounded(dist.destroy_process_group, timeout_s, "destroying the process group")
     _STATE = _TPState()
 
 

@@ -151,6 +151,7 @@ class ShardWorker:
             self.graphs = None
             self.kv_caches = []
         elif cmd == "shutdown":
+            self.graphs = None  # before the communicators are destroyed (see destroy_tensor_parallel)
             return False
         else:
             raise ValueError(f"tensor parallel worker: unknown command {cmd!r}")
@@ -178,7 +179,9 @@ def worker_main(rank: int, spec: WorkerSpec, parent_pid: int) -> None:
     arm_hang_dump()
     model, device = build_shard(spec, rank)
     try:
-        ShardWorker(model, device, spec.dtype).serve()
+        worker = ShardWorker(model, device, spec.dtype)
+        worker.serve()
+        del worker
     except BaseException:
         # Say why, then leave at once: leaving the group with collectives in flight can block, and the
         # driver (whose watchdog ends the engine when a worker exits) would wait for this one forever.
