@@ -172,6 +172,14 @@ class CudaGraphRunner:
         logger.info("captured %d decode CUDA graphs (batch %d..%d) in %.1fs, %.0f MiB",
                     len(self.graphs), self.sizes[0], self.sizes[-1], time.monotonic() - start, used / 2**20)
 
+    def release(self) -> None:
+        """Destroy the graphs now, whoever else still holds this runner: under tensor parallelism NCCL's
+        teardown waits for every graph that captured its communicator."""
+        self.graphs.clear()
+        self.outputs.clear()
+        self.pool = None
+        torch.cuda.synchronize(self.device)
+
     def can_run(self, num_tokens: int, attn_metadata: AttentionMetadata) -> bool:
         md = attn_metadata
         return (bool(self.graphs) and md.max_query_len == 1 and num_tokens == md.num_seqs

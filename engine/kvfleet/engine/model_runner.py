@@ -203,7 +203,9 @@ class ModelRunner:
 
     def shutdown(self) -> None:
         # CUDA graphs go first: NCCL will not destroy a communicator a live graph captured
-        self.graph_runner = None
+        if self.graph_runner is not None:
+            self.graph_runner.release()
+            self.graph_runner = None
         stop = getattr(self.model, "shutdown", None)
         if stop is not None:
             stop()

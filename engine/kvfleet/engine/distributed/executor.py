@@ -165,6 +165,9 @@ class TensorParallelGraphRunner:
     def can_run(self, num_tokens: int, attn_metadata: AttentionMetadata) -> bool:
         return bool(self.local.can_run(num_tokens, attn_metadata))
 
+    def release(self) -> None:
+        self.local.release()   # the workers release theirs on "shutdown"
+
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
             attn_metadata: AttentionMetadata) -> torch.Tensor:
         self.tp._send_step("replay", input_ids, positions, kv_caches, attn_metadata)

@@ -151,7 +151,9 @@ class ShardWorker:
             self.graphs = None
             self.kv_caches = []
         elif cmd == "shutdown":
-            self.graphs = None  # before the communicators are destroyed (see destroy_tensor_parallel)
+            if self.graphs is not None:   # before the communicators are destroyed (see destroy_tensor_parallel)
+                self.graphs.release()
+                self.graphs = None
             return False
         else:
             raise ValueError(f"tensor parallel worker: unknown command {cmd!r}")
