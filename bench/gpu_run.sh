@@ -128,14 +128,13 @@ tp-bench)  # part 2 (~5.5 min): TP_ENV holds settings other than the defaults (g
   PY="env ${TP_ENV:-} python3" bench kvfleet-llama-3.1-8b-chat-mix-tp2 100 --model bench/models/llama-3.1-8b --workload chat-mix --backend kvfleet --tensor-parallel-size 2 --decode-probe 256x1024
   bench kvfleet-llama-3.1-8b-chat-mix-tp1 75 --model bench/models/llama-3.1-8b --workload chat-mix --backend kvfleet --decode-probe 256x1024
   PY="env ${TP_ENV:-} python3" bench kvfleet-llama-3.1-70b-chat-mix-tp2 150 --model bench/models/llama-3.1-70b --workload chat-mix --backend kvfleet --tensor-parallel-size 2 --num-prompts 128 --decode-probe 64x1024 ;;
-tp)  # issue 8 in one call (~8.5 min): the 2-GPU checks with the defaults (decode graphs on every rank, all-reduces
+tp)  # issue 8 in one call (~7.5 min): the 2-GPU checks with the defaults (decode graphs on every rank, all-reduces
   # through the direct NCCL binding) and with torch.distributed's all-reduce, then the benchmarks: 8B chat-mix at
   # TP 2 and TP 1, the 70B at TP 2, and last, if the budget allows, 8B TP 2 with torch.distributed's all-reduce
   export KVFLEET_HANG_DUMP_S=30
   t="$PY -m pytest -q -s -p no:cacheprovider"
   step tp-direct-nccl 130 $t tests/engine/test_direct_nccl.py -k two_gpus
-  step tp-engine 130 $t tests/engine/test_tensor_parallel.py -k "two_gpus_engine and (cuda-graphs-nccl or cuda-graphs])"
-  step tp-logits 60 $t tests/engine/test_tensor_parallel.py -k "two_gpus_nccl_match_one_gpu"
+  step tp-engine 200 $t tests/engine/test_tensor_parallel.py -k "two_gpus_engine"
   unset KVFLEET_HANG_DUMP_S
   bench kvfleet-llama-3.1-8b-chat-mix-tp2 100 --model bench/models/llama-3.1-8b --workload chat-mix --backend kvfleet --tensor-parallel-size 2 --decode-probe 256x1024
   bench kvfleet-llama-3.1-8b-chat-mix-tp1 75 --model bench/models/llama-3.1-8b --workload chat-mix --backend kvfleet --decode-probe 256x1024

@@ -152,7 +152,7 @@ def test_worker_failing_at_startup_ends_the_driver_with_a_clear_error(tmp_path: 
     import subprocess
     import sys
 
-    (tmp_path / "failing_worker.py").write_text("def worker_main(rank, spec, parent):\n    raise SystemExit(3)\n")
+    (tmp_path / "failing_worker.py").write_text("def worker_main(rank, spec, parent, conn):\n    raise SystemExit(3)\n")
     script = (
         "import torch, failing_worker\n"
         "from kvfleet.engine.distributed import executor\n"
@@ -356,3 +356,29 @@ def test_a_teardown_that_blocks_is_left_behind_after_its_time(caplog) -> None:
         _bounded(lambda: 1 / 0, 5, "destroying the process group")
     assert "destroying the process group failed: division by zero" in caplog.text
     never.set()
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_cpu_engine_at_tensor_parallel_2_gives_the_greedy_tokens_of_transformers(tiny_model_factory, arch) -> None:
+    """The issue's CI check: the whole engine at tensor parallel 2 over gloo (this process rank 0, one
+    spawned worker), greedy tokens identical to transformers on the same weights, for each family's
+    sharding quirks (Llama's untied head; Qwen2's QKV bias and tied head; Qwen3's q/k norms)."""
+    import transformers
+
+    from kvfleet.engine import LLM, SamplingParams
+
+    folder = str(tiny_model_factory(arch))
+    gen = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, 250, (n,), generator=gen).tolist() for n in (1, 7, 30, 64)]
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref = [hf.generate(torch.tensor([p]), do_sample=False, max_new_tokens=12, min_new_tokens=12,
+                           pad_token_id=0)[0, len(p):].tolist() for p in prompts]
+    tp = LLM(folder, tensor_parallel_size=2, device="cpu", dtype="float32", num_kv_blocks=64, max_model_len=256)
+    try:
+        got = tp.generate(prompts, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
+        assert [list(o.outputs[0].token_ids) for o in got] == ref
+        assert tp.stats()["kv_blocks_used"] == 0
+    finally:
+        tp.shutdown()

@@ -272,13 +272,15 @@ class ModelRunner:
             return InFlight([], None, out)
         dev = self.device
         qsl, md = prepared.inputs.query_start_loc, prepared.md
-        hidden = self._forward(prepared.input_ids, prepared.positions, md)
         live = [i for i, s in enumerate(scheduled) if s.needs_sample and not s.request.is_finished]
         reqs = [scheduled[i] for i in live]
         idx = [qsl[i + 1] - 1 for i in live]
         plp_rows, plp_k = self._prompt_logprob_rows(scheduled, qsl)
         if plp_rows:
             idx += [r for _, _, r, _ in plp_rows]
+        if idx and self.tensor_parallel:
+            self.model.expect_logits(idx)   # the workers compute these rows' logits with the step
+        hidden = self._forward(prepared.input_ids, prepared.positions, md)
         if not idx:
             return InFlight([], None, out)
         logits = self.model.compute_logits(hidden[host_tensor(idx, np.int64, dev, self.non_blocking)])

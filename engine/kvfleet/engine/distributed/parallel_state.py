@@ -2,8 +2,8 @@
 
 Layers read rank/size from here at construction and call tp_all_reduce /
 tp_all_gather in forward; both are no-ops at size 1, so single-process code never
-touches torch.distributed. A second, gloo group carries the driver's small control
-messages (step inputs) even when the tensors go over NCCL.
+touches torch.distributed. A second, gloo group carries small host objects at setup (the
+direct NCCL communicator's unique id) even when the tensors go over NCCL.
 """
 
 from __future__ import annotations
@@ -179,15 +179,6 @@ def tp_all_gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     parts = [torch.empty_like(x) for _ in range(_STATE.size)]
     dist.all_gather(parts, x.contiguous())
     return torch.cat(parts, dim=dim)
-
-
-def broadcast_object(obj: Any = None) -> Any:
-    """Rank 0 sends a picklable object (CPU tensors inside are fine) to every rank; all return it."""
-    if _STATE.size == 1:
-        return obj
-    box = [obj if _STATE.rank == 0 else None]
-    dist.broadcast_object_list(box, src=0, group=_STATE.control_group)
-    return box[0]
 
 
 def local_kv_heads(num_kv_heads: int, tp_size: int) -> int:

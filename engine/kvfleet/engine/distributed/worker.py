@@ -1,9 +1,10 @@
 """A tensor-parallel worker process (ranks 1..N-1): holds its shards and KV cache, mirrors the driver.
 
-The driver (rank 0, inside the engine) broadcasts one control message per call on
+The driver (rank 0, inside the engine) sends one control message per call on
 the model; the worker runs the same call on its shards so the collectives inside
-the forward pair up. Control messages (small, host-only, over gloo):
-("forward", StepHeader), ("replay", StepHeader) (a captured decode graph),
+the forward pair up. Control messages (small, host-only, through a pipe: control.py):
+("forward", StepHeader), ("replay", StepHeader) (a captured decode graph; a header with
+`logit_rows` also has the worker compute those rows' logits right after, as the driver will),
 ("capture", cache_shape, num_layers, max_batch, max_model_len, block_size, piecewise),
 ("logits", rows_shape), ("copy_blocks", src, dst), ("free_cache",), ("shutdown",). The step's tensors follow a "forward" header as one
 packed int64 tensor broadcast over the tensor group (NCCL on GPUs), so the driver
@@ -25,8 +26,8 @@ import torch
 import torch.distributed as dist
 
 from kvfleet.engine.attention.metadata import AttentionMetadata
-from kvfleet.engine.distributed.parallel_state import (arm_hang_dump, broadcast_object, destroy_tensor_parallel,
-                                                       init_tensor_parallel)
+from kvfleet.engine.distributed.control import receive
+from kvfleet.engine.distributed.parallel_state import arm_hang_dump, destroy_tensor_parallel, init_tensor_parallel
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +60,7 @@ class StepHeader:
     seq_lens_cpu: list[int]
     cache_shape: tuple[int, ...]
     num_layers: int
+    logit_rows: tuple[int, ...] = ()   # rows whose logits the driver computes after this forward
 
     @property
     def packed_len(self) -> int:
@@ -123,14 +125,18 @@ class ShardWorker:
     def handle(self, msg: tuple[Any, ...]) -> bool:
         """Run one driver call; False on shutdown."""
         cmd = msg[0]
-        if cmd == "forward":
-            ids, positions, md = self._receive_step(msg[1])
-            self.hidden = self.model(ids, positions, self.kv_caches, md)
-        elif cmd == "replay":
-            ids, positions, md = self._receive_step(msg[1])
-            if self.graphs is None:
+        if cmd in ("forward", "replay"):
+            header: StepHeader = msg[1]
+            ids, positions, md = self._receive_step(header)
+            if cmd == "forward":
+                self.hidden = self.model(ids, positions, self.kv_caches, md)
+            elif self.graphs is None:
                 raise RuntimeError("tensor parallel worker: asked to replay a CUDA graph it has not captured")
-            self.hidden = self.graphs.run(ids, positions, self.kv_caches, md)
+            else:
+                self.hidden = self.graphs.run(ids, positions, self.kv_caches, md)
+            if header.logit_rows:  # the driver's compute_logits of these rows pairs with this one
+                rows = torch.tensor(header.logit_rows, dtype=torch.long).to(self.device, non_blocking=True)
+                self.model.compute_logits(self.hidden[rows])
         elif cmd == "capture":
             from kvfleet.engine.cuda_graphs import CudaGraphRunner
 
@@ -160,8 +166,8 @@ class ShardWorker:
         return True
 
     @torch.inference_mode()
-    def serve(self) -> None:
-        while self.handle(broadcast_object()):
+    def serve(self, conn: Any) -> None:
+        while self.handle(receive(conn)):
             pass
 
 
@@ -173,16 +179,20 @@ def _exit_when_orphaned(parent: int) -> None:
             os._exit(3)
 
 
-def worker_main(rank: int, spec: WorkerSpec, parent_pid: int) -> None:
-    """Entry point of a spawned worker process."""
+def worker_main(rank: int, spec: WorkerSpec, parent_pid: int, conn: Any) -> None:
+    """Entry point of a spawned worker process; `conn`: the read end of its control pipe."""
     logging.basicConfig(level=os.environ.get("KVFLEET_LOG_LEVEL", "WARNING"))
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    if spec.device_type == "cuda" and "OMP_NUM_THREADS" not in os.environ:
+        # The GPU does this rank's math; CPU threads of its own would only spin against the driver's
+        # host work on the same cores (vLLM's workers do the same).
+        torch.set_num_threads(1)
     threading.Thread(target=_exit_when_orphaned, args=(parent_pid,), daemon=True).start()
     arm_hang_dump()
     model, device = build_shard(spec, rank)
     try:
         worker = ShardWorker(model, device, spec.dtype)
-        worker.serve()
+        worker.serve(conn)
         del worker
     except BaseException:
         # Say why, then leave at once: leaving the group with collectives in flight can block, and the
