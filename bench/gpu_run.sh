@@ -103,7 +103,7 @@ host-profile)  # cProfile of the host side of a Qwen3 chat-mix run (slowed by th
   step host-profile 120 $PY -m kvfleet.engine.bench.throughput --load-format dummy --dtype bfloat16 \
     --model bench/models/qwen3-0.6b --workload chat-mix --backend kvfleet --out /tmp/kvfleet-profiled.json \
     --profile-host "$OUT/host-profile.txt" ;;
-tp-check)  # issue 8 on nvidia-h200-x2, part 1 (~6 min): why TP decode graphs hung (see NOTES). The link and NCCL
+tp-check)  # issue 8 diagnosis on nvidia-h200-x2 (~6 min; found that the "hang" was the teardown, see NOTES). The link and NCCL
   # alone (peer access, transports via NCCL_DEBUG, host time per all-reduce with and without the flight recorder, an
   # all-reduce captured in a graph; NCCL's defaults: cuMem on); the direct NCCL binding eager and in a graph; then the
   # engine (which sets NCCL_CUMEM_ENABLE=0 unless set) at TP 2 against TP 1
@@ -122,15 +122,16 @@ tp-check)  # issue 8 on nvidia-h200-x2, part 1 (~6 min): why TP decode graphs hu
   unset KVFLEET_HANG_DUMP_S
   TORCH_NCCL_TRACE_BUFFER_SIZE=0 step tp-diag-no-flight-recorder 45 $PY bench/gpu_tp_diag.py "$OUT/tp_diag_nofr.json"
   ;;
-tp-bench)  # part 2 (~5.5 min): TP_ENV holds settings other than the defaults (graphs, direct NCCL), e.g.
+tp-bench)  # the benchmarks alone (~5 min): TP_ENV holds settings other than the defaults, e.g.
   # TP_ENV="KVFLEET_TP_CUDA_GRAPHS=0" bash bench/gpu_run.sh tp-bench   (empty: the defaults)
   echo "TP benchmarks with: ${TP_ENV:-the defaults}" | tee -a "$LOG"
   PY="env ${TP_ENV:-} python3" bench kvfleet-llama-3.1-8b-chat-mix-tp2 100 --model bench/models/llama-3.1-8b --workload chat-mix --backend kvfleet --tensor-parallel-size 2 --decode-probe 256x1024
   bench kvfleet-llama-3.1-8b-chat-mix-tp1 75 --model bench/models/llama-3.1-8b --workload chat-mix --backend kvfleet --decode-probe 256x1024
   PY="env ${TP_ENV:-} python3" bench kvfleet-llama-3.1-70b-chat-mix-tp2 150 --model bench/models/llama-3.1-70b --workload chat-mix --backend kvfleet --tensor-parallel-size 2 --num-prompts 128 --decode-probe 64x1024 ;;
-tp)  # issue 8 in one call (~7.5 min): the 2-GPU checks with the defaults (decode graphs on every rank, all-reduces
-  # through the direct NCCL binding) and with torch.distributed's all-reduce, then the benchmarks: 8B chat-mix at
-  # TP 2 and TP 1, the 70B at TP 2, and last, if the budget allows, 8B TP 2 with torch.distributed's all-reduce
+tp)  # issue 8 in one call (~6 min): the 2-GPU checks (engine at TP 2 vs TP 1 and transformers: eager, whole and
+  # piecewise decode graphs, torch.distributed and direct NCCL all-reduces; the direct binding alone), then the
+  # benchmarks: 8B chat-mix at TP 2 and TP 1, the 70B at TP 2, and 8B TP 2 with the direct NCCL all-reduce.
+  # (results/tp-v2 ran this with the direct binding as the default and torch.distributed as the last row)
   export KVFLEET_HANG_DUMP_S=30
   t="$PY -m pytest -q -s -p no:cacheprovider"
   step tp-direct-nccl 130 $t tests/engine/test_direct_nccl.py -k two_gpus
@@ -139,7 +140,7 @@ tp)  # issue 8 in one call (~7.5 min): the 2-GPU checks with the defaults (decod
   bench kvfleet-llama-3.1-8b-chat-mix-tp2 100 --model bench/models/llama-3.1-8b --workload chat-mix --backend kvfleet --tensor-parallel-size 2 --decode-probe 256x1024
   bench kvfleet-llama-3.1-8b-chat-mix-tp1 75 --model bench/models/llama-3.1-8b --workload chat-mix --backend kvfleet --decode-probe 256x1024
   bench kvfleet-llama-3.1-70b-chat-mix-tp2 170 --model bench/models/llama-3.1-70b --workload chat-mix --backend kvfleet --tensor-parallel-size 2 --num-prompts 128 --decode-probe 64x1024
-  PY="env KVFLEET_TP_ALLREDUCE=torch python3" bench kvfleet-llama-3.1-8b-chat-mix-tp2-torch-allreduce 100 --model bench/models/llama-3.1-8b --workload chat-mix --backend kvfleet --tensor-parallel-size 2 --decode-probe 256x1024 ;;
+  PY="env KVFLEET_TP_ALLREDUCE=nccl python3" bench kvfleet-llama-3.1-8b-chat-mix-tp2-direct-nccl 100 --model bench/models/llama-3.1-8b --workload chat-mix --backend kvfleet --tensor-parallel-size 2 --decode-probe 256x1024 ;;
 *) echo "unknown stage $s" ;;
 esac; done
 

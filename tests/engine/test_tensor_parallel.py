@@ -205,7 +205,7 @@ def test_two_gpus_nccl_match_one_gpu(tiny_model_factory) -> None:
 def test_two_gpus_engine_greedy_matches_one_gpu_and_transformers(tiny_model_factory, graphs, monkeypatch) -> None:
     """The whole engine at tensor parallel 2 on cuda:0 + cuda:1: greedy tokens identical to tensor
     parallel 1 and to transformers (float32), eager and with decode CUDA graphs captured on both ranks
-    (whole or piecewise), with torch.distributed's all-reduce or the direct NCCL one (the default), and
+    (whole or piecewise), with torch.distributed's all-reduce (the default) or the direct NCCL one, and
     a shutdown that returns (NCCL's destroy waits for live graphs that captured its communicator: the
     first 2-GPU runs stopped there). Progress lines locate a hang."""
     import sys

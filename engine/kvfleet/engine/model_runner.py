@@ -8,8 +8,8 @@ profiling a forward at the full token budget; CPU: `num_kv_blocks` or a byte bud
 
 CUDA graphs hook in at `_forward`: set `self.graph_runner` to an object with
 `can_run(num_tokens: int, attn_metadata) -> bool` and
-`run(input_ids, positions, kv_caches, attn_metadata) -> hidden`; it is used for the
-batches it accepts (decode-only, typically) unless `enforce_eager`.
+`run(input_ids, positions, kv_caches, attn_metadata) -> hidden` and `release()` (called at
+shutdown); it is used for the batches it accepts (decode-only, typically) unless `enforce_eager`.
 """
 
 from __future__ import annotations

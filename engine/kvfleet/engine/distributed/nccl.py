@@ -1,9 +1,11 @@
 """All-reduce straight through NCCL's C API (ctypes), on the caller's CUDA stream.
 
-Why not `torch.distributed.all_reduce`: a raw `ncclAllReduce` is one C call on the current stream:
-no side stream and its events, no work object, no flight-recorder entry, so a captured graph holds the
-collective alone and an eager call costs ~15 us of host time against ~24 us through torch.distributed
-(two H200s, bench/NOTES.md; vLLM's pynccl follows the same idea). It uses the
+A raw `ncclAllReduce` is one C call on the current stream: no side stream and its events, no work
+object, no flight-recorder entry, so a captured graph holds the collective alone and an eager call
+costs ~15 us of host time against ~24 us through torch.distributed (two H200s; vLLM's pynccl follows
+the same idea). Measured end to end it lost, though (bench/NOTES.md, tensor parallelism): decode steps
+~3 % shorter, prefill steps ~25 % longer, Llama-3.1-8B chat-mix 6-10 % fewer tokens/s than through
+torch.distributed. So it is opt-in (KVFLEET_TP_ALLREDUCE=nccl). It uses the
 libnccl that PyTorch ships (`nvidia/nccl/lib/libnccl.so.2`), or KVFLEET_NCCL_LIBRARY.
 
 The communicator's unique id travels over the existing gloo control group; every rank of the group
@@ -128,9 +130,10 @@ class NcclCommunicator:
 
 
 def use_direct_nccl() -> bool:
-    """Tensor-parallel all-reduces on GPUs go through `NcclCommunicator` (KVFLEET_TP_ALLREDUCE=nccl,
-    the default) or through torch.distributed (=torch)."""
-    choice = os.environ.get("KVFLEET_TP_ALLREDUCE", "nccl")
+    """Tensor-parallel all-reduces on GPUs go through torch.distributed (KVFLEET_TP_ALLREDUCE=torch, the
+    default: the faster of the two end to end on two H200s, its eager prefill all-reduces especially) or
+    through `NcclCommunicator` (=nccl: ~3 % shorter decode steps, but prefill steps ~25 % longer)."""
+    choice = os.environ.get("KVFLEET_TP_ALLREDUCE", "torch")
     if choice not in ("torch", "nccl"):
         raise ValueError(f"KVFLEET_TP_ALLREDUCE: 'torch' or 'nccl', got {choice!r}")
     return choice == "nccl"

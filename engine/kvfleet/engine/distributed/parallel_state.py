@@ -27,7 +27,7 @@ class _TPState:
     size: int = 1
     owns_process_group: bool = False
     control_group: Any = None
-    nccl: Any = None   # a direct NcclCommunicator (KVFLEET_TP_ALLREDUCE=nccl), else torch.distributed
+    nccl: Any = None   # a direct NcclCommunicator (KVFLEET_TP_ALLREDUCE=nccl, opt-in), else torch.distributed
 
 
 _STATE = _TPState()
