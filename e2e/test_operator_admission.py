@@ -70,27 +70,26 @@ def test_admitted_replicas_run_on_the_flavors_nodes(kube: Kube, tenants: Any, fl
              and not q["metadata"].get("deletionTimestamp"), timeout=30)
     assert not kube.get(API, "modeldeployments", "chat", ns)["metadata"].get("finalizers")
 
+    def refused(name: str, namespace: str, reason: str) -> dict[str, Any]:
+        """Apply a Tenant asking for `namespace`; -> its condition with `reason`, once the operator sets it."""
+        kube.apply({"apiVersion": API, "kind": "Tenant", "metadata": {"name": name},
+                    "spec": {"namespaces": [namespace], "quotas": [{"flavor": flavors["h200"], "nominal": 1}]}})
+        tenants.names.append(name)
+        return wait_for(f"{name} refused", lambda: [c for c in ((kube.get(API, "tenants", name) or {})
+                                                                .get("status") or {}).get("conditions", [])
+                                                    if c["reason"] == reason], timeout=30)[0]
+
     # A second tenant may not take the namespace over.
     rival = f"rival-{tenants.suffix}"
-    kube.apply({"apiVersion": API, "kind": "Tenant", "metadata": {"name": rival},
-                "spec": {"namespaces": [ns], "quotas": [{"flavor": flavors["h200"], "nominal": 1}]}})
-    tenants.names.append(rival)
-    ready = wait_for("rival refused", lambda: [c for c in ((kube.get(API, "tenants", rival) or {})
-                                                           .get("status") or {}).get("conditions", [])
-                                               if c["reason"] == "NamespaceConflict"], timeout=30)
-    assert ns in ready[0]["message"] and tenant in ready[0]["message"]
+    cond = refused(rival, ns, "NamespaceConflict")
+    assert ns in cond["message"] and tenant in cond["message"]
     assert kube.get("v1", "namespaces", ns)["metadata"]["labels"]["serving.kvfleet.dev/tenant"] == tenant
     assert kube.get(KUEUE, "localqueues", rival, ns) is None
 
     # Nor may a tenant have the operator's own namespace.
     squatter = f"squatter-{tenants.suffix}"
-    kube.apply({"apiVersion": API, "kind": "Tenant", "metadata": {"name": squatter},
-                "spec": {"namespaces": [SYSTEM_NAMESPACE], "quotas": [{"flavor": flavors["h200"], "nominal": 1}]}})
-    tenants.names.append(squatter)
-    ready = wait_for("squatter refused", lambda: [c for c in ((kube.get(API, "tenants", squatter) or {})
-                                                              .get("status") or {}).get("conditions", [])
-                                                  if c["reason"] == "ReservedNamespace"], timeout=30)
-    assert SYSTEM_NAMESPACE in ready[0]["message"] and ready[0]["status"] == "False"
+    cond = refused(squatter, SYSTEM_NAMESPACE, "ReservedNamespace")
+    assert SYSTEM_NAMESPACE in cond["message"] and cond["status"] == "False"
     labels = ((kube.get("v1", "namespaces", SYSTEM_NAMESPACE) or {}).get("metadata") or {}).get("labels") or {}
     assert "serving.kvfleet.dev/tenant" not in labels
     assert kube.get(KUEUE, "localqueues", squatter, SYSTEM_NAMESPACE) is None

@@ -60,7 +60,7 @@ def probe_decode_step(engine: Any, batch: int, ctx: int, iters: int = 20) -> dic
 
     def step() -> None:
         with torch.inference_mode():
-            if hasattr(model, "expect_logits"):   # tensor parallel: as the engine's steps do
+            if runner.tensor_parallel:   # as the engine's steps do
                 model.expect_logits(list(range(batch)))
             hidden = runner._forward(ids, pos, md)
             model.compute_logits(hidden)

@@ -191,9 +191,7 @@ def worker_main(rank: int, spec: WorkerSpec, parent_pid: int, conn: Any) -> None
     arm_hang_dump()
     model, device = build_shard(spec, rank)
     try:
-        worker = ShardWorker(model, device, spec.dtype)
-        worker.serve(conn)
-        del worker
+        ShardWorker(model, device, spec.dtype).serve(conn)   # releases its graphs on "shutdown"
     except BaseException:
         # Say why, then leave at once: leaving the group with collectives in flight can block, and the
         # driver (whose watchdog ends the engine when a worker exits) would wait for this one forever.
