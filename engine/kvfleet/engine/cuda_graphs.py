@@ -9,7 +9,7 @@ that graph: one launch instead of hundreds of kernel launches from Python.
 Mixed or prefill steps, and batches beyond the largest bucket, run eagerly.
 
 Padded batch sizes: 1, 2, 4, 8, every 16 to 256, every 32 to 512, every 64 beyond.
-The model runner calls it through its ``graph_runner`` hook:
+The model executors (``kvfleet.engine.model_executor``) capture it on CUDA and replay it through
 ``can_run(num_tokens, attn_metadata)`` and ``run(input_ids, positions, kv_caches, attn_metadata)``.
 """
 
@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from kvfleet.engine.attention.metadata import AttentionMetadata
+from kvfleet.engine.distributed import parallel_state
 
 logger = logging.getLogger(__name__)
 
@@ -70,8 +71,6 @@ class PiecewiseGraph:
         self.parts: list[tuple[torch.cuda.CUDAGraph, torch.Tensor | None]] = []
 
     def capture(self, fn: Any, pool: Any, stream: torch.cuda.Stream, capture_error_mode: str) -> Any:
-        from kvfleet.engine.distributed.parallel_state import all_reduce_cut
-
         current = [torch.cuda.CUDAGraph()]
 
         def cut(x: torch.Tensor) -> torch.Tensor:
@@ -85,7 +84,7 @@ class PiecewiseGraph:
         with torch.cuda.stream(stream):
             current[0].capture_begin(pool=pool, capture_error_mode=capture_error_mode)
             try:
-                with all_reduce_cut(cut):
+                with parallel_state.all_reduce_cut(cut):
                     out = fn()
             finally:
                 current[0].capture_end()
@@ -93,12 +92,10 @@ class PiecewiseGraph:
         return out
 
     def replay(self) -> None:
-        from kvfleet.engine.distributed.parallel_state import tp_all_reduce_now
-
         for graph, x in self.parts:
             graph.replay()
             if x is not None:
-                tp_all_reduce_now(x)
+                parallel_state.tp_all_reduce_now(x)
 
 
 class CudaGraphRunner:

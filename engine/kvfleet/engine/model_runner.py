@@ -6,10 +6,9 @@ copies, runs the model, and samples every sequence that finished its tokens in o
 batched pass. It also sizes the KV cache (GPU: from `gpu_memory_utilization` after
 profiling a forward at the full token budget; CPU: `num_kv_blocks` or a byte budget).
 
-CUDA graphs hook in at `_forward`: set `self.graph_runner` to an object with
-`can_run(num_tokens: int, attn_metadata) -> bool` and
-`run(input_ids, positions, kv_caches, attn_metadata) -> hidden` and `release()` (called at
-shutdown); it is used for the batches it accepts (decode-only, typically) unless `enforce_eager`.
+The model itself is behind one seam, `self.executor` (`kvfleet.engine.model_executor.ModelExecutor`:
+forward, logits, block copies, decode CUDA graphs, shutdown, KV heads per rank), the same calls
+whether the model runs in this process or tensor parallel over several.
 """
 
 from __future__ import annotations
@@ -26,7 +25,9 @@ from kvfleet.engine.async_step import InFlight, copy_to_host_async
 from kvfleet.engine.attention.metadata import AttentionMetadata, build_attention_metadata
 from kvfleet.engine.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
 from kvfleet.engine.core.scheduler import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from kvfleet.engine.kv_cache import allocate_kv_cache
 from kvfleet.engine.model_config import ModelConfig
+from kvfleet.engine.model_executor import ModelExecutor, build_executor
 from kvfleet.engine.sampler import Sampler, SamplingBatch, gather_logprobs
 from kvfleet.engine.step_inputs import BlockTableRows, StepInputs, build_step_inputs
 
@@ -80,22 +81,16 @@ def kv_block_bytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype, num_kv
 class ModelRunner:
     def __init__(self, model_config: ModelConfig, engine_config: EngineConfig,
                  device: torch.device, max_num_batched_tokens: int) -> None:
-        from kvfleet.engine.model_loader import load_model
-
         self.model_config = model_config
         self.engine_config = engine_config
         self.device = device
         self.dtype = model_config.dtype
         self.block_size = engine_config.block_size
         self.max_num_batched_tokens = max_num_batched_tokens
-        # With tensor_parallel_size > 1 this is a TensorParallelModel (kvfleet.engine.distributed):
-        # same calls, plus num_kv_heads (this rank's), copy_blocks(pairs) and shutdown().
-        self.model = load_model(model_config, engine_config, device, self.dtype)
-        self.num_kv_heads = int(getattr(self.model, "num_kv_heads", model_config.num_kv_heads))
-        self.tensor_parallel = engine_config.tensor_parallel_size > 1
+        self.executor: ModelExecutor = build_executor(model_config, engine_config, device)
+        self.num_kv_heads = self.executor.num_kv_heads   # this rank's
         self.sampler = Sampler()
         self.kv_caches: list[torch.Tensor] = []
-        self.graph_runner: Optional[Any] = None
         self._generators: dict[str, torch.Generator] = {}
         self._param_rows: dict[str, tuple[float, int, float, float, float, float, float, bool]] = {}
         # Persistent block tables, one row per sequence (rows are added as sequences appear).
@@ -139,16 +134,15 @@ class ModelRunner:
         md = build_attention_metadata(lens, lens, tables, self.block_size, self.device)
         ids = torch.zeros(tokens, dtype=torch.long, device=self.device)
         pos = torch.cat([torch.arange(n, device=self.device) for n in lens])
+        last_rows = [end - 1 for end in md.query_start_loc_cpu[1:]]   # every sequence's last token
         with torch.inference_mode():
-            hidden = self.model(ids, pos, self.kv_caches, md)
-            self.model.compute_logits(hidden[md.query_start_loc[1:] - 1])
+            hidden = self.executor.forward(ids, pos, self.kv_caches, md, last_rows)
+            self.executor.compute_logits(hidden[md.query_start_loc[1:] - 1])
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device)
         self.kv_caches = []
         del hidden
-        free_remote = getattr(self.model, "free_cache", None)
-        if free_remote is not None:
-            free_remote()   # tensor-parallel workers drop their profiling cache too
+        self.executor.free_cache()   # tensor-parallel workers drop their profiling cache too
         torch.cuda.empty_cache()
         budget = total * self.engine_config.gpu_memory_utilization - peak - non_torch
         num_blocks = int(budget // per_block)
@@ -163,7 +157,7 @@ class ModelRunner:
     def _allocate_kv(self, num_blocks: int) -> None:
         cfg = self.model_config
         shape = (2, num_blocks, self.block_size, self.num_kv_heads, cfg.head_dim)
-        self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(cfg.num_layers)]
+        self.kv_caches = allocate_kv_cache(cfg.num_layers, shape, self.dtype, self.device)
 
     def init_kv_cache(self, num_blocks: int) -> None:
         self._allocate_kv(num_blocks)
@@ -172,18 +166,10 @@ class ModelRunner:
         logger.info("KV cache: %d blocks of %d tokens (%.2f GiB); max concurrency %.2fx at max_model_len=%d",
                     num_blocks, self.block_size, gib, concurrency, self.model_config.max_model_len)
         if self.device.type == "cuda" and not self.engine_config.enforce_eager:
-            # decode CUDA graphs over these KV tensors (kvfleet.engine.cuda_graphs, the kernels area);
-            # under tensor parallelism every rank captures its own (TensorParallelModel.capture_graphs)
-            from kvfleet.engine.cuda_graphs import build_graph_runner, tp_graph_mode
-
-            args = (self.kv_caches, self.engine_config.max_num_seqs, self.model_config.max_model_len,
-                    self.block_size, self.device)
-            if not self.tensor_parallel:
-                self.graph_runner = build_graph_runner(self.model, *args)
-            elif (mode := tp_graph_mode()) == "eager":
-                logger.info("tensor parallel: decode steps run eager (KVFLEET_TP_CUDA_GRAPHS=0)")
-            else:
-                self.graph_runner = self.model.capture_graphs(*args, piecewise=mode == "piecewise")
+            # decode CUDA graphs over these KV tensors (kvfleet.engine.cuda_graphs); under tensor
+            # parallelism every rank captures its own
+            self.executor.capture_graphs(self.kv_caches, self.engine_config.max_num_seqs,
+                                         self.model_config.max_model_len, self.block_size)
 
     # --- one step ------------------------------------------------------------------
     def release(self, request_ids: list[str]) -> None:
@@ -192,29 +178,8 @@ class ModelRunner:
             self._param_rows.pop(rid, None)
             self._block_rows.release(rid)
 
-    def _copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
-        src = torch.tensor([p[0] for p in pairs], dtype=torch.long, device=self.device)
-        dst = torch.tensor([p[1] for p in pairs], dtype=torch.long, device=self.device)
-        for cache in self.kv_caches:
-            cache[:, dst] = cache[:, src]
-        copy_remote = getattr(self.model, "copy_blocks", None)
-        if copy_remote is not None:
-            copy_remote(pairs)   # tensor-parallel workers hold their own shards of the cache
-
     def shutdown(self) -> None:
-        # CUDA graphs go first: NCCL will not destroy a communicator a live graph captured
-        if self.graph_runner is not None:
-            self.graph_runner.release()
-            self.graph_runner = None
-        stop = getattr(self.model, "shutdown", None)
-        if stop is not None:
-            stop()
-
-    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
-        gr = self.graph_runner
-        if gr is not None and not self.engine_config.enforce_eager and gr.can_run(input_ids.shape[0], md):
-            return gr.run(input_ids, positions, self.kv_caches, md)
-        return self.model(input_ids, positions, self.kv_caches, md)
+        self.executor.shutdown()
 
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         """One step, waiting for its results (the synchronous engine)."""
@@ -263,7 +228,7 @@ class ModelRunner:
         logprobs are collected at once. Sequences finished since `prepare` are computed (the
         forward's shapes are fixed by then) but not sampled: their work is discarded."""
         if sched.copy_pairs:
-            self._copy_blocks(sched.copy_pairs)
+            self.executor.copy_blocks(self.kv_caches, sched.copy_pairs)
         out = ModelRunnerOutput()
         scheduled = sched.scheduled
         if prepared is None:
@@ -278,12 +243,10 @@ class ModelRunner:
         plp_rows, plp_k = self._prompt_logprob_rows(scheduled, qsl)
         if plp_rows:
             idx += [r for _, _, r, _ in plp_rows]
-        if idx and self.tensor_parallel:
-            self.model.expect_logits(idx)   # the workers compute these rows' logits with the step
-        hidden = self._forward(prepared.input_ids, prepared.positions, md)
+        hidden = self.executor.forward(prepared.input_ids, prepared.positions, self.kv_caches, md, idx)
         if not idx:
             return InFlight([], None, out)
-        logits = self.model.compute_logits(hidden[host_tensor(idx, np.int64, dev, self.non_blocking)])
+        logits = self.executor.compute_logits(hidden[host_tensor(idx, np.int64, dev, self.non_blocking)])
         step = InFlight(reqs, None, out)
         if reqs:
             batch = self._sampling_batch(reqs, logits.shape[-1])

@@ -67,7 +67,8 @@ class StepTimers:
         else:   # the async engine calls launch, then collect (its wait for the device) one step later
             runner.launch = timed("execute", runner.launch)
             runner.collect = timed("wait", runner.collect)
-        runner._forward = timed("forward", runner._forward, synced=sync_forward)
+        executor = runner.executor
+        executor.forward = timed("forward", executor.forward, synced=sync_forward)
         runner.sampler = _TimedCallable(runner.sampler, self._cur, sync if sync_forward else (lambda: None))
         sched.update_from_output = timed("update", sched.update_from_output)
         self.batch = 0
@@ -218,7 +219,7 @@ def run_kvfleet(args: argparse.Namespace, reqs: list[BenchRequest], warm: list[B
         "kv_peak": peak, "num_preemptions": stats["num_preemptions"],
         "prefix_cache_hits": stats["prefix_cache_hits"],
         "step_breakdown_ms": timers.report(),
-        "cuda_graphs": getattr(engine.runner, "graph_runner", None) is not None,
+        "cuda_graphs": engine.runner.executor.graphs is not None,
     }
     if cuda:
         res["peak_gpu_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30

@@ -26,8 +26,13 @@ import torch
 import torch.distributed as dist
 
 from kvfleet.engine.attention.metadata import AttentionMetadata
+from kvfleet.engine.cuda_graphs import CudaGraphRunner
 from kvfleet.engine.distributed.control import receive
 from kvfleet.engine.distributed.parallel_state import arm_hang_dump, destroy_tensor_parallel, init_tensor_parallel
+from kvfleet.engine.kv_cache import allocate_kv_cache, copy_blocks
+from kvfleet.engine.model_config import ModelConfig
+from kvfleet.engine.model_loader import load_model
+from kvfleet.engine.models.base import CausalLM
 
 logger = logging.getLogger(__name__)
 
@@ -88,33 +93,29 @@ def rank_device(device_type: str, rank: int) -> torch.device:
     return torch.device("cuda", rank) if device_type == "cuda" else torch.device("cpu")
 
 
-def build_shard(spec: WorkerSpec, rank: int) -> tuple[torch.nn.Module, torch.device]:
+def build_shard(spec: WorkerSpec, rank: int) -> tuple[CausalLM, torch.device]:
     """Join the group as `rank` and load this rank's shards (only those are read from disk)."""
-    from kvfleet.engine.model_config import ModelConfig
-    from kvfleet.engine.model_loader import load_model
-
     device = rank_device(spec.device_type, rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     init_tensor_parallel(rank, spec.tp_size, spec.init_method, device=device, timeout_s=spec.timeout_s)
     cfg = ModelConfig.from_pretrained(spec.model, spec.max_model_len, spec.dtype, device)
-    model = load_model(cfg, device=device, dtype=spec.dtype, load_format=spec.load_format, quiet=True,
-                       seed=spec.seed)
+    model = load_model(cfg, device, load_format=spec.load_format, seed=spec.seed, quiet=True)
     return model, device
 
 
 class ShardWorker:
-    def __init__(self, model: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> None:
+    def __init__(self, model: CausalLM, device: torch.device, dtype: torch.dtype) -> None:
         self.model, self.device, self.dtype = model, device, dtype
         self.kv_caches: list[torch.Tensor] = []
         self.hidden: torch.Tensor | None = None
-        self.graphs: Any = None  # CudaGraphRunner over this rank's shard and cache, once captured
+        self.graphs: CudaGraphRunner | None = None  # over this rank's shard and cache, once captured
 
     def _ensure_cache(self, shape: tuple[int, ...], num_layers: int) -> None:
         if not self.kv_caches or tuple(self.kv_caches[0].shape) != tuple(shape):
             self.graphs = None   # they read the old cache
             self.kv_caches = []  # free the old pool before taking the new one
-            self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(num_layers)]
+            self.kv_caches = allocate_kv_cache(num_layers, shape, self.dtype, self.device)
 
     def _receive_step(self, header: StepHeader) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         packed = torch.empty(header.packed_len, dtype=torch.int64, device=self.device)
@@ -138,8 +139,6 @@ class ShardWorker:
                 rows = torch.tensor(header.logit_rows, dtype=torch.long).to(self.device, non_blocking=True)
                 self.model.compute_logits(self.hidden[rows])
         elif cmd == "capture":
-            from kvfleet.engine.cuda_graphs import CudaGraphRunner
-
             shape, num_layers, max_batch, max_model_len, block_size, piecewise = msg[1:]
             self._ensure_cache(shape, num_layers)
             graphs = CudaGraphRunner(self.model, self.kv_caches, max_batch, max_model_len, block_size, self.device)
@@ -150,9 +149,7 @@ class ShardWorker:
             dist.broadcast(rows, src=0)
             self.model.compute_logits(rows)
         elif cmd == "copy_blocks":
-            src, dst = msg[1].to(self.device), msg[2].to(self.device)
-            for cache in self.kv_caches:
-                cache[:, dst] = cache[:, src]
+            copy_blocks(self.kv_caches, msg[1].to(self.device), msg[2].to(self.device))
         elif cmd == "free_cache":
             self.graphs = None
             self.kv_caches = []
