@@ -4,7 +4,8 @@ Writes the step's K/V into the paged cache, then runs the prefill kernel for the
 sequences with more than one new token and the (split-K) decode kernel for the
 single-token ones, each kernel skipping the other's sequences. A pure decode
 step (``max_query_len == 1``) launches only the decode kernel and reads no host
-lists, so it can be captured in a CUDA graph.
+lists, so it can be captured in a CUDA graph. `kvfleet.engine.attention` registers it
+(preferred on CUDA) when a backend is first chosen.
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ import functools
 
 import torch
 
-from kvfleet.engine.attention import register_attention_backend
 from kvfleet.engine.attention.metadata import AttentionMetadata
 from kvfleet.engine.kernels.paged_decode import choose_num_splits, paged_decode_attention
 from kvfleet.engine.kernels.prefill_attention import default_block_m, prefill_attention, prefill_work
@@ -68,6 +68,3 @@ def triton_paged_attention(
         # decode rows of a mixed step: enough programs already come from the batch, no split
         paged_decode_attention(q, kv_cache, md.block_tables, md.seq_lens, md.query_start_loc, scale, out)
     return out
-
-
-register_attention_backend("triton", triton_paged_attention, device_types=("cuda",), priority=10)
