@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import NamedTuple, Optional
 
 import numpy as np
 import torch
@@ -24,11 +24,13 @@ import torch
 from kvfleet.engine.async_step import InFlight, copy_to_host_async
 from kvfleet.engine.attention.metadata import AttentionMetadata, build_attention_metadata
 from kvfleet.engine.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
-from kvfleet.engine.core.scheduler import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from kvfleet.engine.core.request import Request
+from kvfleet.engine.core.runner_output import ModelRunnerOutput, PromptLogprob, SampleLogprobs
+from kvfleet.engine.core.scheduler import ScheduledRequest, SchedulerOutput
 from kvfleet.engine.kv_cache import allocate_kv_cache
 from kvfleet.engine.model_config import ModelConfig
 from kvfleet.engine.model_executor import ModelExecutor, build_executor
-from kvfleet.engine.sampler import Sampler, SamplingBatch, gather_logprobs
+from kvfleet.engine.sampler import Sampler, SamplerOutput, SamplingBatch, gather_logprobs
 from kvfleet.engine.step_inputs import BlockTableRows, StepInputs, build_step_inputs
 
 logger = logging.getLogger(__name__)
@@ -61,15 +63,36 @@ def to_device(t: torch.Tensor, device: torch.device, non_blocking: bool = False)
     return t.to(device)
 
 
-def _param_row(r: Any, vocab: int) -> tuple[float, int, float, float, float, float, float, bool]:
-    """A sequence's sampling parameters as the batch needs them (fixed for its lifetime):
-    temperature, top-k, top-p, min-p, repetition/frequency/presence penalties, seeded-random."""
+class SamplingRow(NamedTuple):
+    """A sequence's sampling parameters as the batch needs them (fixed for its lifetime, so built once
+    per sequence). A tuple: a step's rows transpose into per-parameter columns with one zip."""
+
+    temperature: float          # 0 = greedy (beam search: the engine picks from the logprobs)
+    top_k: int                  # the vocabulary size = off
+    top_p: float
+    min_p: float
+    repetition_penalty: float
+    frequency_penalty: float
+    presence_penalty: float
+    seeded: bool                # random sampling from the sequence's own generator
+
+
+class _PromptRow(NamedTuple):
+    """A prompt token whose logprobs are asked for: where its prediction is in the step's hidden rows."""
+
+    request_id: str
+    position: int               # of the predicted token in the prompt
+    row: int                    # hidden row that predicts it
+    token_id: int
+
+
+def sampling_row(r: Request, vocab: int) -> SamplingRow:
     p = r.sampling_params
     temp = 0.0 if r.external_tokens else float(p.temperature)
     k = p.top_k
-    return (temp, vocab if k in (-1, None) else min(int(k), vocab), float(p.top_p), float(p.min_p),
-            float(p.repetition_penalty), float(p.frequency_penalty), float(p.presence_penalty),
-            r.seed is not None and temp >= 1e-5)
+    return SamplingRow(temp, vocab if k in (-1, None) else min(int(k), vocab), float(p.top_p), float(p.min_p),
+                       float(p.repetition_penalty), float(p.frequency_penalty), float(p.presence_penalty),
+                       r.seed is not None and temp >= 1e-5)
 
 
 def kv_block_bytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype, num_kv_heads: Optional[int] = None) -> int:
@@ -92,7 +115,7 @@ class ModelRunner:
         self.sampler = Sampler()
         self.kv_caches: list[torch.Tensor] = []
         self._generators: dict[str, torch.Generator] = {}
-        self._param_rows: dict[str, tuple[float, int, float, float, float, float, float, bool]] = {}
+        self._param_rows: dict[str, SamplingRow] = {}
         # Persistent block tables, one row per sequence (rows are added as sequences appear).
         # Async scheduling on CUDA: host-to-device copies must not wait for the step in flight.
         self.non_blocking = engine_config.async_scheduling and device.type == "cuda"
@@ -242,7 +265,7 @@ class ModelRunner:
         idx = [qsl[i + 1] - 1 for i in live]
         plp_rows, plp_k = self._prompt_logprob_rows(scheduled, qsl)
         if plp_rows:
-            idx += [r for _, _, r, _ in plp_rows]
+            idx += [r.row for r in plp_rows]
         hidden = self.executor.forward(prepared.input_ids, prepared.positions, self.kv_caches, md, idx)
         if not idx:
             return InFlight([], None, out)
@@ -263,7 +286,7 @@ class ModelRunner:
         """The batch's sampling parameters as tensors (each sequence's row is read once, then cached)."""
         dev, nb = self.device, self.non_blocking
         cache = self._param_rows
-        rows: list[tuple[float, int, float, float, float, float, float, bool]] = []
+        rows: list[SamplingRow] = []
         gens: dict[int, torch.Generator] = {}
         banned: list[tuple[int, frozenset[int]]] = []
         max_logprobs = -1
@@ -271,9 +294,9 @@ class ModelRunner:
             r = s.request
             row = cache.get(r.request_id)
             if row is None:
-                row = cache[r.request_id] = _param_row(r, vocab)
+                row = cache[r.request_id] = sampling_row(r, vocab)
             rows.append(row)
-            if row[7]:   # seeded random sampling: its own generator
+            if row.seeded:
                 gen = self._generators.get(r.request_id)
                 if gen is None:
                     gen = torch.Generator(device=dev).manual_seed(int(r.seed))   # type: ignore[arg-type]
@@ -315,22 +338,22 @@ class ModelRunner:
         )
 
     @staticmethod
-    def _collect(reqs: list[ScheduledRequest], res: Any, out: ModelRunnerOutput) -> None:
+    def _collect(reqs: list[ScheduledRequest], res: SamplerOutput, out: ModelRunnerOutput) -> None:
         sampled = res.sampled.tolist()
-        if res.sampled_logprob is not None:
-            lps, ranks = res.sampled_logprob.tolist(), res.sampled_rank.tolist()
-            top_ids, top_lps = res.top_ids.tolist(), res.top_logprobs.tolist()
         for row, s in enumerate(reqs):
             out.sampled_token_ids[s.request_id] = sampled[row]
+        if res.logprobs is None:
+            return
+        lps, ranks = res.logprobs.logprob.tolist(), res.logprobs.rank.tolist()
+        top_ids, top_lps = res.logprobs.top_ids.tolist(), res.logprobs.top_logprobs.tolist()
+        for row, s in enumerate(reqs):
             k = s.request.num_logprobs
-            if res.sampled_logprob is not None and k >= 0:
-                out.logprobs[s.request_id] = (lps[row], ranks[row], top_ids[row][:k], top_lps[row][:k])
+            if k >= 0:
+                out.logprobs[s.request_id] = SampleLogprobs(lps[row], ranks[row], top_ids[row][:k], top_lps[row][:k])
 
     @staticmethod
-    def _prompt_logprob_rows(scheduled: list[ScheduledRequest], qsl: list[int]
-                             ) -> tuple[list[tuple[str, int, int, int]], int]:
-        """(request id, position of the predicted prompt token, hidden row, its token id) of every
-        prompt token whose logprobs are asked for, and the widest top-k asked."""
+    def _prompt_logprob_rows(scheduled: list[ScheduledRequest], qsl: list[int]) -> tuple[list[_PromptRow], int]:
+        """Every prompt token of the step whose logprobs are asked for, and the widest top-k asked."""
         rows = []
         k = 0
         for i, s in enumerate(scheduled):
@@ -340,15 +363,16 @@ class ModelRunner:
                 continue
             k = max(k, sp.prompt_logprobs)
             for p in range(s.start, min(s.start + s.num_new_tokens, req.num_prompt_tokens - 1)):
-                rows.append((s.request_id, p + 1, qsl[i] + (p - s.start), req.prompt_token_ids[p + 1]))
+                rows.append(_PromptRow(s.request_id, p + 1, qsl[i] + (p - s.start), req.prompt_token_ids[p + 1]))
         return rows, k
 
     @staticmethod
-    def _collect_prompt_logprobs(rows: list[tuple[str, int, int, int]], logits: torch.Tensor, k: int,
+    def _collect_prompt_logprobs(rows: list[_PromptRow], logits: torch.Tensor, k: int,
                                  out: ModelRunnerOutput) -> None:
-        targets = torch.tensor([t for _, _, _, t in rows], device=logits.device)
+        targets = torch.tensor([r.token_id for r in rows], device=logits.device)
         k = min(k, logits.shape[-1])
-        chosen, rank, top_ids, top_lp = gather_logprobs(logits.float().log_softmax(-1), targets, k)
-        chosen_l, rank_l, ids_l, lp_l = chosen.tolist(), rank.tolist(), top_ids.tolist(), top_lp.tolist()
-        for j, (rid, p, _, t) in enumerate(rows):
-            out.prompt_logprobs.setdefault(rid, []).append((p, t, chosen_l[j], rank_l[j], ids_l[j], lp_l[j]))
+        lp = gather_logprobs(logits.float().log_softmax(-1), targets, k)
+        chosen_l, rank_l, ids_l, lp_l = lp.logprob.tolist(), lp.rank.tolist(), lp.top_ids.tolist(), lp.top_logprobs.tolist()
+        for j, r in enumerate(rows):
+            out.prompt_logprobs.setdefault(r.request_id, []).append(
+                PromptLogprob(r.position, r.token_id, chosen_l[j], rank_l[j], ids_l[j], lp_l[j]))
