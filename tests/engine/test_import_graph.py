@@ -10,6 +10,7 @@ package importing its own submodules is the normal, downward direction).
 from __future__ import annotations
 
 import ast
+import itertools
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -115,7 +116,7 @@ def cycles(graph: Edges) -> list[list[str]]:
 
 
 def describe(graph: Edges, cycle: list[str]) -> str:
-    return "\n".join(f"  {a} -> {b}  ({graph[a][b]})" for a, b in zip(cycle, cycle[1:]))
+    return "\n".join(f"  {a} -> {b}  ({graph[a][b]})" for a, b in itertools.pairwise(cycle))
 
 
 def test_engine_modules_import_each_other_without_cycles() -> None:

@@ -104,7 +104,7 @@ def test_sharded_layers_match_single_process(tiny_model_factory) -> None:
         cfg = ModelConfig.from_pretrained(folder)
         heads, logits = got[folder]
         assert heads == max(1, cfg.num_kv_heads // 2)
-        for ours, theirs in zip(logits, refs[folder]):
+        for ours, theirs in zip(logits, refs[folder], strict=True):
             torch.testing.assert_close(ours, theirs, atol=ATOL, rtol=0)
 
 
@@ -131,7 +131,7 @@ def test_driver_executor_with_worker_process(tiny_model_factory) -> None:
         assert isinstance(tp, executor.TensorParallelExecutor) and tp.num_kv_heads == 1
         tp._on_death = deaths.append
         ours = run_steps(tp, tp.num_kv_heads, cfg.head_dim, cfg.num_layers, cfg.vocab_size)
-        for a, b in zip(ours, ref):
+        for a, b in zip(ours, ref, strict=True):
             torch.testing.assert_close(a, b, atol=ATOL, rtol=0)
         # copy-on-write: here and, mirrored, in the worker's cache; must not desynchronise the group
         caches = [torch.randn(2, 8, BLOCK, 1, cfg.head_dim) for _ in range(cfg.num_layers)]
@@ -199,7 +199,7 @@ def test_two_gpus_nccl_match_one_gpu(tiny_model_factory) -> None:
     ref = steps_on_gpu(load_model(cfg, dev), cfg.num_kv_heads)
     tp = build_executor(cfg, EngineConfig(model=str(folder), tensor_parallel_size=2, device="cuda"), dev)
     try:
-        for a, b in zip(steps_on_gpu(tp, tp.num_kv_heads), ref):
+        for a, b in zip(steps_on_gpu(tp, tp.num_kv_heads), ref, strict=True):
             torch.testing.assert_close(a, b, atol=ATOL, rtol=0)
     finally:
         tp.shutdown()

@@ -84,8 +84,10 @@ class LLMEngine:
 
         config.validate()
         self.device = resolve_device(config.device)
-        if config.async_scheduling is None:  # auto: overlap where there is a device to overlap with
-            config = dataclasses.replace(config, async_scheduling=self.device.type == "cuda")
+        async_scheduling = config.async_scheduling
+        if async_scheduling is None:  # auto: overlap where there is a device to overlap with
+            async_scheduling = self.device.type == "cuda"
+            config = dataclasses.replace(config, async_scheduling=async_scheduling)
         self.config = config
         torch.manual_seed(config.seed)
         self.model_config = ModelConfig.from_pretrained(str(config.model), config.max_model_len, config.dtype,
@@ -104,7 +106,7 @@ class LLMEngine:
         self.runner.init_kv_cache(num_blocks)
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, budget, max_len, config.enable_chunked_prefill)
-        self.scheduler.async_placeholders = config.async_scheduling
+        self.scheduler.async_placeholders = async_scheduling
         eos = set(self.model_config.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos.add(int(self.tokenizer.eos_token_id))
@@ -124,6 +126,7 @@ class LLMEngine:
         if ids is None:
             if self.tokenizer is None:
                 raise ValueError("prompt: this model has no tokenizer; pass prompt_token_ids")
+            assert text is not None   # split_prompt gives the text when it gives no ids
             check_text(text, "prompt")   # else the tokenizer raises a TypeError
             ids = self.tokenizer.encode(text) if text else []
         return text, ids
@@ -321,7 +324,7 @@ class LLMEngine:
         if upd.new_token_id is None:
             if req.external_tokens:
                 lp = result.logprobs[req.request_id]
-                g.beam_pending[req.request_id] = list(zip(lp.top_ids, lp.top_logprobs))
+                g.beam_pending[req.request_id] = list(zip(lp.top_ids, lp.top_logprobs, strict=True))
                 self._maybe_beam_step(g)
             elif req.compute_limit is not None:
                 self._fork_samples(g, req)

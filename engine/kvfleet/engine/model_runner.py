@@ -118,7 +118,7 @@ class ModelRunner:
         self._param_rows: dict[str, SamplingRow] = {}
         # Persistent block tables, one row per sequence (rows are added as sequences appear).
         # Async scheduling on CUDA: host-to-device copies must not wait for the step in flight.
-        self.non_blocking = engine_config.async_scheduling and device.type == "cuda"
+        self.non_blocking = bool(engine_config.async_scheduling) and device.type == "cuda"
         self.num_placeholder_inputs = 0   # decode inputs taken on the device (async scheduling)
         self._block_rows = BlockTableRows(math.ceil((model_config.max_model_len + 1) / self.block_size) + 1)
 
@@ -306,7 +306,7 @@ class ModelRunner:
                 banned.append((i, r.stop_token_ids))
             if r.num_logprobs > max_logprobs:
                 max_logprobs = r.num_logprobs
-        temps, top_k, top_p, min_p, rep, freq, pres, _ = (list(c) for c in zip(*rows))
+        temps, top_k, top_p, min_p, rep, freq, pres, _ = (list(c) for c in zip(*rows, strict=True))
 
         def opt(values: list[float], neutral: float) -> Optional[torch.Tensor]:
             if values.count(neutral) == len(values):
@@ -321,8 +321,8 @@ class ModelRunner:
         min_mask = None
         if banned:
             min_mask = torch.zeros(len(reqs), vocab, dtype=torch.bool, device=dev)
-            for row, toks in banned:
-                min_mask[row, [t for t in toks if t < vocab]] = True
+            for i, toks in banned:
+                min_mask[i, [t for t in toks if t < vocab]] = True
         return SamplingBatch(
             temperature=host_tensor(temps, np.float32, dev, nb),
             top_k=None if top_k.count(vocab) == len(top_k) else host_tensor(top_k, np.int64, dev, nb),
@@ -372,7 +372,8 @@ class ModelRunner:
         targets = torch.tensor([r.token_id for r in rows], device=logits.device)
         k = min(k, logits.shape[-1])
         lp = gather_logprobs(logits.float().log_softmax(-1), targets, k)
-        chosen_l, rank_l, ids_l, lp_l = lp.logprob.tolist(), lp.rank.tolist(), lp.top_ids.tolist(), lp.top_logprobs.tolist()
+        chosen, rank, top_ids, top_lps = (lp.logprob.tolist(), lp.rank.tolist(), lp.top_ids.tolist(),
+                                          lp.top_logprobs.tolist())
         for j, r in enumerate(rows):
             out.prompt_logprobs.setdefault(r.request_id, []).append(
-                PromptLogprob(r.position, r.token_id, chosen_l[j], rank_l[j], ids_l[j], lp_l[j]))
+                PromptLogprob(r.position, r.token_id, chosen[j], rank[j], top_ids[j], top_lps[j]))

@@ -58,6 +58,8 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 class RotaryEmbedding(nn.Module):
     """cos/sin per position, computed on the fly (no max-length cache to size)."""
 
+    inv_freq: torch.Tensor
+
     def __init__(self, head_dim: int, theta: float, scaling: dict[str, Any] | None = None) -> None:
         super().__init__()
         self.head_dim = head_dim
