@@ -153,6 +153,43 @@ def test_driver_executor_with_worker_process(tiny_model_factory) -> None:
         tp.shutdown(timeout_s=5)
 
 
+def test_worker_runs_each_control_message_and_the_pipe_carries_them(tiny_model_factory) -> None:
+    """The driver's messages a worker handles without the group (the step and the logits need its
+    collectives: the tests above), and their channel: a message arrives as sent, a closed driver end
+    reads as Shutdown, a closed worker end is WorkerGone."""
+    from kvfleet.engine.distributed import control
+    from kvfleet.engine.distributed.worker import ShardWorker
+
+    cfg = ModelConfig.from_pretrained(tiny_model_factory("llama"))
+    worker = ShardWorker(load_model(cfg, "cpu", quiet=True), torch.device("cpu"), cfg.dtype)
+    worker._ensure_cache((2, 4, BLOCK, cfg.num_kv_heads, cfg.head_dim), cfg.num_layers)
+    for cache in worker.kv_caches:
+        cache.copy_(torch.randn_like(cache))
+    assert worker.handle(control.CopyBlocks(torch.tensor([0, 3]), torch.tensor([1, 2])))
+    assert all(torch.equal(c[:, 1], c[:, 0]) and torch.equal(c[:, 2], c[:, 3]) for c in worker.kv_caches)
+    assert worker.handle(control.FreeCache()) and worker.kv_caches == [] and worker.graphs is None
+    assert worker.handle(control.Shutdown()) is False
+    with pytest.raises(TypeError, match="unknown message tuple"):
+        worker.handle(("forward",))  # type: ignore[arg-type]
+
+    header = control.StepHeader(num_tokens=3, num_seqs=2, table_width=2, max_query_len=2, max_seq_len=5,
+                                query_start_loc_cpu=[0, 2, 3], seq_lens_cpu=[2, 5], cache_shape=(2, 4, 4, 2, 16),
+                                num_layers=2, logit_rows=(1, 2), replay=True)
+    assert header.packed_len == 3 * 3 + 2 * 2 + 1 + 2 * 2
+    reader, writer = mp.Pipe(duplex=False)
+    sender = control.ControlSender([writer])
+    sender.send(header)
+    sender.send(control.CaptureGraphs((2, 4, 4, 2, 16), 2, 8, 64, 4, piecewise=False))
+    assert control.receive(reader) == header
+    assert control.receive(reader) == control.CaptureGraphs((2, 4, 4, 2, 16), 2, 8, 64, 4, False)
+    sender.close()
+    assert control.receive(reader) == control.Shutdown()
+    reader2, writer2 = mp.Pipe(duplex=False)
+    reader2.close()
+    with pytest.raises(control.WorkerGone, match="rank 1 is gone"):
+        control.ControlSender([writer2]).send(control.Shutdown())
+
+
 @pytest.mark.timeout(120)
 def test_worker_failing_at_startup_ends_the_driver_with_a_clear_error(tmp_path: Path) -> None:
     """A worker that dies before joining must not leave rank 0 in the rendezvous until its timeout."""

@@ -368,7 +368,8 @@ class LLMEngine:
         used: set[str] = set()
         plan: list[tuple[Request, int, Beam]] = []
         old = {b.key: b for b in g.beam_live}
-        for parent_key, tok, score in step.next_beams:
+        for nxt in step.next_beams:
+            parent_key, tok = nxt.parent_key, nxt.token
             parent = seqs[parent_key]
             if parent_key in used:
                 g.fork_counter += 1
@@ -376,7 +377,7 @@ class LLMEngine:
             else:
                 used.add(parent_key)
                 seq = parent
-            plan.append((seq, tok, Beam(seq.request_id, old[parent_key].tokens + [tok], score)))
+            plan.append((seq, tok, Beam(seq.request_id, old[parent_key].tokens + [tok], nxt.score)))
         dropped = [k for k in seqs if k not in used]
         self.scheduler.finish_requests(dropped, RequestStatus.FINISHED_STOPPED)
         self.runner.release(dropped)

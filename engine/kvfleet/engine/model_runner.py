@@ -233,14 +233,14 @@ class ModelRunner:
             max_query_len=inp.max_query_len, max_seq_len=max(inp.seq_lens),
             query_start_loc_cpu=qsl, seq_lens_cpu=inp.seq_lens)
         input_ids = host_tensor(inp.input_ids, np.int64, dev, nb)
-        if inp.placeholders:
+        if inp.placeholder_at:
             if prev is None or prev.sampled_on_device is None:
                 raise RuntimeError("a step has placeholder tokens but no launched step samples them")
             row_of = prev.row_of()
-            at = host_tensor([i for i, _ in inp.placeholders], np.int64, dev, nb)
-            src = host_tensor([row_of[rid] for _, rid in inp.placeholders], np.int64, dev, nb)
+            at = host_tensor(inp.placeholder_at, np.int64, dev, nb)
+            src = host_tensor([row_of[rid] for rid in inp.placeholder_ids], np.int64, dev, nb)
             input_ids.index_copy_(0, at, prev.sampled_on_device.index_select(0, src))
-            self.num_placeholder_inputs += len(inp.placeholders)
+            self.num_placeholder_inputs += len(inp.placeholder_at)
         return Prepared(inp, md, input_ids, host_tensor(inp.positions, np.int64, dev, nb))
 
     @torch.inference_mode()

@@ -20,16 +20,25 @@ import sys
 import threading
 from collections.abc import Callable, Sequence
 from multiprocessing.process import BaseProcess
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 
 from kvfleet.engine.attention.metadata import AttentionMetadata
 from kvfleet.engine.cuda_graphs import CudaGraphRunner, tp_graph_mode
-from kvfleet.engine.distributed.control import ControlSender
+from kvfleet.engine.distributed.control import (
+    CaptureGraphs,
+    ComputeLogits,
+    ControlSender,
+    CopyBlocks,
+    FreeCache,
+    Message,
+    Shutdown,
+    StepHeader,
+)
 from kvfleet.engine.distributed.parallel_state import arm_hang_dump, destroy_tensor_parallel, local_kv_heads
-from kvfleet.engine.distributed.worker import StepHeader, WorkerSpec, build_shard, pack_step, worker_main
+from kvfleet.engine.distributed.worker import WorkerSpec, build_shard, pack_step, worker_main
 from kvfleet.engine.kv_cache import block_pairs, copy_blocks
 from kvfleet.engine.models.base import CausalLM
 
@@ -73,17 +82,17 @@ class TensorParallelExecutor:
                 eager: bool = False) -> torch.Tensor:
         graphs = self.graphs
         if graphs is not None and not eager and graphs.can_run(input_ids.shape[0], attn_metadata):
-            self._send_step("replay", input_ids, positions, kv_caches, attn_metadata, logit_rows)
+            self._send_step(True, input_ids, positions, kv_caches, attn_metadata, logit_rows)
             self.replays += 1
             return graphs.run(input_ids, positions, kv_caches, attn_metadata)
-        self._send_step("forward", input_ids, positions, kv_caches, attn_metadata, logit_rows)
+        self._send_step(False, input_ids, positions, kv_caches, attn_metadata, logit_rows)
         return self.model(input_ids, positions, kv_caches, attn_metadata)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self._logits_announced:   # the workers did theirs after the step
             self._logits_announced = False
             return self.model.compute_logits(hidden)
-        self._send(("logits", tuple(hidden.shape)))
+        self._send(ComputeLogits(tuple(hidden.shape)))
         rows = hidden.to(self.dtype).contiguous()
         dist.broadcast(rows, src=0)
         return self.model.compute_logits(rows)
@@ -93,7 +102,7 @@ class TensorParallelExecutor:
         if not pairs:
             return
         src, dst = block_pairs(pairs, torch.device("cpu"))
-        self._send(("copy_blocks", src, dst))
+        self._send(CopyBlocks(src, dst))
         copy_blocks(kv_caches, src.to(self.device), dst.to(self.device))
 
     def capture_graphs(self, kv_caches: list[torch.Tensor], max_batch: int, max_model_len: int,
@@ -106,30 +115,30 @@ class TensorParallelExecutor:
             logger.info("tensor parallel: decode steps run eager (KVFLEET_TP_CUDA_GRAPHS=0)")
             return
         piecewise = mode == "piecewise"
-        self._send(("capture", tuple(kv_caches[0].shape), len(kv_caches), max_batch, max_model_len, block_size,
-                    piecewise))
+        self._send(CaptureGraphs(tuple(kv_caches[0].shape), len(kv_caches), max_batch, max_model_len, block_size,
+                                 piecewise))
         graphs = CudaGraphRunner(self.model, kv_caches, max_batch, max_model_len, block_size, self.device)
         graphs.capture(capture_error_mode="thread_local", piecewise=piecewise)  # NCCL's threads keep running
         self.graphs = graphs
 
     def free_cache(self) -> None:
-        self._send(("free_cache",))
+        self._send(FreeCache())
 
-    def _send(self, msg: tuple[Any, ...]) -> None:
+    def _send(self, msg: Message) -> None:
         self._check_workers()
         self.control.send(msg)
 
-    def _send_step(self, cmd: str, input_ids: torch.Tensor, positions: torch.Tensor,
+    def _send_step(self, replay: bool, input_ids: torch.Tensor, positions: torch.Tensor,
                    kv_caches: list[torch.Tensor], md: AttentionMetadata, logit_rows: Sequence[int]) -> None:
-        """Tell the workers to run `cmd` ("forward" eager, "replay" a captured graph) on this step."""
+        """Tell the workers to run this step (eager, or `replay` of a captured graph)."""
         header = StepHeader(
             num_tokens=int(input_ids.shape[0]), num_seqs=len(md.seq_lens_cpu),
             table_width=int(md.block_tables.shape[1]), max_query_len=md.max_query_len, max_seq_len=md.max_seq_len,
             query_start_loc_cpu=list(md.query_start_loc_cpu), seq_lens_cpu=list(md.seq_lens_cpu),
             cache_shape=tuple(kv_caches[0].shape), num_layers=len(kv_caches),
-            logit_rows=tuple(int(r) for r in logit_rows),
+            logit_rows=tuple(int(r) for r in logit_rows), replay=replay,
         )
-        self._send((cmd, header))  # host data only: no wait for the device
+        self._send(header)  # host data only: no wait for the device
         self._logits_announced = bool(header.logit_rows)
         dist.broadcast(pack_step(input_ids, positions, md), src=0)
 
@@ -150,7 +159,7 @@ class TensorParallelExecutor:
 
     def shutdown(self, timeout_s: float = 30.0) -> None:
         # CUDA graphs go first: NCCL's destroy waits for every live graph that captured its communicator
-        # (the workers release theirs on "shutdown")
+        # (the workers release theirs on Shutdown)
         if self.graphs is not None:
             self.graphs.release()
             self.graphs = None
@@ -160,7 +169,7 @@ class TensorParallelExecutor:
             self._closed.set()
             alive = list(self.procs)
             try:
-                self.control.send(("shutdown",))
+                self.control.send(Shutdown())
             except Exception as exc:  # a dead peer: nothing left to tell
                 logger.warning("tensor parallel shutdown broadcast failed: %s", exc)
         # leave the group before waiting: the workers leave it too on their way out (NCCL pairs them)
