@@ -54,7 +54,13 @@ def _wait_gone(workers: list[tuple[int, str]], timeout: float) -> list[tuple[int
     return alive
 
 
-@pytest.mark.timeout(240)
+# Bounds for a busy machine: a TP server starts two processes that each import torch and load the
+# model, then meet over gloo; on 2 shared cores at load ~18 that took past 120 s (one run in ~15).
+READY_TIMEOUT_S = 300
+REQUEST_TIMEOUT_S = 120
+
+
+@pytest.mark.timeout(600)
 def test_tensor_parallel_server_answers_like_the_offline_engine_and_exits_clean(
         tiny_model_dir: Path, tmp_path: Path) -> None:
     from kvfleet.engine.llm import LLM
@@ -63,11 +69,13 @@ def test_tensor_parallel_server_answers_like_the_offline_engine_and_exits_clean(
     offline = LLM(str(tiny_model_dir), device="cpu", max_model_len=128)
     expected = offline.generate(PROMPT, SamplingParams(temperature=0.0, max_tokens=12))[0].outputs[0].text
     offline.shutdown()
-    srv = start_server(tiny_model_dir, tmp_path, "--tensor-parallel-size", "2", "--max-model-len", "128")
+    srv = start_server(tiny_model_dir, tmp_path, "--tensor-parallel-size", "2", "--max-model-len", "128",
+                       ready_timeout=READY_TIMEOUT_S)
     try:
         workers = _tensor_parallel_workers(srv.proc.pid)
         assert len(workers) == 1, f"tensor parallel 2 needs one worker process, the server has {workers}"
-        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="no-keys-configured", max_retries=0, timeout=60)
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="no-keys-configured", max_retries=0,
+                               timeout=REQUEST_TIMEOUT_S)
         got = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=12, temperature=0)
         assert got.choices[0].text == expected
         chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
