@@ -222,3 +222,36 @@ def test_bench_stats_and_workloads(tmp_path) -> None:
     assert [(r.prompt_len, r.output_len) for r in named] == [(1024, 128), (1024, 128)]
     with pytest.raises(ValueError, match="chat-mix"):
         load_workload("no-such-workload", 2, 0)
+
+
+def _nested(depth: int) -> object:
+    value: object = "\ud800"
+    for i in range(depth):
+        value = [value] if i % 2 else {"k": value}
+    return value
+
+
+def test_json_depth_is_measured_without_parsing() -> None:
+    from kvfleet.engine.server.jsondepth import json_depth_exceeds
+
+    for depth in (1, 3, 10, 64, 65, 200):
+        text = json.dumps(_nested(depth))
+        for encoding in ("utf-8", "utf-16", "utf-32"):
+            assert json_depth_exceeds(text.encode(encoding), 64) is (depth > 64), (depth, encoding)
+        assert json_depth_exceeds(text.encode(), depth) is False and json_depth_exceeds(text.encode(), depth - 1)
+    # Brackets inside strings (escaped quotes included) do not nest; unclosed openers do.
+    assert not json_depth_exceeds(json.dumps({"p": "[{" * 500 + '\\"[' * 100}).encode(), 2)
+    assert not json_depth_exceeds(b'{"p": "\\\\", "q": [' + b"[]," * 1000 + b"[]]}", 3)
+    assert json_depth_exceeds(b'{"p": ' + b"[" * 70, 64)
+    assert json_depth_exceeds(b'["unterminated ' + b"[" * 70, 64)   # a broken string hides nothing
+    assert not json_depth_exceeds(b"]" * 100 + b"[" * 10, 64)       # a parser stops at the first `]`
+    assert json_depth_exceeds(b"[" * 1_000_000, 64)
+
+
+def test_lone_surrogate_walk_needs_no_recursion() -> None:
+    from kvfleet.engine.server.protocol import lone_surrogate_at
+
+    assert lone_surrogate_at({"a": [1, "x", {"b": ["ok", "\ud800"]}]}) == "a[2].b[1]"
+    assert lone_surrogate_at({"m": {"\udfff": 1}}) == "m" and lone_surrogate_at({"ok": ["fine"]}) is None
+    where = lone_surrogate_at(_nested(100_000))   # far past the interpreter's recursion limit
+    assert where is not None and where.count(".k[0]") == 49_999   # the path to it, level by level

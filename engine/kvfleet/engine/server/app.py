@@ -15,6 +15,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kvfleet.engine.server import protocol as P
 from kvfleet.engine.server.auth import DEFAULT_TENANT, bearer_token, tenant_for
+from kvfleet.engine.server.bodies import BoundedJSONRoute
 from kvfleet.engine.server.chat import chat_prompt_ids, create_chat_completion
 from kvfleet.engine.server.completions import create_completion
 from kvfleet.engine.server.errors import APIError, error_body, install_error_handlers
@@ -99,6 +100,10 @@ def _limited(receive: Receive, limit: int) -> Receive:
     return wrapped
 
 
+class PrometheusResponse(Response):
+    media_type = CONTENT_TYPE
+
+
 def _tenant(request: Request) -> str:
     return str(request.scope.get(TENANT_KEY, DEFAULT_TENANT))
 
@@ -126,6 +131,7 @@ def build_app(state: ServerState, load_engine: Callable[[], Any] | None = None) 
                               "operation_spans": False}
     app = FastAPI(title="kvfleet", version=VERSION, lifespan=lifespan,
                   description="OpenAI-compatible API of a kvfleet engine.", **extra)
+    app.router.route_class = BoundedJSONRoute  # every route below measures its body's nesting first
     install_error_handlers(app)
     app.add_middleware(Gate, state=state)
 
@@ -140,13 +146,16 @@ def build_app(state: ServerState, load_engine: Callable[[], Any] | None = None) 
     async def version() -> dict[str, str]:
         return {"version": VERSION}
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PrometheusResponse,
+             responses={200: {"description": "Prometheus text exposition format 0.0.4.",
+                              "content": {CONTENT_TYPE: {"schema": {"type": "string"}}}}})
     async def metrics() -> Response:
-        return Response(state.metrics.render(), media_type=CONTENT_TYPE)
+        return PrometheusResponse(state.metrics.render())
 
     @app.get("/v1/models", response_model=P.ModelList, responses=ERRORS)
     async def models() -> dict[str, Any]:
-        card = P.ModelCard(id=state.model_name, root=state.model_path, max_model_len=state.max_model_len)
+        # `root` names the model as clients know it (as vLLM's does), never a path on this machine.
+        card = P.ModelCard(id=state.model_name, root=state.model_name, max_model_len=state.max_model_len)
         return P.dump(P.ModelList(data=[card]))
 
     @app.post("/v1/completions", response_model=P.CompletionResponse, responses=ERRORS)
