@@ -100,6 +100,11 @@ def test_cross_flag_checks() -> None:
     with pytest.raises(ValueError, match="--max-queue-len"):
         check_serve_args(parse(["--max-queue-len", "0"]))
     check_serve_args(parse(["--max-queue-len", "3"]))
+    for flag in ("--timeout-keep-alive", "--timeout-request-headers", "--timeout-request-body"):
+        with pytest.raises(ValueError, match=flag):
+            check_serve_args(parse([flag, "0"]))
+    with pytest.raises(ValueError, match="--max-connections"):
+        check_serve_args(parse(["--max-connections", "0"]))
 
 
 def test_keys_yaml_json_and_lookup(tmp_path) -> None:

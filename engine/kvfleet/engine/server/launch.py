@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import resource
 import signal
 import sys
 import time
@@ -22,6 +23,7 @@ import uvicorn
 from kvfleet.engine.server.app import build_app
 from kvfleet.engine.server.args import engine_kwargs
 from kvfleet.engine.server.auth import KeyFileError, load_keys
+from kvfleet.engine.server.connections import ConnectionLimits, bounded_protocol
 from kvfleet.engine.server.state import ServerState
 
 logger = logging.getLogger("kvfleet.server")
@@ -80,6 +82,21 @@ class DrainingServer(uvicorn.Server):
         return False
 
 
+FILES_BESIDES_CONNECTIONS = 1024   # weights, tokenizer, the engine's pipes and threads, logs
+
+
+def raise_open_files_limit(wanted: int) -> None:
+    """Raise the soft limit of open files toward `wanted` (as vLLM does): the connection cap should be
+    what refuses connections, not a failing accept()."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
+    if soft != resource.RLIM_INFINITY and soft < target:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+    if target < wanted:
+        logger.warning("open files limit below what --max-connections needs", extra={"hard_limit": hard,
+                                                                                      "wanted": wanted})
+
+
 def default_model() -> str:
     from kvfleet.engine.tokenizer import find_default_model
 
@@ -107,8 +124,11 @@ def run_server(args: argparse.Namespace) -> int:
         return AsyncLLM(model, **kwargs)
 
     app = build_app(state, load_engine)
+    limits = ConnectionLimits(keep_alive_s=args.timeout_keep_alive, headers_s=args.timeout_request_headers,
+                              body_s=args.timeout_request_body, max_connections=args.max_connections)
+    raise_open_files_limit(args.max_connections + FILES_BESIDES_CONNECTIONS)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
-                            timeout_graceful_shutdown=1, lifespan="on")
+                            timeout_graceful_shutdown=1, lifespan="on", http=bounded_protocol(limits), ws="none")
     server = DrainingServer(config, state, args.shutdown_grace_period)
     logger.info("serving", extra={"model": model, "served_model_name": name, "host": args.host, "port": args.port,
                                   "auth": "on" if keys else "off", "tenants": len(set(keys.values())) if keys else 0})
