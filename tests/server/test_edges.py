@@ -1,8 +1,10 @@
-"""The edges of a real `kvfleet serve`, probed as an attacker would over raw loopback sockets: idle,
-slow and half-sent connections, too many connections, broken HTTP framing.
+"""The edges of a real `kvfleet serve`, probed as an attacker would: idle, slow and half-sent
+connections over raw loopback sockets, too many connections, broken HTTP framing, texts far longer
+than the context.
 
-One server with short bounds (keep-alive 3 s, headers 2 s, body 2 s, at most 16 connections).
-Each test waits for the server to act (bounded), and checks it acted neither late nor early.
+One server with short bounds (keep-alive 3 s, headers 2 s, body 2 s, at most 16 connections) and a
+long context (131072 tokens: a megabyte of text is worth tokenizing). Each test waits for the server
+to act (bounded), and checks it acted neither late nor early.
 """
 
 from __future__ import annotations
@@ -22,11 +24,14 @@ from server_proc import Server, start_server
 
 KEEP_ALIVE_S, HEADERS_S, BODY_S, MAX_CONNECTIONS = 3.0, 2.0, 2.0, 16
 SLACK_S = 15.0   # how late the server may act on a busy machine; early is always a failure
+CONTEXT = 131072
+CHARS_PER_TOKEN = 13   # the longest entry of the test tokenizer's vocabulary: `<|endoftext|>`
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    srv = start_server(tiny_model_dir, tmp_path_factory.mktemp("edge-logs"),
+def server(tiny_model_factory: Callable[..., Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    model = tiny_model_factory("llama", max_position_embeddings=CONTEXT)
+    srv = start_server(model, tmp_path_factory.mktemp("edge-logs"), "--max-model-len", str(CONTEXT),
                        "--timeout-keep-alive", str(KEEP_ALIVE_S), "--timeout-request-headers", str(HEADERS_S),
                        "--timeout-request-body", str(BODY_S), "--max-connections", str(MAX_CONNECTIONS))
     yield srv
@@ -197,3 +202,77 @@ def test_connections_past_the_cap_get_503_then_room_comes_back(server: Server) -
         return httpx.get(server.url + "/health", timeout=10).status_code == 200
 
     wait_until(serves, SLACK_S, "the server to accept requests again once the held connections closed")
+
+
+def post(server: Server, path: str, body: dict[str, Any], timeout: float = 120) -> httpx.Response:
+    return httpx.post(server.url + path, json=body, timeout=timeout)
+
+
+LIMIT = CONTEXT * CHARS_PER_TOKEN   # characters
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/completions", {"prompt": "x" * (LIMIT + 1)}),
+    ("/v1/completions", {"prompt": ["hello", "y" * (LIMIT + 1)]}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "z " * (LIMIT // 2 + 1)}]}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a" * (30 * 2**20)}]}),  # 30 MiB
+    ("/v1/chat/completions", {"messages": [{"role": "system", "content": "b" * (LIMIT // 2)},
+                                           {"role": "user", "content": [{"type": "text", "text": "c" * LIMIT}]}]}),
+    ("/tokenize", {"prompt": "d" * (LIMIT + 1)}),
+    ("/tokenize", {"messages": [{"role": "user", "content": "e" * (LIMIT + 1)}]}),
+])
+def test_text_that_cannot_fit_is_refused_before_tokenizing(server: Server, path: str, body: dict[str, Any]) -> None:
+    """More characters than CONTEXT tokens can hold (13 characters a token at most, with this
+    tokenizer): a 400 naming the field and the bound, without spending seconds of CPU on it."""
+    resp = post(server, path, body)
+    assert resp.status_code == 400, resp.text[:300]
+    err = resp.json()["error"]
+    field = "messages" if "messages" in body else "prompt"
+    assert err["param"] == field and f"at most {LIMIT} characters" in err["message"], err
+
+
+def test_token_ids_over_the_context_are_refused_by_their_count(server: Server) -> None:
+    resp = post(server, "/v1/completions", {"prompt": [7] * (CONTEXT + 1), "max_tokens": 1})
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "prompt", resp.text[:300]
+    assert f"{CONTEXT + 1} tokens" in resp.json()["error"]["message"]
+    resp = post(server, "/v1/completions", {"prompt": [[1, 2], [7] * CONTEXT], "max_tokens": 1})
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "prompt", resp.text[:300]
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/completions", {"prompt": ["once upon a time " * 70_000] * 3, "max_tokens": 1}),   # 3 x 1.2 MB
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "once upon a time " * 70_000}],
+                              "max_tokens": 1}),
+])
+def test_long_texts_that_may_fit_are_tokenized_off_the_event_loop(server: Server, path: str,
+                                                                  body: dict[str, Any]) -> None:
+    """Texts under the character bound are tokenized (seconds for megabytes: here they turn out over the
+    context, ~4 characters a token); meanwhile /health (the liveness probe) and /metrics (the
+    autoscaler's scrape) keep answering at once."""
+    box: dict[str, Any] = {}
+
+    def send() -> None:
+        start = time.monotonic()
+        box["resp"] = post(server, path, body)
+        box["took"] = time.monotonic() - start
+
+    thread = threading.Thread(target=send, daemon=True)
+    thread.start()
+    slowest, probes = 0.0, 0
+    while thread.is_alive():
+        for probe in ("/health", "/metrics"):
+            start = time.monotonic()
+            assert httpx.get(server.url + probe, timeout=30).status_code == 200
+            slowest = max(slowest, time.monotonic() - start)
+            probes += 1
+        time.sleep(0.05)
+    thread.join()
+    resp = box["resp"]
+    assert resp.status_code == 400 and "maximum context length" in resp.text, resp.text[:300]
+    assert "characters" not in resp.json()["error"]["message"]   # tokenized, then counted: not the early bound
+    texts = len(body["prompt"]) if "prompt" in body else 1
+    per_text = box["took"] / texts
+    assert per_text > 1.0 and probes >= 4, box    # the tokenizer really was busy for a while ...
+    # ... and no probe waited for a text: on the event loop, one would have stalled for most of one
+    # (the margin is for a machine whose CPUs are busy with other work: probes slow down, not stall).
+    assert slowest < per_text / 2, (slowest, per_text)

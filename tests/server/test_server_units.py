@@ -260,3 +260,52 @@ def test_lone_surrogate_walk_needs_no_recursion() -> None:
     assert lone_surrogate_at({"m": {"\udfff": 1}}) == "m" and lone_surrogate_at({"ok": ["fine"]}) is None
     where = lone_surrogate_at(_nested(100_000))   # far past the interpreter's recursion limit
     assert where is not None and where.count(".k[0]") == 49_999   # the path to it, level by level
+
+
+def _tokenizer_spec(**parts: object) -> dict[str, object]:
+    spec: dict[str, object] = {"normalizer": None, "pre_tokenizer": {"type": "ByteLevel"},
+                               "model": {"type": "BPE", "unk_token": None, "fuse_unk": False}}
+    spec.update(parts)
+    return spec
+
+
+def test_chars_per_token_bound_only_for_tokenizers_that_keep_the_text() -> None:
+    from kvfleet.engine.server.textbound import chars_per_token_bound
+
+    vocab = ["a", "Ġthe", "<|im_start|>"]
+    assert chars_per_token_bound(_tokenizer_spec(), vocab) == 12
+    nfc = {"type": "Sequence", "normalizers": [{"type": "NFC"}, {"type": "Prepend", "prepend": "▁"}]}
+    assert chars_per_token_bound(_tokenizer_spec(normalizer=nfc), vocab) == 48   # composition: x4
+    spaces = {"type": "Replace", "pattern": {"String": " "}, "content": "▁"}
+    assert chars_per_token_bound(_tokenizer_spec(normalizer=spaces), vocab) == 12
+    unigram = {"type": "Unigram", "byte_fallback": True}
+    assert chars_per_token_bound(_tokenizer_spec(model=unigram, pre_tokenizer={"type": "Metaspace"}), vocab) == 12
+    for lossy in ({"normalizer": {"type": "Strip"}}, {"normalizer": {"type": "BertNormalizer"}},
+                  {"normalizer": {"type": "Replace", "pattern": {"Regex": " +"}, "content": " "}},
+                  {"normalizer": {"type": "Replace", "pattern": {"String": "x"}, "content": ""}},
+                  {"pre_tokenizer": {"type": "WhitespaceSplit"}},
+                  {"pre_tokenizer": {"type": "Sequence", "pretokenizers": [{"type": "Split", "behavior": "Removed"}]}},
+                  {"model": {"type": "WordPiece"}}, {"model": {"type": "Unigram"}},
+                  {"model": {"type": "BPE", "unk_token": "<unk>", "fuse_unk": True}}):
+        assert chars_per_token_bound(_tokenizer_spec(**lossy), vocab) is None, lossy
+
+
+def test_no_text_that_fits_is_over_the_character_bound() -> None:
+    """The bound is a real upper bound: every text has at least len(text) / bound tokens (random
+    Unicode, long runs, the longest vocabulary entries, special tokens)."""
+    import random
+
+    from kvfleet.engine.server.textbound import tokenizer_chars_per_token
+    from kvfleet.engine.testing import build_tokenizer
+
+    rng = random.Random(0)
+    tok = build_tokenizer()
+    bound = tokenizer_chars_per_token(tok)
+    assert bound == max(len(t) for t in tok.get_vocab())
+    longest = max(tok.get_vocab(), key=len)
+    texts = [" " * 5000, "#" * 5000, "\n" + " " * 4000, "<|im_start|>" * 300, longest * 50,
+             tok.convert_tokens_to_string([max((t for t in tok.get_vocab() if not t.startswith("<")), key=len)]) * 50]
+    texts += ["".join(chr(rng.choice([rng.randrange(32, 127), rng.randrange(128, 0x2FFF)]))
+                      for _ in range(rng.randrange(1, 400))) for _ in range(300)]
+    for text in texts:
+        assert len(tok.encode(text, add_special_tokens=False)) * bound >= len(text), text[:40]

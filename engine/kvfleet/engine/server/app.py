@@ -22,6 +22,7 @@ from kvfleet.engine.server.errors import APIError, error_body, install_error_han
 from kvfleet.engine.server.metrics import CONTENT_TYPE
 from kvfleet.engine.server.serving import check_model
 from kvfleet.engine.server.state import ServerState
+from kvfleet.engine.server.textbound import tokenizer_chars_per_token
 
 logger = logging.getLogger("kvfleet.server")
 
@@ -122,6 +123,7 @@ def build_app(state: ServerState, load_engine: Callable[[], Any] | None = None) 
                 task.cancel()
             if state.engine is not None:
                 await state.engine.shutdown()
+            state.tokenize_pool.shutdown(wait=False, cancel_futures=True)
 
     extra: dict[str, Any] = {}
     if "telemetry" in inspect.signature(FastAPI.__init__).parameters:
@@ -192,13 +194,16 @@ def build_app(state: ServerState, load_engine: Callable[[], Any] | None = None) 
 async def _load(state: ServerState, load_engine: Callable[[], Any]) -> None:
     try:
         state.engine = await asyncio.to_thread(load_engine)
+        if state.engine.tokenizer is not None:
+            state.chars_per_token = tokenizer_chars_per_token(state.engine.tokenizer)
         await _warm_up(state)
     except Exception as exc:
         state.load_error = f"{exc.__class__.__name__}: {exc}"
         logger.exception("model load failed")
         return
     state.ready = True
-    logger.info("model ready", extra={"model": state.model_name, "max_model_len": state.max_model_len})
+    logger.info("model ready", extra={"model": state.model_name, "max_model_len": state.max_model_len,
+                                      "max_prompt_chars": state.max_prompt_chars})
 
 
 async def _warm_up(state: ServerState) -> None:

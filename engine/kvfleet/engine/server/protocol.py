@@ -101,7 +101,8 @@ class SamplingFields(StrictModel):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: Union[Annotated[str, Field(max_length=1_000_000)], TokenIds,
+    # No fixed length cap on text: the server refuses what cannot fit its context before tokenizing it.
+    prompt: Union[str, TokenIds,
                   Annotated[list[str], Field(min_length=1, max_length=64)],
                   Annotated[list[TokenIds], Field(min_length=1, max_length=64)]]
     max_tokens: int | None = Field(16, ge=1, le=2**31 - 1)
