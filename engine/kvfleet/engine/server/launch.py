@@ -1,14 +1,15 @@
 """`kvfleet serve`: build the state and app, run uvicorn, drain on SIGTERM.
 
 SIGTERM (what Kubernetes sends) starts a drain: /health and new requests answer 503,
-running requests may finish for `--shutdown-grace-period` seconds, then uvicorn shuts
-down (cancelling what is left, which aborts it in the engine) and the process exits 0.
-A second signal stops at once.
+running requests may finish for `--shutdown-grace-period` seconds. Then those still running
+are aborted in the engine and answered properly (a 503, or an error event and `[DONE]` in a
+stream), uvicorn shuts down and the process exits 0. A second signal stops at once.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import resource
 import signal
@@ -24,6 +25,7 @@ from kvfleet.engine.server.app import build_app
 from kvfleet.engine.server.args import engine_kwargs
 from kvfleet.engine.server.auth import KeyFileError, load_keys
 from kvfleet.engine.server.connections import ConnectionLimits, bounded_protocol
+from kvfleet.engine.server.generation import cut_off_requests
 from kvfleet.engine.server.state import ServerState
 
 logger = logging.getLogger("kvfleet.server")
@@ -53,12 +55,19 @@ def setup_logging(level: str) -> None:
     root.propagate = False
 
 
+# After the grace period, running requests are ended (503, or an error event and [DONE] in a stream);
+# this long at most is given to their answers before uvicorn closes what is left.
+CUT_OFF_WAIT_S = 5.0
+
+
 class DrainingServer(uvicorn.Server):
     def __init__(self, config: uvicorn.Config, state: ServerState, grace_s: float) -> None:
         super().__init__(config)
         self.state = state
         self.grace_s = grace_s
         self.deadline: float | None = None
+        self.cut_off_at: float | None = None
+        self._cut_off: asyncio.Task[int] | None = None
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         if sig == signal.SIGTERM and not self.state.draining:
@@ -76,8 +85,19 @@ class DrainingServer(uvicorn.Server):
         if self.state.load_error:
             return True
         if self.state.draining and self.deadline is not None:
-            if self.state.admission.inflight == 0 or time.monotonic() >= self.deadline:
-                logger.info("drain finished", extra={"inflight": self.state.admission.inflight})
+            inflight = self.state.admission.inflight
+            if inflight == 0:
+                logger.info("drain finished", extra={"inflight": 0})
+                return True
+            now = time.monotonic()
+            if self.cut_off_at is None and now >= self.deadline:
+                logger.info("shutdown grace period over: ending the requests still running",
+                            extra={"inflight": inflight, "grace_s": self.grace_s})
+                self.cut_off_at = now
+                self._cut_off = asyncio.create_task(cut_off_requests(self.state))
+            elif self.cut_off_at is not None and now >= self.cut_off_at + CUT_OFF_WAIT_S:
+                logger.warning("requests still running after the cut-off; closing their connections",
+                               extra={"inflight": inflight})
                 return True
         return False
 

@@ -43,6 +43,10 @@ class ServerState:
     ready: bool = False           # loaded and one step has run
     load_error: str | None = None
     draining: bool = False
+    # Engine requests running now (ids), and whether the shutdown grace period ran out: then each of
+    # them, and any that would still start, ends with a 503 (an error event in a stream).
+    live_requests: set[str] = field(default_factory=set)
+    cut_off: bool = False
     admission: Admission = field(default_factory=Admission)
     metrics: ServerMetrics = field(init=False)
     # Most characters one token stands for (textbound.py), set once the model is loaded; None: no bound.
