@@ -2,9 +2,9 @@
 connections over raw loopback sockets, too many connections, broken HTTP framing, texts far longer
 than the context.
 
-One server with short bounds (keep-alive 3 s, headers 2 s, body 2 s, at most 16 connections) and a
-long context (131072 tokens: a megabyte of text is worth tokenizing). Each test waits for the server
-to act (bounded), and checks it acted neither late nor early.
+One server with short bounds (keep-alive 3 s, headers 2 s, body 2 s, at most 16 connections), a
+long context (131072 tokens: a megabyte of text is worth tokenizing) and its metrics on a port of
+their own. Each test waits for the server to act (bounded), and checks it acted neither late nor early.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from urllib.parse import urlparse
 import httpx
 import pytest
 
-from server_proc import Server, start_server
+from server_proc import Server, free_port, start_server
 
 KEEP_ALIVE_S, HEADERS_S, BODY_S, MAX_CONNECTIONS = 3.0, 2.0, 2.0, 16
 SLACK_S = 15.0   # how late the server may act on a busy machine; early is always a failure
@@ -28,10 +28,14 @@ CONTEXT = 131072
 CHARS_PER_TOKEN = 13   # the longest entry of the test tokenizer's vocabulary: `<|endoftext|>`
 
 
+METRICS_PORT = free_port()
+
+
 @pytest.fixture(scope="module")
 def server(tiny_model_factory: Callable[..., Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     model = tiny_model_factory("llama", max_position_embeddings=CONTEXT)
     srv = start_server(model, tmp_path_factory.mktemp("edge-logs"), "--max-model-len", str(CONTEXT),
+                       "--metrics-port", str(METRICS_PORT),
                        "--timeout-keep-alive", str(KEEP_ALIVE_S), "--timeout-request-headers", str(HEADERS_S),
                        "--timeout-request-body", str(BODY_S), "--max-connections", str(MAX_CONNECTIONS))
     yield srv
@@ -276,3 +280,17 @@ def test_long_texts_that_may_fit_are_tokenized_off_the_event_loop(server: Server
     # ... and no probe waited for a text: on the event loop, one would have stalled for most of one
     # (the margin is for a machine whose CPUs are busy with other work: probes slow down, not stall).
     assert slowest < per_text / 2, (slowest, per_text)
+
+
+def test_metrics_on_their_own_port_only(server: Server) -> None:
+    """With --metrics-port, the API port does not show the metrics (they name tenants), and the metrics
+    port shows nothing else."""
+    metrics_url = f"http://127.0.0.1:{METRICS_PORT}"
+    resp = httpx.get(server.url + "/metrics", timeout=30)
+    assert resp.status_code == 404 and resp.json()["error"]["code"] == "not_found"
+    resp = httpx.get(metrics_url + "/metrics", timeout=30)
+    assert resp.status_code == 200 and resp.headers["content-type"].startswith("text/plain; version=0.0.4")
+    assert 'kvfleet:num_requests_waiting{model_name="tiny"}' in resp.text
+    for path in ("/health", "/v1/models", "/openapi.json"):
+        assert httpx.get(metrics_url + path, timeout=30).status_code == 404, path
+        assert httpx.get(server.url + path, timeout=30).status_code == 200, path

@@ -105,6 +105,10 @@ def test_cross_flag_checks() -> None:
             check_serve_args(parse([flag, "0"]))
     with pytest.raises(ValueError, match="--max-connections"):
         check_serve_args(parse(["--max-connections", "0"]))
+    for port in ("8000", "70000"):
+        with pytest.raises(ValueError, match="--metrics-port"):
+            check_serve_args(parse(["--metrics-port", port]))
+    check_serve_args(parse(["--metrics-port", "9090"]))
 
 
 def test_keys_yaml_json_and_lookup(tmp_path) -> None:

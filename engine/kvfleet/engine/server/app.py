@@ -82,6 +82,25 @@ class Gate:
                            headers=headers)(scope, receive, send)
 
 
+class MetricsPort:
+    """ASGI middleware for `--metrics-port`: /metrics is answered on that port only, and nothing else is
+    (the request metrics name tenants; the API port need not show them)."""
+
+    def __init__(self, app: ASGIApp, port: int) -> None:
+        self.app = app
+        self.port = port
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            server = scope.get("server")
+            on_metrics_port = server is not None and server[1] == self.port
+            if on_metrics_port != (scope["path"] == "/metrics"):
+                await JSONResponse(error_body(404, "Not found: no such route", code="not_found"),
+                                   status_code=404)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
 def _limited(receive: Receive, limit: int) -> Receive:
     """`receive` that counts body bytes: a body without Content-Length (chunked) that grows past the
     limit ends in a 413 (raised where the route reads it) instead of filling memory."""
@@ -136,6 +155,8 @@ def build_app(state: ServerState, load_engine: Callable[[], Any] | None = None) 
     app.router.route_class = BoundedJSONRoute  # every route below measures its body's nesting first
     install_error_handlers(app)
     app.add_middleware(Gate, state=state)
+    if state.metrics_port is not None:
+        app.add_middleware(MetricsPort, port=state.metrics_port)
 
     @app.get("/health", responses={503: {"model": P.ErrorResponse}})
     async def health() -> Response:
@@ -150,7 +171,8 @@ def build_app(state: ServerState, load_engine: Callable[[], Any] | None = None) 
 
     @app.get("/metrics", response_class=PrometheusResponse,
              responses={200: {"description": "Prometheus text exposition format 0.0.4.",
-                              "content": {CONTENT_TYPE: {"schema": {"type": "string"}}}}})
+                              "content": {CONTENT_TYPE: {"schema": {"type": "string"}}}}},
+             description="Prometheus metrics; on `--metrics-port` instead when the server has one.")
     async def metrics() -> Response:
         return PrometheusResponse(state.metrics.render())
 

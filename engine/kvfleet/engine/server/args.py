@@ -81,6 +81,9 @@ SERVE_FLAGS: tuple[Flag, ...] = (
          "Retry-After (default: no limit).", type=int, metavar="N"),
     Flag("--max-request-bytes", "Largest request body accepted; larger ones get 413 without being read.",
          type=int, default=32 * 2**20, metavar="BYTES"),
+    Flag("--metrics-port", "Serve /metrics on this port (of --host) instead of --port, which then answers 404 "
+         "for it: the request metrics name tenants, and a port of its own can be kept from clients "
+         "(default: /metrics on --port, open to anyone who reaches it).", type=int, metavar="PORT"),
     Flag("--max-connections", "Most connections open at once; past it, a new connection's request gets 503 "
          "with Retry-After and the connection is closed.", type=int, default=4096, metavar="N"),
     Flag("--timeout-keep-alive", "Seconds a connection may stay idle (before its first request or between two) "
@@ -146,6 +149,10 @@ def check_serve_args(args: argparse.Namespace) -> None:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
     if not 0 < args.gpu_memory_utilization <= 1:
         raise ValueError("--gpu-memory-utilization must be in (0, 1]")
+    if args.metrics_port is not None and not 1 <= args.metrics_port <= 65535:
+        raise ValueError("--metrics-port must be in [1, 65535]")
+    if args.metrics_port is not None and args.metrics_port == args.port:
+        raise ValueError("--metrics-port must differ from --port")
     for name in ("timeout_keep_alive", "timeout_request_headers", "timeout_request_body"):
         if not getattr(args, name) > 0:
             raise ValueError(f"--{name.replace('_', '-')} must be > 0")

@@ -135,7 +135,8 @@ def run_server(args: argparse.Namespace) -> int:
     name = args.served_model_name or (args.model if args.model else Path(model).stem.split(".")[0])
     state = ServerState(model_name=name, model_path=model, keys=keys, max_queue_len=args.max_queue_len,
                         chat_template=template, log_requests=not args.disable_log_requests,
-                        block_size=args.block_size, max_request_bytes=args.max_request_bytes)
+                        block_size=args.block_size, max_request_bytes=args.max_request_bytes,
+                        metrics_port=args.metrics_port)
     kwargs = engine_kwargs(args)
 
     def load_engine() -> Any:
@@ -152,7 +153,11 @@ def run_server(args: argparse.Namespace) -> int:
     server = DrainingServer(config, state, args.shutdown_grace_period)
     logger.info("serving", extra={"model": model, "served_model_name": name, "host": args.host, "port": args.port,
                                   "auth": "on" if keys else "off", "tenants": len(set(keys.values())) if keys else 0})
-    server.run()
+    if args.metrics_port is None:
+        server.run()
+    else:   # one server, two listening sockets; the app tells them apart by the local port
+        metrics = uvicorn.Config(app, host=args.host, port=args.metrics_port, log_level=args.log_level)
+        server.run(sockets=[config.bind_socket(), metrics.bind_socket()])
     if state.load_error:
         print(f"kvfleet serve: error: model load failed: {state.load_error}", file=sys.stderr)
         return 1

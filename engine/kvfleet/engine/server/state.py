@@ -39,6 +39,7 @@ class ServerState:
     log_requests: bool = True
     block_size: int = 16
     max_request_bytes: int = 32 * 2**20   # larger bodies get 413 before they are read
+    metrics_port: int | None = None       # /metrics only there (and only /metrics there)
     engine: Any = None            # AsyncLLM once loaded
     ready: bool = False           # loaded and one step has run
     load_error: str | None = None
