@@ -294,3 +294,11 @@ def test_metrics_on_their_own_port_only(server: Server) -> None:
     for path in ("/health", "/v1/models", "/openapi.json"):
         assert httpx.get(metrics_url + path, timeout=30).status_code == 404, path
         assert httpx.get(server.url + path, timeout=30).status_code == 200, path
+
+
+def test_long_detokenize_is_checked_and_decoded_off_the_event_loop(server: Server) -> None:
+    tokens = httpx.post(server.url + "/tokenize", json={"prompt": "once upon a time " * 20_000}, timeout=60).json()
+    resp = post(server, "/detokenize", {"tokens": tokens["tokens"]})
+    assert resp.status_code == 200 and resp.json()["prompt"] == "once upon a time " * 20_000
+    resp = post(server, "/detokenize", {"tokens": tokens["tokens"] + [10**6]})
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "tokens", resp.text[:300]

@@ -202,15 +202,24 @@ def build_app(state: ServerState, load_engine: Callable[[], Any] | None = None) 
     @app.post("/detokenize", response_model=P.DetokenizeResponse, responses=ERRORS)
     async def detokenize(req: P.DetokenizeRequest) -> dict[str, Any]:
         check_model(state, req.model)
-        bad = next((t for t in req.tokens if t >= state.vocab_size), None)
-        if bad is not None:
-            raise APIError(400, f"tokens: token id {bad} is outside the vocabulary [0, {state.vocab_size})",
-                           "tokens", "invalid_value")
-        if state.tokenizer is None:
-            raise APIError(400, "tokens: this model has no tokenizer", "tokens", "no_tokenizer")
-        return {"prompt": state.decode(req.tokens)}
+        if len(req.tokens) < DECODE_INLINE_TOKENS:
+            return {"prompt": _detokenize(state, req.tokens)}
+        return {"prompt": await state.off_loop(_detokenize, state, req.tokens)}
 
     return app
+
+
+DECODE_INLINE_TOKENS = 4096   # longer lists are checked and decoded on the tokenizer threads
+
+
+def _detokenize(state: ServerState, tokens: list[int]) -> str:
+    bad = next((t for t in tokens if t >= state.vocab_size), None)
+    if bad is not None:
+        raise APIError(400, f"tokens: token id {bad} is outside the vocabulary [0, {state.vocab_size})",
+                       "tokens", "invalid_value")
+    if state.tokenizer is None:
+        raise APIError(400, "tokens: this model has no tokenizer", "tokens", "no_tokenizer")
+    return state.decode(tokens)
 
 
 async def _load(state: ServerState, load_engine: Callable[[], Any]) -> None:
