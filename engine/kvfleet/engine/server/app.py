@@ -19,6 +19,7 @@ from kvfleet.engine.server.bodies import BoundedJSONRoute
 from kvfleet.engine.server.chat import chat_prompt_ids, create_chat_completion
 from kvfleet.engine.server.completions import create_completion
 from kvfleet.engine.server.errors import APIError, error_body, install_error_handlers
+from kvfleet.engine.server.generation import shutdown_error
 from kvfleet.engine.server.metrics import CONTENT_TYPE
 from kvfleet.engine.server.serving import check_model
 from kvfleet.engine.server.state import ServerState
@@ -73,7 +74,26 @@ class Gate:
                                f"server's limit of {limit} bytes (--max-request-bytes).", "request_too_large",
                                {"Connection": "close"})
             return
-        await self.app(scope, _limited(receive, limit), send)
+        await self._run_until_shutdown(scope, _limited(receive, limit), send)
+
+    async def _run_until_shutdown(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """Run the route; if uvicorn cancels it at shutdown (still reading its body, tokenizing, ...:
+        what the cut-off of engine requests does not reach) before any answer, answer 503 instead of
+        letting uvicorn log a traceback and send a plain-text 500."""
+        started = False
+
+        async def tracked(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracked)
+        except asyncio.CancelledError:
+            if not self.state.draining or started:
+                raise
+            err = shutdown_error()
+            await self._reject(scope, receive, send, err.status, err.message, err.code or "", err.headers)
 
     @staticmethod
     async def _reject(scope: Scope, receive: Receive, send: Send, status: int, message: str, code: str,

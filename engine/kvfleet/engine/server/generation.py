@@ -52,7 +52,10 @@ async def cut_off_requests(state: ServerState) -> int:
     abort's, for one still waiting) makes its handler answer 503 instead of a result."""
     state.cut_off = True
     ids = list(state.live_requests)
-    await asyncio.gather(*(state.engine.abort(rid) for rid in ids))
+    results = await asyncio.gather(*(state.engine.abort(rid) for rid in ids), return_exceptions=True)
+    for rid, result in zip(ids, results, strict=True):
+        if isinstance(result, BaseException):
+            logger.error("abort at the cut-off failed", extra={"request_id": rid, "error": repr(result)})
     return len(ids)
 
 
