@@ -53,6 +53,7 @@ class Component:
     name: str
     argv: tuple[str, ...]
     probe: Probe
+    env: tuple[tuple[str, str], ...] = ()  # added to (or replacing) this process's environment
 
 
 def _pidfile(run: Path, name: str) -> Path:
@@ -110,7 +111,7 @@ def start(component: Component, run: Path, logs: Path) -> int:
         out.flush()
         proc = subprocess.Popen(  # noqa: S603
             component.argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-            cwd=run, start_new_session=True,
+            cwd=run, start_new_session=True, env={**os.environ, **dict(component.env)} if component.env else None,
         )  # fmt: skip
     record = {"pid": proc.pid, "argv0": component.argv[0], "exe": str(exe.resolve())}
     _pidfile(run, component.name).write_text(json.dumps(record))
