@@ -192,4 +192,4 @@ def test_kwok_leaves_engine_pods_to_the_engine_kubelet() -> None:
     assert {"key": '.metadata.labels["app.kubernetes.io/name"]', "operator": "In",
             "values": ["kvfleet-engine"]} in engine["spec"]["selector"]["matchExpressions"]
     template = engine["spec"]["next"]["statusTemplate"]
-    assert "phase: Pending" in template and "PodIPWith" in template and "\\" not in template
+    assert "phase: Pending" in template and "PodIPsWith" in template and "\\" not in template

@@ -28,8 +28,9 @@ ENGINE_LABEL_VALUE = "kvfleet-engine"
 _ENGINE_KEY = f'.metadata.labels["{ENGINE_LABEL}"]'
 ENGINE_KUBELET_USER = "kvfleet:engine-kubelet"
 
-# An engine pod scheduled on a fake node: kwok's pod-ready stage, except that it stays Pending and not Ready, its
-# container waiting in ContainerCreating, until the engine kubelet has started its engine and /health answers.
+# An engine pod scheduled on a fake node: kwok v0.8.0's pod-ready stage (its addresses), except that it stays Pending
+# and not Ready, its container waiting in ContainerCreating, until the engine kubelet has started its engine and
+# /health answers.
 ENGINE_POD_STAGE_TEMPLATE = """\
 {{ $now := Now }}
 
@@ -61,9 +62,23 @@ containerStatuses:
       reason: ContainerCreating
 {{ end }}
 
-hostIP: {{ NodeIPWith .spec.nodeName | Quote }}
-podIP: {{ PodIPWith .spec.nodeName ( or .spec.hostNetwork false ) ( or .metadata.uid "" ) ( or .metadata.name "" ) \
-( or .metadata.namespace "" ) | Quote }}
+{{ $hostIPs := NodeIPsWith .spec.nodeName }}
+{{ with $hostIPs }}
+hostIP: {{ index . 0 | Quote }}
+hostIPs:
+{{ range . }}
+- ip: {{ . | Quote }}
+{{ end }}
+{{ end }}
+{{ $podIPs := PodIPsWith .spec.nodeName ( or .spec.hostNetwork false ) ( or .metadata.uid "" ) ( or .metadata.name "" ) \
+( or .metadata.namespace "" ) }}
+{{ with $podIPs }}
+podIP: {{ index . 0 | Quote }}
+podIPs:
+{{ range . }}
+- ip: {{ . | Quote }}
+{{ end }}
+{{ end }}
 phase: Pending
 startTime: {{ $now | Quote }}
 """
