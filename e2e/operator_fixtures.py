@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from local_engines import E2E_ENGINE_MODEL, MODEL_ANNOTATION
 
 from kvfleet.operator.kube import Kube
 from kvfleet.operator.testing import OperatorProcess, flavor_objects, install_crds, wait_for
@@ -84,6 +85,9 @@ class Tenants:
         self.namespaces.append(name)
         wait_for(f"LocalQueue of tenant {name}",
                  lambda: self.kube.get(KUEUE, "localqueues", name, name), timeout=60)
+        # The engine pods of this tenant run the tiny model (the engine kubelet reads the namespace's annotation).
+        self.kube.merge_patch({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name}},
+                              {"metadata": {"annotations": {MODEL_ANNOTATION: E2E_ENGINE_MODEL}}})
         return name, name
 
     def cleanup(self) -> None:
@@ -110,11 +114,11 @@ def tenants(kube: Kube, suffix: str, flavors: dict[str, str], operator: Operator
 
 
 def model_deployment(name: str, namespace: str, flavor: str, replicas: int = 1, tp: int = 1,
-                     kind: str = "kvfleet", **spec: Any) -> dict[str, Any]:
+                     kind: str = "kvfleet", engine: dict[str, Any] | None = None, **spec: Any) -> dict[str, Any]:
     return {
         "apiVersion": API, "kind": "ModelDeployment", "metadata": {"name": name, "namespace": namespace},
         "spec": {"model": {"source": "HuggingFaceTB/SmolLM2-135M-Instruct", "servedName": name},
-                 "engine": {"kind": kind, "tensorParallelSize": tp},
+                 "engine": {"kind": kind, "tensorParallelSize": tp, **(engine or {})},
                  "resources": {"gpuFlavor": flavor, "cpu": "2", "memory": "8Gi"},
                  "replicas": replicas, **spec},
     }
