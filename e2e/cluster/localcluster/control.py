@@ -150,7 +150,9 @@ def _up(layout: Layout, node_spec: str, timeout: float, engine_model: str) -> bo
         log.info("cluster already up")
         return False
     unhealthy = [s.name for s in states(layout) if not s.healthy]
-    if layout.kubeconfig.exists() and unhealthy == ["engine-kubelet"]:
+    stages = layout.run / "kwok-stages.yaml"
+    if layout.kubeconfig.exists() and unhealthy == ["engine-kubelet"] and stages.exists() \
+            and manifests.ENGINE_POD_STAGE in stages.read_text():
         # Only the engine kubelet is down (it crashed or was killed): it keeps no state, so restart just it.
         log.info("the engine kubelet is down; restarting it")
         _start_engine_kubelet(layout, engine_model, timeout)
@@ -243,8 +245,9 @@ def describe(layout: Layout) -> str:
 def engines(layout: Layout) -> list[dict[str, Any]]:
     """The engine kubelet's engines (GET /engines): one row per engine pod."""
     url = f"http://127.0.0.1:{layout.port('engine_kubelet')}/engines"
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # loopback: never through a proxy
     try:
-        with urllib.request.urlopen(url, timeout=5) as response:  # noqa: S310 (loopback, our own process)
+        with opener.open(url, timeout=5) as response:
             return list(json.loads(response.read())["engines"])
     except (OSError, ValueError, KeyError):
         return []

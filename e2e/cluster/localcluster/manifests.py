@@ -27,6 +27,7 @@ ENGINE_LABEL = "app.kubernetes.io/name"
 ENGINE_LABEL_VALUE = "kvfleet-engine"
 _ENGINE_KEY = f'.metadata.labels["{ENGINE_LABEL}"]'
 ENGINE_KUBELET_USER = "kvfleet:engine-kubelet"
+ENGINE_POD_STAGE = "kvfleet-engine-pod-address"
 
 # An engine pod scheduled on a fake node: kwok v0.8.0's pod-ready stage (its addresses), except that it stays Pending
 # and not Ready, its container waiting in ContainerCreating, until the engine kubelet has started its engine and
@@ -191,7 +192,7 @@ def kwok_stages(stages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     out.append({
         "apiVersion": "kwok.x-k8s.io/v1alpha1",
         "kind": "Stage",
-        "metadata": {"name": "kvfleet-engine-pod-address"},
+        "metadata": {"name": ENGINE_POD_STAGE},
         "spec": {
             "resourceRef": {"apiGroup": "v1", "kind": "Pod"},
             "selector": {"matchExpressions": [

@@ -87,6 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")  # fmt: skip
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per API call is noise
     models.check_choice(args.model)
     leftovers = processes.kill_recorded(args.records)  # engines of an engine kubelet that did not stop cleanly
     if leftovers:

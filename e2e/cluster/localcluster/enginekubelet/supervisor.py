@@ -119,6 +119,7 @@ class Supervisor:
         self.api, self.catalog, self.settings = api, catalog, settings
         self.inbox: queue.Queue[Any] = queue.Queue()
         self.engines: dict[str, Engine] = {}
+        self.forgotten: dict[str, float] = {}  # uid -> when: pods done with (late events about them are ignored)
         self.fake_nodes: dict[str, bool] = {}
         self.last_tick = time.monotonic()
         self.synced = threading.Event()
@@ -166,8 +167,12 @@ class Supervisor:
             except (ApiError, httpx.HTTPError, OSError) as err:
                 log.warning("pod %s: %s", engine.pod.ref, err)
                 engine.next_flush = now + 1.0
-        for uid in [u for u, e in self.engines.items() if e.gone and e.proc is None]:
+                engine.next_start = max(engine.next_start, now + 1.0)
+        for uid in [u for u, e in self.engines.items() if (e.gone or e.deleted) and e.proc is None]:
             del self.engines[uid]
+            self.forgotten[uid] = now
+        for uid in [u for u, t in self.forgotten.items() if now - t > 600]:
+            del self.forgotten[uid]
         self._publish()
 
     def tick_engine(self, engine: Engine, now: float) -> None:
@@ -187,7 +192,7 @@ class Supervisor:
             if not self.api.delete_pod(engine.pod.namespace, engine.pod.name, engine.pod.uid):
                 engine.gone = True
             engine.deleted = True
-        if engine.dirty and not engine.gone and now >= engine.next_flush:
+        if engine.dirty and not engine.gone and not engine.deleted and now >= engine.next_flush:
             updated = self.api.patch_pod_status(engine.pod.namespace, engine.pod.name,
                                                 status_patch(engine.pod.status, engine.container, engine.phase,
                                                              now_rfc3339()))  # fmt: skip
@@ -211,7 +216,7 @@ class Supervisor:
         pod = parse_pod(obj)
         engine = self.engines.get(pod.uid)
         if engine is None:
-            if not pod.node or pod.phase in ("Succeeded", "Failed"):
+            if pod.uid in self.forgotten or not pod.node or pod.phase in ("Succeeded", "Failed"):
                 return
             try:
                 if not self.is_fake_node(pod.node):
@@ -363,11 +368,11 @@ class Supervisor:
             return  # about an earlier run, or the engine is on its way out
         verdict: Verdict = report.verdict
         was_ready = engine.container.ready
-        engine.container = ContainerState(engine.pod.container, engine.pod.image, engine.restart_count,
-                                          ready=verdict.ready, started=verdict.started,
-                                          running_since=engine.started_iso, last=engine.last,
-                                          container_id=engine.container.container_id)  # fmt: skip
-        engine.dirty = True
+        container = ContainerState(engine.pod.container, engine.pod.image, engine.restart_count, ready=verdict.ready,
+                                   started=verdict.started, running_since=engine.started_iso, last=engine.last,
+                                   container_id=engine.container.container_id)  # fmt: skip
+        if container != engine.container:
+            engine.container, engine.dirty = container, True
         if verdict.ready != was_ready:
             log.info("pod %s: %s", engine.pod.ref, "ready (/health 200)" if verdict.ready else "not ready")
         if verdict.restart and engine.kill_deadline is None:
