@@ -35,6 +35,14 @@ from local_engines import E2E_ENGINE_MODEL, MODEL_ANNOTATION  # noqa: E402
 from localcluster import control, manifests, sharing  # noqa: E402
 from localcluster.layout import Layout  # noqa: E402
 
+# The operator scenarios' fixtures, for every e2e module (a module may override one, as some do `operator`).
+from operator_fixtures import crds as crds  # noqa: E402
+from operator_fixtures import flavors as flavors  # noqa: E402
+from operator_fixtures import kube as kube  # noqa: E402
+from operator_fixtures import operator as operator  # noqa: E402
+from operator_fixtures import suffix as suffix  # noqa: E402
+from operator_fixtures import tenants as tenants  # noqa: E402
+
 E2E_DIR = Path(__file__).resolve().parent
 
 

@@ -8,10 +8,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from local_engines import E2E_ENGINE_MODEL, MODEL_ANNOTATION
 
 from kvfleet.operator.kube import Kube
 from kvfleet.operator.testing import OperatorProcess, flavor_objects, install_crds, wait_for
+
+from local_engines import E2E_ENGINE_MODEL, MODEL_ANNOTATION
 
 API = "serving.kvfleet.dev/v1alpha1"
 KUEUE = "kueue.x-k8s.io/v1beta2"

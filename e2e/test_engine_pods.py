@@ -15,13 +15,13 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from local_engines import base_url, container_status, engines, is_ready, pid_alive
-from localcluster import control
-from operator_fixtures import (API, crds, deployments, engine_pods, flavors, kube, mdep_status,  # noqa: F401
-                               model_deployment, operator, suffix, tenants)
 
 from kvfleet.operator.kube import Kube
 from kvfleet.operator.testing import wait_for
+
+from local_engines import base_url, container_status, engines, is_ready, pid_alive
+from localcluster import control
+from operator_fixtures import API, deployments, engine_pods, mdep_status, model_deployment
 
 pytestmark = pytest.mark.timeout(420)
 

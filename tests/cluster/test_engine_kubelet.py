@@ -12,19 +12,30 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "e2e" / "cluster"))
 
-from localcluster import manifests  # noqa: E402
-from localcluster.enginekubelet import models  # noqa: E402
-from localcluster.enginekubelet.pods import (ENGINE_LABEL, ENGINE_LABEL_VALUE, EngineOptions, LocalModel,  # noqa: E402
-                                             MissingSecret, SecretVolume, container_to_local, engine_command,
-                                             is_engine_pod, parse_args, parse_pod, resolve_env, secret_files)
-from localcluster.enginekubelet.probes import ProbeTracker  # noqa: E402
-from localcluster.enginekubelet.status import (ContainerState, restart_delay, status_patch,  # noqa: E402
-                                               terminated)
-
 from kvfleet.operator.builders.pod import build_pod_template
 from kvfleet.operator.config import OperatorConfig
 from kvfleet.operator.constants import LABEL_NAME
 from kvfleet.operator.spec import parse_model_deployment
+
+from localcluster import manifests  # noqa: E402
+from localcluster.enginekubelet import models  # noqa: E402
+from localcluster.enginekubelet.pods import (  # noqa: E402
+    ENGINE_LABEL,
+    ENGINE_LABEL_VALUE,
+    EngineOptions,
+    LocalModel,
+    MissingSecret,
+    SecretVolume,
+    container_to_local,
+    engine_command,
+    is_engine_pod,
+    parse_args,
+    parse_pod,
+    resolve_env,
+    secret_files,
+)
+from localcluster.enginekubelet.probes import ProbeTracker  # noqa: E402
+from localcluster.enginekubelet.status import ContainerState, restart_delay, status_patch, terminated  # noqa: E402
 
 OPTIONS = EngineOptions(python="/venv/bin/python")
 TINY = LocalModel("tiny", "/cache/models/tiny-llama-x", 1024)

@@ -71,8 +71,8 @@ hostIPs:
 - ip: {{ . | Quote }}
 {{ end }}
 {{ end }}
-{{ $podIPs := PodIPsWith .spec.nodeName ( or .spec.hostNetwork false ) ( or .metadata.uid "" ) ( or .metadata.name "" ) \
-( or .metadata.namespace "" ) }}
+{{ $podIPs := PodIPsWith .spec.nodeName ( or .spec.hostNetwork false ) ( or .metadata.uid "" ) \
+( or .metadata.name "" ) ( or .metadata.namespace "" ) }}
 {{ with $podIPs }}
 podIP: {{ index . 0 | Quote }}
 podIPs:
@@ -171,7 +171,7 @@ def gpu_node(flavor: GpuFlavor, ordinal: int, internal_ip: str) -> dict[str, Any
 
 def gpu_nodes(spec: str, node_ip: Any) -> list[dict[str, Any]]:
     """Every node of a node spec; `node_ip(n)` gives the n-th node's address."""
-    nodes = []
+    nodes: list[dict[str, Any]] = []
     for flavor, count in parse_node_spec(spec):
         for ordinal in range(count):
             nodes.append(gpu_node(flavor, ordinal, node_ip(len(nodes))))

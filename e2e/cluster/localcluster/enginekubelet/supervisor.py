@@ -26,11 +26,30 @@ import httpx
 
 from . import models, processes
 from .api import ApiError, ApiServer, Gone
-from .pods import (ENGINE_SELECTOR, MODEL_ANNOTATION, EngineOptions, EnginePod, LocalModel, MissingSecret,
-                   engine_command, is_engine_pod, parse_pod, resolve_env, secret_files)  # fmt: skip
+from .pods import (
+    ENGINE_SELECTOR,
+    MODEL_ANNOTATION,
+    EngineOptions,
+    EnginePod,
+    LocalModel,
+    MissingSecret,
+    engine_command,  # fmt: skip
+    is_engine_pod,
+    parse_pod,
+    resolve_env,
+    secret_files,
+)
 from .probes import Prober, ProbeReport, ProbeTracker, Verdict
-from .status import (ContainerState, Terminated, now_rfc3339, phase_after_exit, restart_delay, restarts_after_exit,
-                     status_patch, terminated)  # fmt: skip
+from .status import (
+    ContainerState,
+    Terminated,
+    now_rfc3339,
+    phase_after_exit,
+    restart_delay,
+    restarts_after_exit,
+    status_patch,  # fmt: skip
+    terminated,
+)
 
 log = logging.getLogger("engine-kubelet")
 
