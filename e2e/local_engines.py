@@ -20,6 +20,12 @@ MODEL_ANNOTATION = "kvfleet.dev/local-engine-model"
 E2E_ENGINE_MODEL = os.environ.get("KVFLEET_E2E_ENGINE_MODEL", "tiny")
 
 
+def use_test_model(kube: Any, namespace: str) -> None:
+    """Engine pods of `namespace` run the tests' model (`kube`: kvfleet.operator.kube.Kube)."""
+    kube.merge_patch({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": namespace}},
+                     {"metadata": {"annotations": {MODEL_ANNOTATION: E2E_ENGINE_MODEL}}})
+
+
 def is_ready(pod: Mapping[str, Any]) -> bool:
     """Condition Ready=True and not being deleted."""
     if (pod.get("metadata") or {}).get("deletionTimestamp"):

@@ -12,7 +12,7 @@ import pytest
 from kvfleet.operator.kube import Kube
 from kvfleet.operator.testing import OperatorProcess, flavor_objects, install_crds, wait_for
 
-from local_engines import E2E_ENGINE_MODEL, MODEL_ANNOTATION
+from local_engines import use_test_model
 
 API = "serving.kvfleet.dev/v1alpha1"
 KUEUE = "kueue.x-k8s.io/v1beta2"
@@ -86,9 +86,7 @@ class Tenants:
         self.namespaces.append(name)
         wait_for(f"LocalQueue of tenant {name}",
                  lambda: self.kube.get(KUEUE, "localqueues", name, name), timeout=60)
-        # The engine pods of this tenant run the tiny model (the engine kubelet reads the namespace's annotation).
-        self.kube.merge_patch({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name}},
-                              {"metadata": {"annotations": {MODEL_ANNOTATION: E2E_ENGINE_MODEL}}})
+        use_test_model(self.kube, name)  # its engine pods run the tiny model (the namespace's annotation)
         return name, name
 
     def cleanup(self) -> None:
