@@ -152,3 +152,31 @@ def test_node_cache_roots_come_from_the_environment() -> None:
     off = OperatorConfig.from_env({"KVFLEET_NODE_CACHE_ROOTS": ""})
     with pytest.raises(SpecError, match="file:// sources are off"):
         check_node_path(parse_model_source("file:///data/llm/x"), off.node_cache_roots)
+
+
+def test_pod_outlives_the_engines_drain(op_config: OperatorConfig) -> None:
+    """terminationGracePeriodSeconds = the engine's --shutdown-grace-period + a margin, whatever sets it."""
+    from kvfleet.engine.server.args import SERVE_FLAGS
+    from kvfleet.operator.builders.grace import (
+        DEFAULT_ENGINE_GRACE_SECONDS,
+        TERMINATION_MARGIN_SECONDS,
+        engine_grace_seconds,
+    )
+
+    assert DEFAULT_ENGINE_GRACE_SECONDS == next(f.default for f in SERVE_FLAGS if f.name == "--shutdown-grace-period")
+    cases = [({}, 30), ({"extraArgs": ["--shutdown-grace-period", "120"]}, 120),
+             ({"extraArgs": ["--shutdown-grace-period=7.5"]}, 7.5),
+             ({"env": [{"name": "KVFLEET_SHUTDOWN_GRACE_PERIOD", "value": "45"}]}, 45),
+             ({"extraArgs": ["--shutdown-grace-period", "0"],
+               "env": [{"name": "KVFLEET_SHUTDOWN_GRACE_PERIOD", "value": "45"}]}, 0),
+             ({"extraArgs": ["--shutdown-grace-period", "soon"]}, 30)]
+    for engine, grace in cases:
+        spec = _spec(engine={"tensorParallelSize": 1, **engine})
+        assert engine_grace_seconds(spec.extra_args, spec.env) == grace, engine
+        tpl = build_pod_template("m", spec, op_config)
+        args = tpl["spec"]["containers"][0]["args"]
+        assert args[args.index("--shutdown-grace-period") + 1] == f"{grace:g}"
+        assert tpl["spec"]["terminationGracePeriodSeconds"] == -(-grace // 1) + TERMINATION_MARGIN_SECONDS
+    vllm = build_pod_template("m", _spec(engine={"kind": "vllm"}), op_config)
+    assert "--shutdown-grace-period" not in vllm["spec"]["containers"][0]["args"]
+    assert vllm["spec"]["terminationGracePeriodSeconds"] == 30 + TERMINATION_MARGIN_SECONDS

@@ -6,6 +6,7 @@ from typing import Any, Mapping, Sequence
 from ..config import OperatorConfig
 from ..constants import ENGINE_PORT, GPU_RESOURCE, GPU_TOLERATION
 from ..spec import ModelDeploymentSpec, check_node_path
+from .grace import GRACE_FLAG, engine_grace_seconds, termination_grace_seconds
 from .meta import mdep_labels
 
 API_KEYS_DIR = "/etc/kvfleet/api-keys"
@@ -45,6 +46,8 @@ def build_engine_args(spec: ModelDeploymentSpec, config: OperatorConfig) -> tupl
     if spec.api_key_secret and spec.engine_kind == "kvfleet":
         # kvfleet maps keys to tenants from a file; vllm takes one key from VLLM_API_KEY (see env).
         args += ["--api-keys-file", f"{API_KEYS_DIR}/{spec.api_key_secret_key}"]
+    if spec.engine_kind == "kvfleet":   # explicit: the pod's terminationGracePeriodSeconds is derived from it
+        args += [GRACE_FLAG, f"{engine_grace_seconds(spec.extra_args, spec.env):g}"]
     return command, args + list(spec.extra_args)
 
 
@@ -144,7 +147,7 @@ def build_pod_template(
         "tolerations": tols,
         "automountServiceAccountToken": False,
         "enableServiceLinks": False,
-        "terminationGracePeriodSeconds": 60,
+        "terminationGracePeriodSeconds": termination_grace_seconds(engine_grace_seconds(spec.extra_args, spec.env)),
         "securityContext": {
             "runAsNonRoot": True,
             "runAsUser": config.run_as_user,
