@@ -1,0 +1,43 @@
+"""Fixtures of the gateway tests: a fast upstream process, static configs."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, Iterator
+
+import httpx
+import pytest
+import yaml
+
+from kvfleet.gateway.testing import free_port, wait_until
+
+KEY_A, KEY_B = "team-a-key-0123456789", "team-b-key-0123456789"
+
+
+def write_config(path: Path, tenants: dict[str, Any]) -> Path:
+    path.write_text(yaml.safe_dump({"tenants": tenants}))
+    return path
+
+
+@pytest.fixture
+def fast_upstream() -> Iterator[str]:
+    """A fast OpenAI-shaped server (kvfleet.gateway.testing), as a process; its base URL."""
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "kvfleet.gateway.testing", "upstream", "--port", str(port),  # noqa: S603
+                             "--tokens", "3"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+
+    def up() -> bool:
+        try:
+            return httpx.get(url + "/metrics", timeout=1, trust_env=False).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    try:
+        wait_until("fast upstream", up, timeout=30)
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(10)
