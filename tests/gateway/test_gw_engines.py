@@ -156,7 +156,7 @@ def test_requests_sharing_a_long_prefix_land_on_the_replica_that_has_it(
     for q in ("Where is my order?", "How do I reset my password?", "Can I pay by card?", "Hello?"):
         c.chat.completions.create(model="tiny", messages=[{"role": "system", "content": system},
                                                           {"role": "user", "content": q}], max_tokens=2)
-    served = [e.metric("kvfleet:request_success_total") - n for e, n in zip(engines, count)]
+    served = [e.metric("kvfleet:request_success_total") - n for e, n in zip(engines, count, strict=True)]
     assert sorted(served) == [0, 4]
     home = served.index(4)
     assert engines[home].metric("kvfleet:prefix_cache_hits_total") - hits[home] > 0

@@ -16,7 +16,7 @@ PREFIX = RoutingConfig()
 
 def loads(*values: float, kv: tuple[float | None, ...] = ()) -> list[ReplicaLoad]:
     kvs = list(kv) + [None] * (len(values) - len(kv))
-    return [ReplicaLoad(n, inflight=int(v), kv_usage=k) for n, v, k in zip(NAMES, values, kvs)]
+    return [ReplicaLoad(n, inflight=int(v), kv_usage=k) for n, v, k in zip(NAMES[:len(values)], values, kvs, strict=True)]
 
 
 def test_bound_is_c_times_the_mean_counting_the_new_request() -> None:
