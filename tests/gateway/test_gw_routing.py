@@ -16,7 +16,8 @@ PREFIX = RoutingConfig()
 
 def loads(*values: float, kv: tuple[float | None, ...] = ()) -> list[ReplicaLoad]:
     kvs = list(kv) + [None] * (len(values) - len(kv))
-    return [ReplicaLoad(n, inflight=int(v), kv_usage=k) for n, v, k in zip(NAMES[:len(values)], values, kvs, strict=True)]
+    names = NAMES[:len(values)]
+    return [ReplicaLoad(n, inflight=int(v), kv_usage=k) for n, v, k in zip(names, values, kvs, strict=True)]
 
 
 def test_bound_is_c_times_the_mean_counting_the_new_request() -> None:
