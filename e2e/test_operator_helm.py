@@ -47,11 +47,14 @@ def test_helm_template_renders(cluster: Any, tmp_path: Path) -> None:
     docs = [d for d in yaml.safe_load_all(out) if d]
     kinds = sorted(d["kind"] for d in docs)
     assert kinds == sorted(["ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Deployment", "ResourceFlavor",
-                            "Tenant", "ClusterKopfPeering"]), kinds
-    role = next(d for d in docs if d["kind"] == "ClusterRole")
-    for rule in role["rules"]:
-        assert "*" not in rule["verbs"] and "*" not in rule["resources"] and "*" not in rule["apiGroups"], rule
-    dep = next(d for d in docs if d["kind"] == "Deployment")
+                            "Tenant", "ClusterKopfPeering",
+                            # the gateway's
+                            "ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding",
+                            "Deployment", "Service", "NetworkPolicy"]), kinds
+    for role in (d for d in docs if d["kind"] in ("ClusterRole", "Role")):
+        for rule in role["rules"]:
+            assert "*" not in rule["verbs"] and "*" not in rule["resources"] and "*" not in rule["apiGroups"], rule
+    dep = next(d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"] == "rel-kvfleet-operator")
     c = dep["spec"]["template"]["spec"]["containers"][0]
     assert c["command"] == ["kvfleet", "operator"] and c["securityContext"]["allowPrivilegeEscalation"] is False
     assert dep["spec"]["template"]["spec"]["serviceAccountName"] == "rel-kvfleet"

@@ -53,7 +53,7 @@ def test_snapshot_models_replicas_and_keys() -> None:
                mdep("team-a", "going", deletionTimestamp="2026-01-02T03:04:05Z")],
         pods=[pod("team-a", "chat-1", "chat", "127.0.0.11"), pod("team-a", "chat-2", "chat", "127.0.0.12", ready=False),
               pod("team-a", "chat-3", "chat", "127.0.0.13", deleting=True),
-              pod("team-a", "chat-4", "chat", "127.0.0.14", phase="Pending"),
+              pod("team-a", "chat-4", "chat", "127.0.0.14", phase="Failed"),
               pod("team-b", "coder-1", "coder", "127.0.0.21", port=8001), pod("nobody", "orphan-1", "orphan")],
         secrets=[secret("kvfleet-system", "a-keys", k=KEY), secret("kvfleet-system", "unrelated", k="x" * 20)],
         keys_namespace="kvfleet-system")

@@ -4,7 +4,7 @@
   (`status.namespaces`): a namespace another tenant holds, or a platform namespace, never serves it.
 - A ModelDeployment belongs to the tenant that owns its namespace; its served name is the operator's
   (`kvfleet.operator.spec.served_name`).
-- A replica is a Running, Ready, not terminating pod labelled with its ModelDeployment.
+- A replica is a Ready (its engine's /health answers), not terminating pod labelled with its ModelDeployment.
 - Keys come from the Secrets each Tenant names in `spec.gateway.apiKeySecrets`, in `keys_namespace`.
 """
 

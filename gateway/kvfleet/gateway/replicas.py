@@ -23,7 +23,7 @@ def _ready(pod: Mapping[str, Any]) -> bool:
     if (pod.get("metadata") or {}).get("deletionTimestamp"):
         return False  # terminating: its engine drains, send nothing new
     status = pod.get("status") or {}
-    if status.get("phase") != "Running" or not status.get("podIP"):
+    if status.get("phase") in ("Succeeded", "Failed") or not status.get("podIP"):
         return False
     return any(c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions") or ())
 
