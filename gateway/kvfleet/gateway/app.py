@@ -127,30 +127,30 @@ class GatewayApp:
         return web.json_response(_card(model_id, found.model))
 
     async def generate(self, request: web.Request, snapshot: Snapshot, tenant: str) -> web.StreamResponse:
-        metrics = self.state.metrics
+        series = self.state.metrics.series(tenant)
         limit = self.state.max_request_bytes
         if request.content_length is not None and request.content_length > limit:
-            metrics.errors.labels(tenant, "", "", "request_too_large").inc()
-            metrics.requests.labels(tenant, "", "", "413").inc()
+            series.failed("request_too_large")
+            series.answered(413)
             raise APIError(413, f"Request body of {request.content_length} bytes is over the gateway's limit of "
                                 f"{limit} bytes.", code="request_too_large", headers={"Connection": "close"})
         try:
             raw = await request.read()
         except web.HTTPRequestEntityTooLarge:
-            metrics.errors.labels(tenant, "", "", "request_too_large").inc()
-            metrics.requests.labels(tenant, "", "", "413").inc()
+            series.failed("request_too_large")
+            series.answered(413)
             raise APIError(413, f"Request body is over the gateway's limit of {limit} bytes.",
                            code="request_too_large", headers={"Connection": "close"}) from None
         try:
             req = parse_request(request.path, raw)
         except APIError:
-            metrics.errors.labels(tenant, "", "", "invalid_request").inc()
-            metrics.requests.labels(tenant, "", "", "400").inc()
+            series.failed("invalid_request")
+            series.answered(400)
             raise
         found = snapshot.catalog.resolve(tenant, req.model)
         if found.model is None:
-            metrics.errors.labels(tenant, "", "", "model_not_found").inc()
-            metrics.requests.labels(tenant, "", "", "404").inc()
+            series.failed("model_not_found")
+            series.answered(404)
             raise APIError(404, found.message, "model", "model_not_found")
         model = found.model
         hashes = request_hashes(req.parsed, self.state.prefix) if self.state.use_prefix else ()

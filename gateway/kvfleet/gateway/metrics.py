@@ -26,7 +26,7 @@ in-band error event).
 
 from __future__ import annotations
 
-from typing import Iterable, Mapping
+from typing import Any, Iterable, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 
@@ -69,6 +69,16 @@ class GatewayMetrics:
         self.ready_replicas = Gauge("kvfleet_gateway_ready_replicas", "Replicas the gateway may route to.",
                                     ["namespace", "model"], registry=r)
 
+        self._series: dict[tuple[str, str, str], ModelSeries] = {}
+
+    def series(self, tenant: str, namespace: str = "", model: str = "") -> "ModelSeries":
+        """The children of one (tenant, namespace, model), made once: `labels()` costs a lock and a hash per call."""
+        key = (tenant, namespace, model)
+        found = self._series.get(key)
+        if found is None:
+            found = self._series[key] = ModelSeries(self, key)
+        return found
+
     def set_inventory(self, keys_per_tenant: Mapping[str, int], replicas: Iterable[tuple[str, str, int]]) -> None:
         """Replace the key and replica gauges (after a snapshot change): gone tenants and models vanish."""
         self.api_keys.clear()
@@ -80,3 +90,51 @@ class GatewayMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class ModelSeries:
+    """One tenant's series of one model (namespace and model empty before the model resolved)."""
+
+    def __init__(self, m: GatewayMetrics, key: tuple[str, str, str]) -> None:
+        self._m, self._key = m, key
+        tenant, namespace, model = key
+        self.prompt_tokens = m.prompt_tokens.labels(*key)
+        self.completion_tokens = m.completion_tokens.labels(*key)
+        self.upstream_latency = m.upstream_latency.labels(*key)
+        self.first_byte = m.first_byte.labels(*key)
+        self.inflight = m.inflight.labels(namespace, model)
+        self._codes: dict[str, Any] = {}
+        self._errors: dict[str, Any] = {}
+        self._rules: dict[str, Any] = {}
+        self._retries: dict[str, Any] = {}
+
+    def answered(self, status: int) -> None:
+        code = str(status)
+        child = self._codes.get(code)
+        if child is None:
+            child = self._codes[code] = self._m.requests.labels(*self._key, code)
+        child.inc()
+
+    def failed(self, reason: str) -> None:
+        child = self._errors.get(reason)
+        if child is None:
+            child = self._errors[reason] = self._m.errors.labels(*self._key, reason)
+        child.inc()
+
+    def routed(self, rule: str) -> None:
+        child = self._rules.get(rule)
+        if child is None:
+            child = self._rules[rule] = self._m.routing.labels(self._key[1], self._key[2], rule)
+        child.inc()
+
+    def retried(self, reason: str) -> None:
+        child = self._retries.get(reason)
+        if child is None:
+            child = self._retries[reason] = self._m.retries.labels(self._key[1], self._key[2], reason)
+        child.inc()
+
+    def usage(self, prompt_tokens: int, completion_tokens: int) -> None:
+        if prompt_tokens:
+            self.prompt_tokens.inc(prompt_tokens)
+        if completion_tokens:
+            self.completion_tokens.inc(completion_tokens)

@@ -27,7 +27,7 @@ from kvfleet.engine.server.error_shapes import error_body
 from kvfleet.gateway.catalog import ModelRef
 from kvfleet.gateway.dispatch import Dispatcher, Lease, NoReplica, RouteRequest
 from kvfleet.gateway.load import LoadBoard
-from kvfleet.gateway.metrics import GatewayMetrics
+from kvfleet.gateway.metrics import GatewayMetrics, ModelSeries
 from kvfleet.gateway.requests import ClientRequest
 from kvfleet.gateway.snapshot import Snapshot
 from kvfleet.gateway.sse import StreamTap, Usage
@@ -92,7 +92,7 @@ class Proxy:
 
     async def forward(self, request: web.Request, snapshot: Snapshot, tenant: str, model: ModelRef,
                       req: ClientRequest, body: bytes, hashes: tuple[int, ...]) -> web.StreamResponse:
-        labels = (tenant, model.namespace, model.served_name)
+        series = self.metrics.series(tenant, model.namespace, model.served_name)
         tried: set[str] = set()
         failed: _Failed | None = None
         for attempt in range(1 + self.cfg.retries):
@@ -100,19 +100,18 @@ class Proxy:
                 lease = await self.dispatcher.acquire(snapshot, RouteRequest(tenant, model, hashes, frozenset(tried)))
             except NoReplica as exc:
                 if failed is None:
-                    self.metrics.errors.labels(*labels, "no_replica").inc()
-                    self.metrics.requests.labels(*labels, "503").inc()
+                    series.failed("no_replica")
+                    series.answered(503)
                     return json_error(503, str(exc), "no_replica", "model", {"Retry-After": "5"})
                 break
             if attempt:
-                self.metrics.retries.labels(model.namespace, model.served_name, failed.code if failed else "").inc()
-            self.metrics.routing.labels(model.namespace, model.served_name, lease.choice.rule).inc()
-            inflight = self.metrics.inflight.labels(model.namespace, model.served_name)
-            inflight.inc()
+                series.retried(failed.code if failed else "")
+            series.routed(lease.choice.rule)
+            series.inflight.inc()
             try:
-                outcome = await self._attempt(request, lease, req, body, labels)
+                outcome = await self._attempt(request, lease, req, body, series)
             finally:
-                inflight.dec()
+                series.inflight.dec()
                 lease.release()
             if isinstance(outcome, _Failed):
                 tried.add(lease.replica.name)
@@ -120,14 +119,14 @@ class Proxy:
                 continue
             return outcome
         assert failed is not None
-        self.metrics.requests.labels(*labels, str(failed.status)).inc()
-        self.metrics.errors.labels(*labels, "upstream_unavailable" if failed.body is None else "upstream_error").inc()
+        series.answered(failed.status)
+        series.failed("upstream_unavailable" if failed.body is None else "upstream_error")
         if failed.body is not None:
             return web.Response(status=failed.status, body=failed.body, headers=failed.headers)
         return json_error(failed.status, failed.message, failed.code)
 
     async def _attempt(self, request: web.Request, lease: Lease, req: ClientRequest, body: bytes,
-                       labels: tuple[str, str, str]) -> web.StreamResponse | _Failed:
+                       series: ModelSeries) -> web.StreamResponse | _Failed:
         replica = lease.replica
         assert self.session is not None
         if not self.allow_host(replica.host):  # the dispatcher filters these; never send one anyway
@@ -152,12 +151,12 @@ class Proxy:
                             extra={"replica": replica.name, "error": exc.__class__.__name__})
                 return _Failed(502, f"The replica {replica.name} did not answer ({exc.__class__.__name__}).",
                                "upstream_unavailable")
-            self.metrics.first_byte.labels(*labels).observe(time.perf_counter() - start)
+            series.first_byte.observe(time.perf_counter() - start)
             if streaming:
-                out: web.StreamResponse = await self._stream(request, resp, data, req, replica.name, labels)
+                out: web.StreamResponse = await self._stream(request, resp, data, req, replica.name, series)
             else:
-                out = self._reply(resp, data, labels)
-            self.metrics.upstream_latency.labels(*labels).observe(time.perf_counter() - start)
+                out = self._reply(resp, data, series)
+            series.upstream_latency.observe(time.perf_counter() - start)
             return out
         finally:
             if resp is not None:
@@ -177,22 +176,24 @@ class Proxy:
         headers = {k: resp.headers[k] for k in PASS_HEADERS if k in resp.headers}
         return _Failed(resp.status, f"replica {name} answered {resp.status}", code or "upstream_error", data, headers)
 
-    def _reply(self, resp: aiohttp.ClientResponse, data: bytes, labels: tuple[str, str, str]) -> web.Response:
+    def _reply(self, resp: aiohttp.ClientResponse, data: bytes, series: ModelSeries) -> web.Response:
         headers = {k: resp.headers[k] for k in PASS_HEADERS if k in resp.headers}
         status = resp.status
-        self.metrics.requests.labels(*labels, str(status)).inc()
+        series.answered(status)
         if status == 200:
-            self._count_usage(labels, _usage_of(data))
+            usage = _usage_of(data)
+            if usage is not None:
+                series.usage(usage.prompt_tokens, usage.completion_tokens)
         else:
-            self.metrics.errors.labels(*labels, "invalid_request" if status == 400 else "upstream_error").inc()
+            series.failed("invalid_request" if status == 400 else "upstream_error")
         return web.Response(status=status, body=data, headers=headers)
 
     async def _stream(self, request: web.Request, resp: aiohttp.ClientResponse, first: bytes, req: ClientRequest,
-                      replica: str, labels: tuple[str, str, str]) -> web.StreamResponse:
+                      replica: str, series: ModelSeries) -> web.StreamResponse:
         tap = StreamTap(strip_usage=not req.wants_usage)
         out = web.StreamResponse(status=200, headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                                       "X-Accel-Buffering": "no"})
-        self.metrics.requests.labels(*labels, "200").inc()
+        series.answered(200)
         outcome = "client_disconnected"  # until the loop ends by itself: a client gone raises out of `write`
         try:
             await out.prepare(request)
@@ -218,19 +219,12 @@ class Proxy:
             if outcome == "client_disconnected" and tap.done:
                 outcome = "ok"  # it left after [DONE] (clients close at once): the answer was whole
             if outcome != "ok":
-                self.metrics.errors.labels(*labels, outcome).inc()
+                series.failed(outcome)
             elif tap.error is not None:
-                self.metrics.errors.labels(*labels, "stream_error").inc()
-            self._count_usage(labels, tap.final_usage())
+                series.failed("stream_error")
+            usage = tap.final_usage()
+            series.usage(usage.prompt_tokens, usage.completion_tokens)
         return out
-
-    def _count_usage(self, labels: tuple[str, str, str], usage: Usage | None) -> None:
-        if usage is None:
-            return
-        if usage.prompt_tokens:
-            self.metrics.prompt_tokens.labels(*labels).inc(usage.prompt_tokens)
-        if usage.completion_tokens:
-            self.metrics.completion_tokens.labels(*labels).inc(usage.completion_tokens)
 
 
 def _usage_of(data: bytes) -> Usage | None:
