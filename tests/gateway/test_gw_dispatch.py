@@ -96,3 +96,12 @@ def test_load_is_ours_live_plus_others_at_the_last_scrape() -> None:
     assert board.view("r").load == 3
     board.keep_only([])
     assert board.inflight("r") == 3  # requests still in flight keep it
+
+
+def test_a_request_that_ended_while_the_scrape_was_in_flight_is_no_phantom() -> None:
+    board = LoadBoard()
+    board.started("r")
+    asked_with = board.inflight("r")  # 1 when the scrape is sent; the engine counts it...
+    board.finished("r")  # ...and it ends before the answer is read
+    board.scraped("r", EngineLoad(waiting=0, running=1), asked_with)
+    assert board.view("r").load == 0

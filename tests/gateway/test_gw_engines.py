@@ -15,10 +15,9 @@ import httpx
 import openai
 import pytest
 from conftest import KEY_A, KEY_B, write_config
-from engines import Engine, start_engines
 from openai import OpenAI
 
-from kvfleet.gateway.testing import GatewayProcess, wait_until
+from kvfleet.gateway.testing import Engine, GatewayProcess, start_engines, wait_until
 
 pytestmark = pytest.mark.timeout(300)
 

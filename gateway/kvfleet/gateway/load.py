@@ -53,10 +53,12 @@ class LoadBoard:
         state = self._get(name)
         state.inflight = max(0, state.inflight - 1)
 
-    def scraped(self, name: str, load: EngineLoad) -> None:
+    def scraped(self, name: str, load: EngineLoad, inflight_when_asked: int | None = None) -> None:
+        """`load` read from the engine; `inflight_when_asked`: ours when the scrape was sent. The engine counted
+        its requests in between: of ours, the larger count, so a request that ended meanwhile is no phantom."""
         state = self._get(name)
         state.scraped = load
-        state.inflight_at_scrape = state.inflight
+        state.inflight_at_scrape = max(state.inflight, inflight_when_asked or 0)
         state.ejected_until = 0.0  # it answers again
 
     def scrape_failed(self, name: str) -> None:

@@ -68,6 +68,7 @@ class Scraper:
                 await asyncio.sleep(self.interval)
 
     async def _one(self, session: aiohttp.ClientSession, replica: Replica, kind: str) -> None:
+        ours = self.board.inflight(replica.name)
         try:
             async with session.get(replica.url + "/metrics") as resp:
                 text = await resp.text() if resp.status == 200 else ""
@@ -77,4 +78,4 @@ class Scraper:
         if load is None:
             self.board.scrape_failed(replica.name)
         else:
-            self.board.scraped(replica.name, load)
+            self.board.scraped(replica.name, load, ours)

@@ -2,6 +2,7 @@
 
 - `GatewayProcess`: `kvfleet gateway` as a subprocess on loopback ports (static config or a kubeconfig),
   with `KVFLEET_LOOPBACK_ONLY=1`, its log in a file, and its /metrics read back.
+- `start_engines`: real `kvfleet serve` processes (CPU) on loopback ports, returned once healthy.
 - `fast_upstream`: `python -m kvfleet.gateway.testing upstream --port N`, a minimal OpenAI-shaped server
   that answers at once (a canned completion, or a stream of `--tokens` events): the "fast upstream" the
   gateway's own overhead is measured against. It is a benchmark fixture, not an engine.
@@ -17,6 +18,7 @@ import socket
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
@@ -111,6 +113,62 @@ class GatewayProcess:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+# -- real engines -----------------------------------------------------------------------------------------------
+
+@dataclass
+class Engine:
+    proc: subprocess.Popen[bytes]
+    url: str
+    log: Path
+
+    def healthy(self) -> bool:
+        if self.proc.poll() is not None:
+            raise RuntimeError(f"kvfleet serve exited ({self.proc.returncode}):\n{self.log.read_text()[-3000:]}")
+        try:
+            return httpx.get(self.url + "/health", timeout=2, trust_env=False).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def metric(self, name: str, **labels: str) -> float:
+        return metric_sum(httpx.get(self.url + "/metrics", timeout=5, trust_env=False).text, name, **labels)
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+
+def start_engines(model: Path, logs: Path, n: int, *extra: str, served: str = "tiny") -> list[Engine]:
+    """`n` engines started at once, returned when all are healthy."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
+    engines = []
+    for _ in range(n):
+        port = free_port()
+        log = logs / f"engine-{port}.log"
+        with log.open("wb") as fh:
+            proc = subprocess.Popen([sys.executable, "-m", "kvfleet.engine.cli", "serve", str(model),  # noqa: S603
+                                     "--host", "127.0.0.1", "--port", str(port), "--device", "cpu",
+                                     "--served-model-name", served, "--log-level", "warning",
+                                     "--disable-log-requests", *extra], stdout=fh, stderr=subprocess.STDOUT, env=env)
+        engines.append(Engine(proc, f"http://127.0.0.1:{port}", log))
+    try:
+        for engine in engines:
+            wait_until(f"engine {engine.url} healthy", engine.healthy, timeout=180, interval=0.3)
+    except BaseException:
+        for engine in engines:
+            engine.kill()
+        raise
+    return engines
 
 
 # -- the fast upstream ------------------------------------------------------------------------------------------
