@@ -5,8 +5,8 @@ characters each), `--per-group` requests per prefix, each the prefix plus its ow
 random order by `kvfleet bench serve` (streaming, `--max-concurrency` in flight) through the gateway to
 `--replicas` real `kvfleet serve` engines (CPU).
 
-The engines' KV caches are sized (`--kv-blocks`) to hold about half of the prefixes each: together they
-hold all of them. That is the case prefix routing exists for (more shared prefixes than one replica's
+The engines' KV caches are sized (`--kv-blocks`) to hold about 40 % of the prefixes each (24 prefixes of
+~63 blocks, 600 blocks per engine): together they hold all of them. That is the case prefix routing exists for (more shared prefixes than one replica's
 cache, as with many applications' system prompts or RAG documents): round-robin sends every prefix to
 every replica and each cache thrashes, the prefix router keeps each prefix on one replica (spilling when
 it is hot). With caches big enough to hold every prefix everywhere, round-robin loses only each
@@ -105,13 +105,13 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--label", default="local")
     parser.add_argument("--model", default="tiny", help="tiny (a tiny random-weight llama) or a model path")
-    parser.add_argument("--replicas", type=int, default=3)
-    parser.add_argument("--groups", type=int, default=12)
-    parser.add_argument("--per-group", type=int, default=10)
+    parser.add_argument("--replicas", type=int, default=4)
+    parser.add_argument("--groups", type=int, default=24)
+    parser.add_argument("--per-group", type=int, default=8)
     parser.add_argument("--prefix-chars", type=int, default=2400, help="~1000 tokens with the tiny tokenizer")
     parser.add_argument("--output-len", type=int, default=8)
-    parser.add_argument("--concurrency", type=int, default=6)
-    parser.add_argument("--kv-blocks", type=int, default=480, help="KV blocks (16 tokens) per engine")
+    parser.add_argument("--concurrency", type=int, default=8)
+    parser.add_argument("--kv-blocks", type=int, default=600, help="KV blocks (16 tokens) per engine")
     parser.add_argument("--max-num-seqs", type=int, default=4)
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--repeats", type=int, default=1, help="round-robin/prefix pairs, alternating")
