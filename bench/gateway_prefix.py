@@ -5,12 +5,12 @@ characters each), `--per-group` requests per prefix, each the prefix plus its ow
 random order by `kvfleet bench serve` (streaming, `--max-concurrency` in flight) through the gateway to
 `--replicas` real `kvfleet serve` engines (CPU).
 
-The engines' KV caches are sized (`--kv-blocks`) to hold about 40 % of the prefixes each (24 prefixes of
-~63 blocks, 600 blocks per engine): together they hold all of them. That is the case prefix routing exists for (more shared prefixes than one replica's
-cache, as with many applications' system prompts or RAG documents): round-robin sends every prefix to
-every replica and each cache thrashes, the prefix router keeps each prefix on one replica (spilling when
-it is hot). With caches big enough to hold every prefix everywhere, round-robin loses only each
-prefix's first request per replica.
+The engines' KV caches are sized (`--kv-blocks`) to hold about 40 % of the prefixes each (24 prefixes of ~63
+blocks, 600 blocks per engine): together they hold all of them. That is the case prefix routing exists for
+(more shared prefixes than one replica's cache, as with many applications' system prompts or RAG documents):
+round-robin sends every prefix to every replica and each cache thrashes, the prefix router keeps each prefix
+on one replica (spilling when it is hot). With caches big enough to hold every prefix everywhere, round-robin
+loses only each prefix's first request per replica.
 
 Each phase starts fresh engines (empty caches) and a gateway with `--routing round-robin` or `prefix`;
 hit rate = prefix-cache hit tokens / looked-up prompt tokens, summed over the engines' /metrics deltas.
@@ -60,7 +60,8 @@ def workload(groups: int, per_group: int, prefix_chars: int, seed: int, output_l
 
 
 def cache_counters(engines: list[Engine]) -> list[dict[str, float]]:
-    return [{"hits": e.metric("kvfleet:prefix_cache_hits_total"), "queries": e.metric("kvfleet:prefix_cache_queries_total"),
+    return [{"hits": e.metric("kvfleet:prefix_cache_hits_total"),
+             "queries": e.metric("kvfleet:prefix_cache_queries_total"),
              "requests": e.metric("kvfleet:request_success_total")} for e in engines]
 
 

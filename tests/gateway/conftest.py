@@ -1,24 +1,15 @@
-"""Fixtures of the gateway tests: a fast upstream process, static configs."""
+"""Fixtures of the gateway tests: a fast upstream process."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
-from pathlib import Path
-from typing import Any, Iterator
+from typing import Iterator
 
 import httpx
 import pytest
-import yaml
 
 from kvfleet.gateway.testing import free_port, wait_until
-
-KEY_A, KEY_B = "team-a-key-0123456789", "team-b-key-0123456789"
-
-
-def write_config(path: Path, tenants: dict[str, Any]) -> Path:
-    path.write_text(yaml.safe_dump({"tenants": tenants}))
-    return path
 
 
 @pytest.fixture

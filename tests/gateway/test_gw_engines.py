@@ -14,10 +14,11 @@ from typing import Any, Iterator
 import httpx
 import openai
 import pytest
-from conftest import KEY_A, KEY_B, write_config
 from openai import OpenAI
 
 from kvfleet.gateway.testing import Engine, GatewayProcess, start_engines, wait_until
+
+from gw_helpers import KEY_A, KEY_B, write_config
 
 pytestmark = pytest.mark.timeout(300)
 

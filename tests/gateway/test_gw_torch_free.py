@@ -7,9 +7,10 @@ import sys
 from pathlib import Path
 
 import httpx
-from conftest import KEY_A, write_config
 
 from kvfleet.gateway.testing import GatewayProcess
+
+from gw_helpers import KEY_A, write_config
 
 BLOCK = ("import sys\n"
          "class Block:\n"
