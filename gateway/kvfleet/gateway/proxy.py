@@ -8,7 +8,7 @@
   request and frees its KV blocks.
 - A replica dying mid-stream ends the client's stream with an error event and `[DONE]`, not a hang; a
   replica silent for `read_timeout` counts as dead.
-- The client's API key never goes upstream.
+- The client's API key never goes upstream; the answer says which replica served it (`X-Kvfleet-Replica`).
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ log = logging.getLogger("kvfleet.gateway")
 RETRY_STATUSES = (500, 502, 503, 504)
 UPSTREAM_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError, OSError)
 PASS_HEADERS = ("Content-Type", "Retry-After", "X-Request-Id")
+REPLICA_HEADER = "X-Kvfleet-Replica"  # which replica answered (`namespace/pod`): the tenant's own pod, for debugging
 
 
 @dataclass(frozen=True)
@@ -155,7 +156,7 @@ class Proxy:
             if streaming:
                 out: web.StreamResponse = await self._stream(request, resp, data, req, replica.name, series)
             else:
-                out = self._reply(resp, data, series)
+                out = self._reply(resp, data, replica.name, series)
             series.upstream_latency.observe(time.perf_counter() - start)
             return out
         finally:
@@ -176,8 +177,9 @@ class Proxy:
         headers = {k: resp.headers[k] for k in PASS_HEADERS if k in resp.headers}
         return _Failed(resp.status, f"replica {name} answered {resp.status}", code or "upstream_error", data, headers)
 
-    def _reply(self, resp: aiohttp.ClientResponse, data: bytes, series: ModelSeries) -> web.Response:
+    def _reply(self, resp: aiohttp.ClientResponse, data: bytes, replica: str, series: ModelSeries) -> web.Response:
         headers = {k: resp.headers[k] for k in PASS_HEADERS if k in resp.headers}
+        headers[REPLICA_HEADER] = replica
         status = resp.status
         series.answered(status)
         if status == 200:
@@ -192,7 +194,7 @@ class Proxy:
                       replica: str, series: ModelSeries) -> web.StreamResponse:
         tap = StreamTap(strip_usage=not req.wants_usage)
         out = web.StreamResponse(status=200, headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-                                                      "X-Accel-Buffering": "no"})
+                                                      "X-Accel-Buffering": "no", REPLICA_HEADER: replica})
         series.answered(200)
         outcome = "client_disconnected"  # until the loop ends by itself: a client gone raises out of `write`
         try:
