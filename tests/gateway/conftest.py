@@ -12,12 +12,10 @@ import pytest
 from kvfleet.gateway.testing import free_port, wait_until
 
 
-@pytest.fixture
-def fast_upstream() -> Iterator[str]:
-    """A fast OpenAI-shaped server (kvfleet.gateway.testing), as a process; its base URL."""
+def _upstream(*extra: str) -> Iterator[str]:
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "kvfleet.gateway.testing", "upstream", "--port", str(port),  # noqa: S603
-                             "--tokens", "3"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                             "--tokens", "3", *extra], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
 
     def up() -> bool:
@@ -32,3 +30,15 @@ def fast_upstream() -> Iterator[str]:
     finally:
         proc.terminate()
         proc.wait(10)
+
+
+@pytest.fixture
+def fast_upstream() -> Iterator[str]:
+    """A fast OpenAI-shaped server (kvfleet.gateway.testing), as a process; its base URL."""
+    yield from _upstream()
+
+
+@pytest.fixture
+def locked_upstream() -> Iterator[str]:
+    """The same, wanting its own API key (as an engine of a ModelDeployment with apiKeySecretRef)."""
+    yield from _upstream("--api-key", "engine-own-key-0123456789")

@@ -39,3 +39,12 @@ def test_gateway_serves_with_torch_unimportable(tmp_path: Path, fast_upstream: s
             events = [line for line in resp.iter_lines() if line.startswith("data:")]
         assert len(events) == 4 and events[-1] == "data: [DONE]"  # 3 tokens; the usage chunk it added is dropped
     assert "is not importable here" not in gw.log_tail(200)
+
+
+def test_an_engine_wanting_its_own_key_is_a_502_not_the_clients_401(tmp_path: Path, locked_upstream: str) -> None:
+    config = write_config(tmp_path / "gw.yaml", {"team-a": {"keys": [KEY_A], "models": {
+        "locked": {"replicas": [locked_upstream]}}}})
+    with GatewayProcess(tmp_path / "gw.log", config=config) as gw:
+        resp = httpx.post(gw.url + "/v1/completions", headers={"Authorization": f"Bearer {KEY_A}"},
+                          json={"model": "locked", "prompt": "x"})
+    assert resp.status_code == 502 and resp.json()["error"]["code"] == "upstream_auth_required"

@@ -181,6 +181,12 @@ class Proxy:
         headers = {k: resp.headers[k] for k in PASS_HEADERS if k in resp.headers}
         headers[REPLICA_HEADER] = replica
         status = resp.status
+        if status in (401, 403):  # the engine wants its own key (apiKeySecretRef): not the client's fault
+            series.answered(502)
+            series.failed("upstream_error")
+            return json_error(502, f"The replica {replica} refused the gateway: its ModelDeployment sets "
+                                   "spec.apiKeySecretRef, and the gateway does not send engines' keys.",
+                              "upstream_auth_required")
         series.answered(status)
         if status == 200:
             usage = _usage_of(data)

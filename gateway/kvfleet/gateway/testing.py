@@ -179,10 +179,13 @@ def _completion(model: str, text: str) -> dict[str, Any]:
             "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}}
 
 
-def fast_upstream_app(tokens: int = 1) -> Any:
+def fast_upstream_app(tokens: int = 1, api_key: str | None = None) -> Any:
     from aiohttp import web
 
     async def completions(request: web.Request) -> web.StreamResponse:
+        if api_key is not None and request.headers.get("Authorization") != f"Bearer {api_key}":
+            return web.json_response({"error": {"message": "Missing or invalid API key", "type": "authentication_error",
+                                                "param": None, "code": "invalid_api_key"}}, status=401)
         body = await request.json()
         model = str(body.get("model", "m"))
         if not body.get("stream"):
@@ -217,10 +220,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     up = sub.add_parser("upstream", help="a fast OpenAI-shaped upstream (benchmark fixture)")
     up.add_argument("--port", type=int, required=True)
     up.add_argument("--tokens", type=int, default=1, help="events per streamed answer")
+    up.add_argument("--api-key", help="answer 401 to requests without this key (as an engine with its own key)")
     args = parser.parse_args(argv)
     from aiohttp import web
 
-    web.run_app(fast_upstream_app(args.tokens), host="127.0.0.1", port=args.port, print=None, access_log=None)
+    web.run_app(fast_upstream_app(args.tokens, args.api_key), host="127.0.0.1", port=args.port, print=None,
+                access_log=None)
     return 0
 
 
