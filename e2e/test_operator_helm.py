@@ -2,7 +2,6 @@
 cluster; the operator (a local process) turns the chart's `tenants:` into ClusterQueues."""
 from __future__ import annotations
 
-import subprocess
 import uuid
 from pathlib import Path
 from typing import Any, Callable
@@ -13,17 +12,9 @@ import yaml
 from kvfleet.operator.kube import Kube
 from kvfleet.operator.testing import REPO, OperatorProcess, wait_for
 
-from operator_fixtures import API, KUEUE
+from operator_fixtures import API, KUEUE, helm, service_account_kubeconfig
 
 CHART = REPO / "charts" / "kvfleet"
-
-
-def helm(cluster: Any, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-    proc = subprocess.run([str(cluster.binary("helm")), f"--kubeconfig={cluster.kubeconfig}", *args],  # noqa: S603
-                          capture_output=True, text=True, check=False, timeout=120)
-    if check and proc.returncode != 0:
-        raise AssertionError(f"helm {' '.join(args)}: {proc.stderr}")
-    return proc
 
 
 def values(sfx: str) -> dict[str, Any]:
@@ -68,19 +59,6 @@ def test_helm_template_renders(cluster: Any, tmp_path: Path) -> None:
     assert tenant["spec"]["quotas"][0]["nominal"] == 4 and tenant["spec"]["cohort"] == "c"
     for d in docs:
         assert d["metadata"]["labels"]["app.kubernetes.io/instance"] == "rel"
-
-
-def service_account_kubeconfig(cluster: Any, kubectl: Callable[..., Any], sa: str, ns: str, path: Path) -> str:
-    """A kubeconfig that authenticates as the chart's ServiceAccount (a TokenRequest token)."""
-    token = kubectl("create", "token", sa, "--namespace", ns, "--duration=1h").stdout.strip()
-    admin = yaml.safe_load(Path(cluster.kubeconfig).read_text())
-    path.write_text(yaml.safe_dump({
-        "apiVersion": "v1", "kind": "Config", "current-context": "sa",
-        "clusters": [{"name": "local", "cluster": admin["clusters"][0]["cluster"]}],
-        "users": [{"name": "sa", "user": {"token": token}}],
-        "contexts": [{"name": "sa", "context": {"cluster": "local", "user": "sa"}}],
-    }))
-    return str(path)
 
 
 def test_helm_install_on_the_cluster(cluster: Any, kube: Kube, crds: None, kubectl: Callable[..., Any],
