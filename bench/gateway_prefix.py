@@ -105,7 +105,8 @@ def run_phase(policy: str, model: str, args: argparse.Namespace, wl: Path, tmp: 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--label", default="local")
-    parser.add_argument("--model", default="tiny", help="tiny (a tiny random-weight llama) or a model path")
+    parser.add_argument("--model", default="tiny",
+                        help="tiny (a tiny random-weight llama), embedded (SmolLM2-135M-Instruct) or a model path")
     parser.add_argument("--replicas", type=int, default=4)
     parser.add_argument("--groups", type=int, default=24)
     parser.add_argument("--per-group", type=int, default=8)
@@ -125,6 +126,10 @@ def main() -> int:
         from kvfleet.engine.testing import make_tiny_model
 
         model = str(make_tiny_model("llama", tmp / "models", max_position_embeddings=args.max_model_len))
+    elif model == "embedded":
+        from kvfleet.engine.tokenizer import find_default_model
+
+        model = str(find_default_model())
     wl = tmp / "workload.jsonl"
     requests = workload(args.groups, args.per_group, args.prefix_chars, args.seed, args.output_len)
     wl.write_text("".join(json.dumps(r) + "\n" for r in requests))

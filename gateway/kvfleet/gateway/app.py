@@ -104,6 +104,9 @@ class GatewayApp:
                 return await handler(request, snapshot, tenant)
             except APIError as err:
                 return _api_error(err)
+            except Exception:  # our bug: never a traceback to the client (a cancelled handler is no Exception)
+                log.exception("internal error", extra={"path": request.path})
+                return json_error(500, "Internal server error", "internal_error")
 
         return gate
 

@@ -146,6 +146,9 @@ class Proxy:
                 data = await (resp.content.readany() if streaming else resp.read())
                 if streaming and not data:
                     raise aiohttp.ServerDisconnectedError("closed before the first byte")
+            except asyncio.CancelledError:  # the client left while the replica worked: closing aborts it there
+                series.failed("client_disconnected")
+                raise
             except UPSTREAM_ERRORS as exc:
                 self.board.eject(replica.name)
                 log.warning("replica failed before the first byte",
