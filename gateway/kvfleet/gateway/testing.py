@@ -70,12 +70,13 @@ class GatewayProcess:
         self.env = {**os.environ, "KVFLEET_LOOPBACK_ONLY": "1", **(env or {})}
         self.proc: subprocess.Popen[bytes] | None = None
 
-    def start(self, timeout: float = 60.0) -> "GatewayProcess":
+    def start(self, timeout: float = 60.0, wait: bool = True) -> "GatewayProcess":
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with self.log_path.open("ab") as log:
             self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, env=self.env,  # noqa: S603
                                          cwd=str(REPO), start_new_session=True)
-        wait_until("gateway ready", self.ready, timeout)
+        if wait:
+            wait_until("gateway ready", self.ready, timeout)
         return self
 
     def ready(self) -> bool:
