@@ -85,3 +85,9 @@ def test_the_gateway_runs_as_the_charts_service_account(cluster: Any, kube: Kube
     finally:
         helm(cluster, "uninstall", release, "--namespace", ns, "--wait", "--timeout", "60s", check=False)
         kube.delete("v1", "namespaces", ns)
+
+
+def test_kubectl_explain_describes_the_tenants_gateway_keys(crds: None, kubectl: Callable[..., Any]) -> None:
+    out = wait_for("the Tenant schema published", lambda: (p := kubectl(
+        "explain", "tenants.spec.gateway.apiKeySecrets", check=False)).returncode == 0 and p.stdout, timeout=30)
+    assert "Authorization: Bearer" in out and "name" in out and "gateway's key namespace" in out
