@@ -69,7 +69,8 @@ def run_phase(policy: str, model: str, args: argparse.Namespace, wl: Path, tmp: 
     logs = tmp / policy
     logs.mkdir(parents=True, exist_ok=True)
     engines = start_engines(Path(model), logs, args.replicas, "--max-model-len", str(args.max_model_len),
-                            "--num-gpu-blocks-override", str(args.kv_blocks), "--max-num-seqs", str(args.max_num_seqs))
+                            "--num-gpu-blocks-override", str(args.kv_blocks), "--max-num-seqs", str(args.max_num_seqs),
+                            timeout=900)
     config = tmp / f"{policy}.yaml"
     config.write_text(yaml.safe_dump({"tenants": {"bench": {"keys": [KEY], "models": {"tiny": {
         "replicas": [e.url for e in engines]}}}}}))

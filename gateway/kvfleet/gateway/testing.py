@@ -149,7 +149,8 @@ class Engine:
                 self.kill()
 
 
-def start_engines(model: Path, logs: Path, n: int, *extra: str, served: str = "tiny") -> list[Engine]:
+def start_engines(model: Path, logs: Path, n: int, *extra: str, served: str = "tiny",
+                  timeout: float = 180.0) -> list[Engine]:
     """`n` engines started at once, returned when all are healthy."""
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
     engines = []
@@ -164,7 +165,7 @@ def start_engines(model: Path, logs: Path, n: int, *extra: str, served: str = "t
         engines.append(Engine(proc, f"http://127.0.0.1:{port}", log))
     try:
         for engine in engines:
-            wait_until(f"engine {engine.url} healthy", engine.healthy, timeout=180, interval=0.3)
+            wait_until(f"engine {engine.url} healthy", engine.healthy, timeout=timeout, interval=0.3)
     except BaseException:
         for engine in engines:
             engine.kill()
