@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import base64
-import time
 from collections.abc import Callable
 
 import yaml
@@ -33,23 +32,7 @@ def install_api(layout: Layout, kubectl: Kubectl) -> None:
     # Server-side: the Workload CRD is too large for the last-applied annotation of client-side apply.
     kubectl(layout, "apply", "--server-side", "--field-manager=kvfleet-cluster", "-f", "-",
             stdin=yaml.safe_dump_all(crds + bootstrap, sort_keys=False))  # fmt: skip
-    wait_established(layout, kubectl)
-
-
-def wait_established(layout: Layout, kubectl: Kubectl, timeout: float = 60.0) -> None:
-    """`kubectl wait` fails at once (not waits) on a CRD whose status has no conditions yet, which a busy
-    apiserver leaves for a moment after the apply: wait until every CRD has some, then for Established."""
-    deadline = time.monotonic() + timeout
-    jsonpath = "{range .items[*]}{.metadata.name}={.status.conditions[*].type}{'\\n'}{end}"
-    while True:
-        rows = kubectl(layout, "get", "crd", "-o", f"jsonpath={jsonpath}").splitlines()
-        if rows and all(row.partition("=")[2] for row in rows):
-            break
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"CRDs without status conditions after {timeout:.0f} s: "
-                               f"{[r for r in rows if not r.partition('=')[2]]}")
-        time.sleep(0.5)
-    kubectl(layout, "wait", "--for=condition=Established", f"--timeout={int(timeout)}s", "crd", "--all")
+    kubectl(layout, "wait", "--for=condition=Established", "--timeout=60s", "crd", "--all")
 
 
 def check_kept_our_certificate(layout: Layout, kubectl: Kubectl) -> None:
