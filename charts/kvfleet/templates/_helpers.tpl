@@ -50,3 +50,8 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- define "kvfleet.operatorImage" -}}
 {{- printf "%s:%s" .Values.operator.image.repository (default .Chart.AppVersion .Values.operator.image.tag) }}
 {{- end }}
+
+{{/* Gateway image (the control-plane image, as the operator's, unless set). */}}
+{{- define "kvfleet.gatewayImage" -}}
+{{- printf "%s:%s" (default .Values.operator.image.repository .Values.gateway.image.repository) (default .Chart.AppVersion .Values.gateway.image.tag) }}
+{{- end }}

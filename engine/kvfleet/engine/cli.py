@@ -1,7 +1,7 @@
-"""`kvfleet` command line: `serve`, `bench serve|throughput`, `operator`.
+"""`kvfleet` command line: `serve`, `bench serve|throughput`, `operator`, `gateway`.
 
 Everything heavy (torch, FastAPI, kopf) is imported only once a subcommand runs, so
-`kvfleet --help` answers at once. `bench throughput` and `operator` belong to other
+`kvfleet --help` answers at once. `bench throughput`, `operator` and `gateway` belong to other
 parts of the project; their arguments are handed over untouched.
 """
 
@@ -16,6 +16,7 @@ from typing import Callable, Sequence
 
 _PASSTHROUGH = {
     ("operator",): ("kvfleet.operator", "main"),
+    ("gateway",): ("kvfleet.gateway.main", "main"),
     ("bench", "throughput"): ("kvfleet.engine.bench.throughput", "main"),
 }
 
@@ -48,6 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench_sub.add_parser("throughput", help="offline throughput of the engine (arguments: see its --help)",
                          add_help=False)
     sub.add_parser("operator", help="run the Kubernetes operator (arguments: see its --help)", add_help=False)
+    sub.add_parser("gateway", help="run the tenant-aware OpenAI-compatible gateway (arguments: see its --help)",
+                   add_help=False)
     return parser
 
 

@@ -113,6 +113,11 @@ def _quantity(value: Any, field_name: str, positive: bool = False) -> str:
     return text
 
 
+def served_name(model: Mapping[str, Any]) -> str:
+    """The `model` clients send: `spec.model.servedName`, else the source's base name (shared with the gateway)."""
+    return str(model.get("servedName") or str(model.get("source", "")).rstrip("/").rsplit("/", 1)[-1])
+
+
 def parse_model_deployment(spec: Mapping[str, Any]) -> ModelDeploymentSpec:
     """Parse `ModelDeployment.spec` (a plain dict) into a typed spec; raises SpecError."""
     model = spec.get("model") or {}
@@ -141,7 +146,7 @@ def parse_model_deployment(spec: Mapping[str, Any]) -> ModelDeploymentSpec:
     if flavor is not None and not _DNS_LABEL.match(str(flavor)):
         raise SpecError("spec.resources.gpuFlavor", f"{flavor!r} is not a valid ResourceFlavor name")
     key_ref = spec.get("apiKeySecretRef") or {}
-    served = model.get("servedName") or source.uri.rstrip("/").rsplit("/", 1)[-1]
+    served = served_name(model)
     max_len = engine.get("maxModelLen")
     max_seqs = engine.get("maxNumSeqs")
     return ModelDeploymentSpec(
@@ -232,3 +237,9 @@ def parse_tenant(spec: Mapping[str, Any]) -> TenantSpec:
         reclaim_within_cohort=preemption.get("reclaimWithinCohort", "Never"),
         within_cluster_queue=preemption.get("withinClusterQueue", "Never"),
     )
+
+
+def tenant_key_secrets(spec: Mapping[str, Any]) -> tuple[str, ...]:
+    """Names of the Secrets holding the tenant's gateway API keys (`spec.gateway.apiKeySecrets[].name`)."""
+    refs = (spec.get("gateway") or {}).get("apiKeySecrets") or ()
+    return tuple(str(r["name"]) for r in refs if isinstance(r, Mapping) and r.get("name"))
