@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import time
 from collections.abc import Callable
 
 import yaml
@@ -32,7 +33,20 @@ def install_api(layout: Layout, kubectl: Kubectl) -> None:
     # Server-side: the Workload CRD is too large for the last-applied annotation of client-side apply.
     kubectl(layout, "apply", "--server-side", "--field-manager=kvfleet-cluster", "-f", "-",
             stdin=yaml.safe_dump_all(crds + bootstrap, sort_keys=False))  # fmt: skip
-    kubectl(layout, "wait", "--for=condition=Established", "--timeout=60s", "crd", "--all")
+    _wait_established(layout, kubectl, deadline=time.monotonic() + 90)
+
+
+def _wait_established(layout: Layout, kubectl: Kubectl, deadline: float) -> None:
+    """`kubectl wait` refuses a CRD whose status has no conditions yet (".status.conditions accessor error"),
+    which a busy apiserver shows for a moment after the apply: ask again until the deadline."""
+    while True:
+        try:
+            kubectl(layout, "wait", "--for=condition=Established", "--timeout=30s", "crd", "--all")
+            return
+        except RuntimeError as exc:
+            if "accessor error" not in str(exc) or time.monotonic() > deadline:
+                raise
+            time.sleep(1)
 
 
 def check_kept_our_certificate(layout: Layout, kubectl: Kubectl) -> None:
