@@ -19,14 +19,15 @@ from typing import Any, Callable
 import httpx
 import pytest
 import yaml
-from chart_fixtures import helm, render
-from operator_fixtures import API, KUEUE, crds, kube  # noqa: F401
 
 from kvfleet.operator.builders import build_pod_template
 from kvfleet.operator.config import OperatorConfig
 from kvfleet.operator.kube import Kube
 from kvfleet.operator.spec import parse_model_deployment
 from kvfleet.operator.testing import REPO, free_port, wait_for
+
+from chart_fixtures import helm, render
+from operator_fixtures import API, KUEUE
 
 sys.path.insert(0, str(REPO / "images"))
 
@@ -159,7 +160,7 @@ def test_control_plane_image_is_small_torch_free_and_answers_operator_help(contr
 
 
 def test_control_plane_image_runs_the_charts_operator_with_its_service_account(
-        control_plane_image: str, cluster: Any, kube: Kube, crds: None, kubectl: Callable[..., Any],  # noqa: F811
+        control_plane_image: str, cluster: Any, kube: Kube, crds: None, kubectl: Callable[..., Any],
         tmp_path: Path) -> None:
     """Install the chart, then run the chart's own operator container in the image as its pod would run: in-cluster
     configuration from the ServiceAccount's token, read-only root, /tmp on an emptyDir. It must answer its health

@@ -11,12 +11,12 @@ from typing import Any, Callable
 
 import pytest
 import yaml
-from chart_fixtures import CHART, helm, pod_templates, render
-from operator_fixtures import (API, crds, engine_pods, flavors, kube, mdep_status, model_deployment,  # noqa: F401
-                               operator, suffix, tenants)
 
 from kvfleet.operator.kube import Kube
 from kvfleet.operator.testing import condition, wait_for
+
+from chart_fixtures import CHART, helm, pod_templates, render
+from operator_fixtures import API, engine_pods, mdep_status, model_deployment
 
 PSS = "pod-security.kubernetes.io/"
 VIOLATION = 'violates PodSecurity "restricted:latest"'
@@ -56,7 +56,7 @@ def chart_values(sfx: str) -> dict[str, Any]:
                          "quotas": [{"flavor": f"h200-pss-{sfx}", "nominal": 2, "borrowingLimit": 1}]}]}
 
 
-def test_chart_manifests_are_accepted_and_its_pods_are_restricted(cluster: Any, kube: Kube, crds: None,  # noqa: F811
+def test_chart_manifests_are_accepted_and_its_pods_are_restricted(cluster: Any, kube: Kube, crds: None,
                                                                   kubectl: Callable[..., Any],
                                                                   tmp_path: Path) -> None:
     sfx = uuid.uuid4().hex[:5]
@@ -101,8 +101,8 @@ def privileged_pod(namespace: str) -> dict[str, Any]:
             "spec": {"containers": [{"name": "sh", "image": "busybox", "securityContext": {"privileged": True}}]}}
 
 
-def test_tenant_namespaces_enforce_restricted_and_admit_the_engine_pods(kube: Kube, tenants: Any,  # noqa: F811
-                                                                       flavors: dict[str, str],  # noqa: F811
+def test_tenant_namespaces_enforce_restricted_and_admit_the_engine_pods(kube: Kube, tenants: Any,
+                                                                       flavors: dict[str, str],
                                                                        kubectl: Callable[..., Any]) -> None:
     _, ns = tenants.create("pss", [{"flavor": flavors["h200"], "nominal": 4}])
     labels = kube.get("v1", "namespaces", ns)["metadata"]["labels"]
@@ -130,8 +130,8 @@ def test_tenant_namespaces_enforce_restricted_and_admit_the_engine_pods(kube: Ku
     assert kube.get("v1", "pods", "root-shell", ns) is None
 
 
-def test_file_source_in_a_restricted_tenant_is_a_condition(kube: Kube, tenants: Any,  # noqa: F811
-                                                           flavors: dict[str, str]) -> None:  # noqa: F811
+def test_file_source_in_a_restricted_tenant_is_a_condition(kube: Kube, tenants: Any,
+                                                           flavors: dict[str, str]) -> None:
     """A hostPath (file://) engine pod would never be admitted under restricted: a Condition says so instead."""
     _, ns = tenants.create("pss-file", [{"flavor": flavors["h200"], "nominal": 2}])
     body = model_deployment("local", ns, flavors["h200"])
@@ -145,7 +145,7 @@ def test_file_source_in_a_restricted_tenant_is_a_condition(kube: Kube, tenants: 
 
 
 @pytest.mark.parametrize("plural", ["modeldeployments", "tenants"])
-def test_kubectl_explain_describes_every_field(crds: None, kubectl: Callable[..., Any], plural: str) -> None:  # noqa: F811
+def test_kubectl_explain_describes_every_field(crds: None, kubectl: Callable[..., Any], plural: str) -> None:
     """What `kubectl explain` shows is the apiserver's published OpenAPI v3: every field of ours has a description."""
     doc = json.loads(kubectl("get", "--raw", "/openapi/v3/apis/serving.kvfleet.dev/v1alpha1").stdout)
     kind = {"modeldeployments": "ModelDeployment", "tenants": "Tenant"}[plural]

@@ -12,14 +12,13 @@ from packaging.requirements import Requirement
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "images"))
 
-from imagekit.context import context_files, input_key  # noqa: E402
-from imagekit.podrun import (Supplied, UnsupportedSpec, command_and_args, empty_dirs,  # noqa: E402
-                             podman_run_flags)
-from imagekit.specs import IMAGES, REGISTRY, project_version  # noqa: E402
-
 from kvfleet.operator.builders import build_pod_template  # noqa: E402
 from kvfleet.operator.config import OperatorConfig  # noqa: E402
 from kvfleet.operator.spec import parse_model_deployment  # noqa: E402
+
+from imagekit.context import context_files, input_key  # noqa: E402
+from imagekit.podrun import Supplied, UnsupportedSpec, command_and_args, empty_dirs, podman_run_flags  # noqa: E402
+from imagekit.specs import IMAGES, REGISTRY, project_version  # noqa: E402
 
 
 def pins(name: str) -> dict[str, str]:

@@ -4,8 +4,17 @@ from __future__ import annotations
 
 from typing import Any, Mapping, Sequence
 
-from ..constants import (GPU_RESOURCE, GROUP, KUEUE_API_VERSION, LABEL_MANAGED_BY, LABEL_SYSTEM_NAMESPACE,
-                         LABEL_TENANT, MANAGED_BY_VALUE, MDEP_PLURAL, POD_SECURITY_LABEL_PREFIX)
+from ..constants import (
+    GPU_RESOURCE,
+    GROUP,
+    KUEUE_API_VERSION,
+    LABEL_MANAGED_BY,
+    LABEL_SYSTEM_NAMESPACE,
+    LABEL_TENANT,
+    MANAGED_BY_VALUE,
+    MDEP_PLURAL,
+    POD_SECURITY_LABEL_PREFIX,
+)
 from ..spec import FlavorQuota, TenantSpec
 from .meta import owner_reference
 
