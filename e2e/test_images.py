@@ -155,6 +155,10 @@ def test_control_plane_image_is_small_torch_free_and_answers_operator_help(contr
              "'pip3', 'make') if shutil.which(t)]}))")
     found = json.loads(run_once(control_plane_image, "-c", probe, entrypoint="python3").stdout)
     assert found == {"modules": ["kopf"], "tools": []}
+    has_gateway = run_once(control_plane_image, "-c", "import importlib.util as u; print(bool(u.find_spec("
+                           "'kvfleet.gateway')))", entrypoint="python3").stdout.strip() == "True"
+    if has_gateway:  # the gateway lands in this image (kvfleet[operator,gateway])
+        assert "usage: kvfleet gateway" in run_once(control_plane_image, "gateway", "--help").stdout
     refused = run_once(control_plane_image, "serve", check=False)
     assert refused.returncode == 2 and "kvfleet[engine]" in refused.stderr
 

@@ -89,12 +89,18 @@ def _buildah_bud(archive: Archive, store: Store, context: Path, revision: str, l
             raise RuntimeError(f"building {archive.reference} failed (exit {proc.returncode}); see {logfile}")
 
 
+# gzip's fastest level: the export is compression-bound (the engine's 5.7 GB layer takes 2.3x longer at the default
+# level on these 2 shared cores) and the archive is 12 % larger (measured on the control plane: 111 vs 97 MB).
+COMPRESSION_LEVEL = "1"
+
+
 def _export(archive: Archive, store: Store) -> None:
     """containers-storage -> OCI archive (gzip layers), written aside and renamed: never half an archive."""
     archive.path.parent.mkdir(parents=True, exist_ok=True)
     part = archive.path.with_name(archive.path.name + ".part")
     part.unlink(missing_ok=True)
-    store.run(["nice", "skopeo", "--tmpdir", str(store.tmp), "copy", "--quiet", store.transport(archive.reference),
+    store.run(["nice", "skopeo", "--tmpdir", str(store.tmp), "copy", "--quiet",
+               "--dest-compress-level", COMPRESSION_LEVEL, store.transport(archive.reference),
                f"oci-archive:{part}:{archive.reference}"])
     os.replace(part, archive.path)
 

@@ -30,10 +30,15 @@ def test_cli_answers_without_torch(argv: list[str]) -> None:
     assert "usage: kvfleet" in proc.stdout
 
 
-def test_every_operator_module_imports_without_torch() -> None:
+def test_every_control_plane_module_imports_without_torch() -> None:
+    """The operator's modules, and the gateway's once it is there: all of what the control-plane image runs."""
     proc = run("""
-import pkgutil, kvfleet.operator as op
-names = sorted(m.name for m in pkgutil.walk_packages(op.__path__, "kvfleet.operator."))
+import importlib.util, pkgutil
+names = []
+for package in ("kvfleet.operator", "kvfleet.gateway"):
+    if importlib.util.find_spec(package) is None:
+        continue
+    names += sorted(m.name for m in pkgutil.walk_packages(importlib.import_module(package).__path__, package + "."))
 for name in names:
     if not name.endswith("__main__"):
         importlib.import_module(name)
