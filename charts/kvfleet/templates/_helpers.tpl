@@ -51,6 +51,11 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- printf "%s:%s" .Values.operator.image.repository (default .Chart.AppVersion .Values.operator.image.tag) }}
 {{- end }}
 
+{{/* The same, by its former name. */}}
+{{- define "kvfleet.operatorImage" -}}
+{{- include "kvfleet.controlPlaneImage" . }}
+{{- end }}
+
 {{/* Engine image of `engine.kind: kvfleet` replicas. */}}
 {{- define "kvfleet.engineImage" -}}
 {{- printf "%s:%s" .Values.engine.image.repository (default .Chart.AppVersion .Values.engine.image.tag) }}
