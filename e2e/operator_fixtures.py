@@ -12,6 +12,8 @@ import pytest
 from kvfleet.operator.kube import Kube
 from kvfleet.operator.testing import OperatorProcess, flavor_objects, install_crds, wait_for
 
+from local_engines import use_test_model
+
 API = "serving.kvfleet.dev/v1alpha1"
 KUEUE = "kueue.x-k8s.io/v1beta2"
 
@@ -84,6 +86,7 @@ class Tenants:
         self.namespaces.append(name)
         wait_for(f"LocalQueue of tenant {name}",
                  lambda: self.kube.get(KUEUE, "localqueues", name, name), timeout=60)
+        use_test_model(self.kube, name)  # its engine pods run the tiny model (the namespace's annotation)
         return name, name
 
     def cleanup(self) -> None:
@@ -110,11 +113,11 @@ def tenants(kube: Kube, suffix: str, flavors: dict[str, str], operator: Operator
 
 
 def model_deployment(name: str, namespace: str, flavor: str, replicas: int = 1, tp: int = 1,
-                     kind: str = "kvfleet", **spec: Any) -> dict[str, Any]:
+                     kind: str = "kvfleet", engine: dict[str, Any] | None = None, **spec: Any) -> dict[str, Any]:
     return {
         "apiVersion": API, "kind": "ModelDeployment", "metadata": {"name": name, "namespace": namespace},
         "spec": {"model": {"source": "HuggingFaceTB/SmolLM2-135M-Instruct", "servedName": name},
-                 "engine": {"kind": kind, "tensorParallelSize": tp},
+                 "engine": {"kind": kind, "tensorParallelSize": tp, **(engine or {})},
                  "resources": {"gpuFlavor": flavor, "cpu": "2", "memory": "8Gi"},
                  "replicas": replicas, **spec},
     }

@@ -13,6 +13,7 @@ import yaml
 from kvfleet.operator.kube import Kube
 from kvfleet.operator.testing import REPO, OperatorProcess, wait_for
 
+from local_engines import use_test_model
 from operator_fixtures import API, KUEUE
 
 CHART = REPO / "charts" / "kvfleet"
@@ -110,11 +111,13 @@ def test_helm_install_on_the_cluster(cluster: Any, kube: Kube, crds: None, kubec
         # Applied after the LocalQueue in the same reconciliation: wait, don't race it.
         wait_for("RoleBinding", lambda: kube.get("rbac.authorization.k8s.io/v1", "rolebindings",
                                                  "kvfleet-modeldeployment-editor", tenant), timeout=30)
+        use_test_model(kube, tenant)  # the pod's engine (the engine kubelet's) runs the tiny model
         kube.apply({"apiVersion": API, "kind": "ModelDeployment", "metadata": {"name": "m", "namespace": tenant},
                     "spec": {"model": {"source": "org/m"}, "resources": {"gpuFlavor": f"h200-helm-{sfx}"}}})
+        # Ready: the pod's engine (the local cluster's engine kubelet runs one) answers /health.
         wait_for("ModelDeployment ready under the chart's RBAC",
                  lambda: ((kube.get(API, "modeldeployments", "m", tenant) or {}).get("status") or {})
-                 .get("readyReplicas") == 1, timeout=60)
+                 .get("readyReplicas") == 1, timeout=180)
         log = operator.log_text()
         assert "forbidden" not in log.lower() and "HTTP 403" not in log, log[-3000:]
     finally:
