@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
 import logging
 import os
 import sys
@@ -63,6 +64,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command == "serve":
+        if importlib.util.find_spec("torch") is None:  # e.g. the control-plane image: kvfleet[operator,gateway]
+            parser.error("serve needs the engine's dependencies (torch), which this installation lacks: "
+                         "pip install 'kvfleet[engine]', or run the kvfleet-engine image")
         from kvfleet.engine.server.args import check_serve_args
 
         try:

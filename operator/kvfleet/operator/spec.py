@@ -80,19 +80,23 @@ def parse_model_source(uri: str) -> ModelSource:
     return ModelSource("hub", uri)
 
 
-def check_node_path(source: ModelSource, roots: Sequence[str]) -> None:
+def check_node_path(source: ModelSource, roots: Sequence[str], pod_security: str = "") -> None:
     """A `file://` source must lie under one of the node cache `roots` (the operator's configuration):
-    it becomes a hostPath volume, and a tenant may not mount the node's own files."""
+    it becomes a hostPath volume, and a tenant may not mount the node's own files. Nor may it when tenant
+    namespaces enforce a Pod Security Standard (`pod_security`) that forbids hostPath volumes: the pod would
+    never be admitted."""
     if source.kind != "file" or source.path is None:
         return
     path = posixpath.normpath(source.path)
-    for root in roots:
-        root = posixpath.normpath(root)
-        if path == root or path.startswith(root.rstrip("/") + "/"):
-            return
-    allowed = ", ".join(roots) or "none: file:// sources are off"
-    raise SpecError("spec.model.source", f"{path} is not under a node cache root ({allowed})",
-                    reason="HostPathNotAllowed")
+    if not any(path == r or path.startswith(r.rstrip("/") + "/") for r in map(posixpath.normpath, roots)):
+        allowed = ", ".join(roots) or "none: file:// sources are off"
+        raise SpecError("spec.model.source", f"{path} is not under a node cache root ({allowed})",
+                        reason="HostPathNotAllowed")
+    if pod_security not in ("", "privileged"):
+        raise SpecError("spec.model.source", f"file:// sources mount the node's {path} (a hostPath volume), which "
+                        f"the {pod_security} Pod Security Standard of tenant namespaces forbids: serve the model from "
+                        "a PersistentVolumeClaim (pvc://), or have tenant namespaces enforce privileged (chart "
+                        "value podSecurity.tenantEnforce)", reason="HostPathNotAllowed")
 
 
 def _int(value: Any, field_name: str, minimum: int = 0) -> int:
