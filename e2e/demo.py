@@ -6,7 +6,9 @@
    cohort, a model each), and the operator runs as a local process against the cluster;
 3. team-a's model is admitted and Ready (each pod Ready once its engine, the embedded SmolLM2 on CPU, answers
    /health); team-b's second model waits on quota with Kueue's reason, and is admitted once team-a scales down;
-4. team-a's pod answers a chat request through the `openai` client, at the pod's own (loopback) IP.
+4. team-a's pod answers a chat request through the `openai` client, at the pod's own (loopback) IP;
+5. the gateway (a local process, as the operator is) answers a chat with team-a's key by a pod of team-a's
+   ModelDeployment, and refuses team-b's key for it (e2e/demo_gateway.py).
 """
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ sys.path.insert(0, str(REPO / "e2e" / "cluster"))
 from kvfleet.operator.kube import Kube  # noqa: E402
 from kvfleet.operator.testing import OperatorProcess, condition, install_crds, wait_for  # noqa: E402
 
+from demo_gateway import gateway_act  # noqa: E402
 from localcluster import control  # noqa: E402
 from localcluster.layout import Layout  # noqa: E402
 
@@ -179,6 +182,7 @@ def main() -> int:
         note(f"operator: {' '.join(operator.argv()[1:])}  (log: {op_log})", DIM)
         story(demo)
         pod_chat(demo)
+        gateway_act(str(layout.kubeconfig), Path(layout.logs), demo.kubectl, say, note, GREEN, YELLOW, DIM)
     finally:
         operator.stop()
     say("Continue by hand")
@@ -190,6 +194,8 @@ def main() -> int:
     kubectl describe mdep/summarizer -n team-b                       # conditions and Events
     kubectl get pods -n team-a -o wide                               # engine pods and their IPs
     curl http://POD_IP:8000/v1/models                                # an engine pod's OpenAI API
+    .venv/bin/kvfleet gateway --kubeconfig {kc} --keys-namespace kvfleet-system --port 8080 &   # the gateway
+    curl -H "Authorization: Bearer $KEY" 127.0.0.1:8080/v1/models    # KEY: in Secret kvfleet-system/team-a-keys
     make cluster-status                                              # components, nodes, engines (pid, state)
     make cluster-down                                                # stop the cluster and every engine""")
     return 0

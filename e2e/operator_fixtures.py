@@ -2,12 +2,14 @@
 running as a local process against the local cluster, unique ResourceFlavors and Tenants per test."""
 from __future__ import annotations
 
+import subprocess
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from kvfleet.operator.kube import Kube
 from kvfleet.operator.testing import OperatorProcess, flavor_objects, install_crds, wait_for
@@ -140,3 +142,26 @@ def workloads(kube: Kube, namespace: str, name: str) -> list[dict[str, Any]]:
 
 def mdep_status(kube: Kube, namespace: str, name: str) -> dict[str, Any]:
     return (kube.get(API, "modeldeployments", name, namespace) or {}).get("status") or {}
+
+
+# -- the Helm chart (e2e/test_operator_helm.py, e2e/test_gateway_chart.py) --
+
+def helm(cluster: Any, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    proc = subprocess.run([str(cluster.binary("helm")), f"--kubeconfig={cluster.kubeconfig}", *args],  # noqa: S603
+                          capture_output=True, text=True, check=False, timeout=120)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"helm {' '.join(args)}: {proc.stderr}")
+    return proc
+
+
+def service_account_kubeconfig(cluster: Any, kubectl: Callable[..., Any], sa: str, ns: str, path: Path) -> str:
+    """A kubeconfig that authenticates as the chart's ServiceAccount (a TokenRequest token)."""
+    token = kubectl("create", "token", sa, "--namespace", ns, "--duration=1h").stdout.strip()
+    admin = yaml.safe_load(Path(cluster.kubeconfig).read_text())
+    path.write_text(yaml.safe_dump({
+        "apiVersion": "v1", "kind": "Config", "current-context": "sa",
+        "clusters": [{"name": "local", "cluster": admin["clusters"][0]["cluster"]}],
+        "users": [{"name": "sa", "user": {"token": token}}],
+        "contexts": [{"name": "sa", "context": {"cluster": "local", "user": "sa"}}],
+    }))
+    return str(path)

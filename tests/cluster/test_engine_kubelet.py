@@ -111,12 +111,15 @@ def test_the_engine_environment_resolves_fields_and_secrets_and_stays_frugal() -
     obj = operator_pod(engine={"kind": "vllm", "env": [{"name": "EXTRA", "value": "1"}]},
                        apiKeySecretRef={"name": "k", "key": "api-key"})
     pod = parse_pod(obj)
-    env = resolve_env(pod, {"PATH": "/bin", "SECRET_OF_THE_NODE": "x"}, lambda name, key: f"{name}/{key}")
+    env = resolve_env(pod, {"PATH": "/bin", "HOME": "/root", "SECRET_OF_THE_NODE": "x"},
+                      lambda name, key: f"{name}/{key}")
     assert env["KVFLEET_POD_NAME"] == "chat-h200-abc" and env["KVFLEET_NAMESPACE"] == "team-a"
     assert env["KVFLEET_SERVED_MODEL_NAME"] == "chat" and env["EXTRA"] == "1"
     assert env["VLLM_API_KEY"] == env["KVFLEET_API_KEY"] == "k/api-key"
     assert env["OMP_NUM_THREADS"] == "1" and env["HF_HUB_OFFLINE"] == "1" and env["PATH"] == "/bin"
     assert "SECRET_OF_THE_NODE" not in env and "HF_HOME" not in env
+    # The pod's HOME and caches are its emptyDirs' paths: the engine keeps the node's.
+    assert env["HOME"] == "/root" and "XDG_CACHE_HOME" not in env and "TRITON_CACHE_DIR" not in env
     with pytest.raises(MissingSecret, match="'k' key 'api-key'"):
         resolve_env(pod, {}, lambda name, key: None)
 

@@ -163,8 +163,8 @@ def owned_deployment_event(namespace: str | None, labels: Mapping[str, str], **_
 @kopf.on.update(GROUP, VERSION, TENANT_PLURAL)
 @kopf.on.resume(GROUP, VERSION, TENANT_PLURAL)
 def tenant_changed(name: str, **_: Any) -> None:
-    _guarded("Tenant", name, lambda: reconcile_tenant(kube(), name,
-                                                        system_namespaces=config().system_namespaces))
+    _guarded("Tenant", name, lambda: reconcile_tenant(kube(), name, system_namespaces=config().system_namespaces,
+                                                        pod_security=config().tenant_pod_security))
 
 
 @kopf.on.event(KUEUE_GROUP, KUEUE_VERSION, "clusterqueues",
@@ -176,4 +176,4 @@ def tenant_queue_event(type: str | None, labels: Mapping[str, str], **_: Any) ->
     if type == "DELETED":
         tenant = labels[LABEL_TENANT]
         _guarded("Tenant", tenant, lambda: reconcile_tenant(
-            kube(), tenant, system_namespaces=config().system_namespaces))
+            kube(), tenant, system_namespaces=config().system_namespaces, pod_security=config().tenant_pod_security))

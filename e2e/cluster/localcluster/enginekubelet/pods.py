@@ -42,8 +42,10 @@ _ENGINE_ENV = {
     "TRANSFORMERS_OFFLINE": "1",
     "PYTHONUNBUFFERED": "1",
 }
-# Pod environment that names container paths or GPU settings with no meaning here.
-_DROPPED_ENV = frozenset({"HF_HOME", "CUDA_VISIBLE_DEVICES", "NCCL_CUMEM_ENABLE"})
+# Pod environment that names container paths or GPU settings with no meaning here (HOME and the caches point at
+# the pod's emptyDirs: the node's HOME stays).
+_DROPPED_ENV = frozenset({"HF_HOME", "HOME", "XDG_CACHE_HOME", "TRITON_CACHE_DIR", "CUDA_VISIBLE_DEVICES",
+                          "NCCL_CUMEM_ENABLE"})
 
 
 @dataclass(frozen=True)

@@ -26,33 +26,10 @@ from kvfleet.engine.server.args import engine_kwargs
 from kvfleet.engine.server.auth import KeyFileError, load_keys
 from kvfleet.engine.server.connections import ConnectionLimits, bounded_protocol
 from kvfleet.engine.server.generation import cut_off_requests
+from kvfleet.engine.server.logging_setup import setup_logging
 from kvfleet.engine.server.state import ServerState
 
 logger = logging.getLogger("kvfleet.server")
-
-_STD_ATTRS = set(vars(logging.LogRecord("", 0, "", 0, "", (), None))) | {"message", "asctime"}
-
-
-class KeyValueFormatter(logging.Formatter):
-    """`time level logger message key=value ...`: one line per event, extras kept as fields."""
-
-    def format(self, record: logging.LogRecord) -> str:
-        line = f"{self.formatTime(record)} {record.levelname} {record.name} {record.getMessage()}"
-        extras = {k: v for k, v in vars(record).items() if k not in _STD_ATTRS}
-        if extras:
-            line += " " + " ".join(f"{k}={v}" for k, v in extras.items())
-        if record.exc_info:
-            line += "\n" + self.formatException(record.exc_info)
-        return line
-
-
-def setup_logging(level: str) -> None:
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(KeyValueFormatter())
-    root = logging.getLogger("kvfleet")
-    root.handlers[:] = [handler]
-    root.setLevel(level.upper())
-    root.propagate = False
 
 
 # After the grace period, running requests are ended (503, or an error event and [DONE] in a stream);

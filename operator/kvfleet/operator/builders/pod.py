@@ -10,6 +10,9 @@ from .grace import GRACE_FLAG, engine_grace_seconds, termination_grace_seconds
 from .meta import mdep_labels
 
 API_KEYS_DIR = "/etc/kvfleet/api-keys"
+# The root file system is read-only: what the engine writes goes to emptyDirs. HOME holds every cache (Triton's
+# kernels, torch's, the CUDA driver's, vLLM's); /tmp what Python and Triton put in temporary files.
+ENGINE_HOME = "/home/kvfleet"
 
 
 def engine_image(spec: ModelDeploymentSpec, config: OperatorConfig) -> str:
@@ -58,6 +61,10 @@ def _env(mdep_name: str, spec: ModelDeploymentSpec) -> list[dict[str, Any]]:
         {"name": "KVFLEET_POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
         {"name": "KVFLEET_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
         {"name": "HF_HOME", "value": "/models/hf-cache"},
+        # Whatever the image says (vLLM's runs as root with HOME=/root): caches land on the writable emptyDir.
+        {"name": "HOME", "value": ENGINE_HOME},
+        {"name": "XDG_CACHE_HOME", "value": f"{ENGINE_HOME}/.cache"},
+        {"name": "TRITON_CACHE_DIR", "value": f"{ENGINE_HOME}/.cache/triton"},
     ]
     if spec.api_key_secret and spec.engine_kind == "vllm":
         env.append({"name": "VLLM_API_KEY", "valueFrom": {"secretKeyRef": {
@@ -70,17 +77,21 @@ def _volumes(spec: ModelDeploymentSpec, config: OperatorConfig) -> tuple[list[di
         # NCCL and the engine's workers share tensors through /dev/shm; the default 64Mi is too small.
         {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": spec.shm_size}},
         {"name": "hf-cache", "emptyDir": {}},
+        {"name": "home", "emptyDir": {}},
+        {"name": "tmp", "emptyDir": {}},
     ]
     mounts: list[dict[str, Any]] = [
         {"name": "dshm", "mountPath": "/dev/shm"},
         {"name": "hf-cache", "mountPath": "/models/hf-cache"},
+        {"name": "home", "mountPath": ENGINE_HOME},
+        {"name": "tmp", "mountPath": "/tmp"},
     ]
     src = spec.source
     if src.kind == "pvc":
         volumes.append({"name": "model", "persistentVolumeClaim": {"claimName": src.claim, "readOnly": True}})
         mounts.append({"name": "model", "mountPath": f"{config.model_cache_path}/{src.claim}", "readOnly": True})
     elif src.kind == "file":
-        check_node_path(src, config.node_cache_roots)  # never a hostPath outside the node cache
+        check_node_path(src, config.node_cache_roots, config.tenant_pod_security)  # never one PodSecurity refuses
         volumes.append({"name": "model", "hostPath": {"path": src.path, "type": ""}})
         mounts.append({"name": "model", "mountPath": src.path, "readOnly": True})
     if spec.api_key_secret:
@@ -136,6 +147,7 @@ def build_pod_template(
             "allowPrivilegeEscalation": False,
             "privileged": False,
             "runAsNonRoot": True,
+            "readOnlyRootFilesystem": True,
             "capabilities": {"drop": ["ALL"]},
         },
         **_probes(config),
