@@ -12,13 +12,14 @@ import gc
 import logging
 import os
 import time
+from collections.abc import Collection
 from typing import Any, NoReturn, Optional
 
 import torch
 
 from kvfleet.engine.async_step import InFlight
 from kvfleet.engine.config import EngineConfig
-from kvfleet.engine.core.beam_search import Beam, BeamSearchState
+from kvfleet.engine.core.beam_search import Beam, BeamSearchState, Hypothesis
 from kvfleet.engine.core.inputs import PromptType, check_prompt, check_text, split_prompt
 from kvfleet.engine.core.kv_cache_manager import KVCacheManager
 from kvfleet.engine.core.request import Request, RequestStatus
@@ -363,7 +364,7 @@ class LLMEngine:
             self.scheduler.finish_requests(list(seqs), RequestStatus.FINISHED_STOPPED)
             self.runner.release(list(seqs))
             best = g.beam.best(g.params.n, g.beam_live)
-            g.beam_result = [self._beam_output(g, i, h) for i, h in enumerate(best)]
+            g.beam_result = [self._beam_output(g, g.beam.eos_token_ids, i, h) for i, h in enumerate(best)]
             return
         used: set[str] = set()
         plan: list[tuple[Request, int, Beam]] = []
@@ -387,10 +388,11 @@ class LLMEngine:
             g.add_seq(seq)
         g.beam_live = [b for _, _, b in plan]
 
-    def _beam_output(self, g: RequestGroup, index: int, hyp: Any) -> CompletionOutput:
+    def _beam_output(self, g: RequestGroup, eos_token_ids: Collection[int], index: int,
+                     hyp: Hypothesis) -> CompletionOutput:
         text = self.tokenizer.decode(hyp.tokens, skip_special_tokens=g.params.skip_special_tokens) \
             if self.tokenizer is not None else ""
-        reason = "stop" if hyp.tokens and hyp.tokens[-1] in g.beam.eos_token_ids else "length"  # type: ignore[union-attr]
+        reason = "stop" if hyp.tokens and hyp.tokens[-1] in eos_token_ids else "length"
         return CompletionOutput(index=index, text=text, token_ids=list(hyp.tokens),
                                 cumulative_logprob=hyp.cum_logprob, finish_reason=reason)
 

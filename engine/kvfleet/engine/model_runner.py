@@ -296,10 +296,10 @@ class ModelRunner:
             if row is None:
                 row = cache[r.request_id] = sampling_row(r, vocab)
             rows.append(row)
-            if row.seeded:
+            if row.seeded and r.seed is not None:   # seeded: r.seed is set
                 gen = self._generators.get(r.request_id)
                 if gen is None:
-                    gen = torch.Generator(device=dev).manual_seed(int(r.seed))   # type: ignore[arg-type]
+                    gen = torch.Generator(device=dev).manual_seed(int(r.seed))
                     self._generators[r.request_id] = gen
                 gens[i] = gen
             if r.min_tokens and r.stop_token_ids and len(r.output_token_ids) < r.min_tokens:
