@@ -178,8 +178,16 @@ def record(args: argparse.Namespace, workload: str, reqs: list[BenchRequest], re
     }
 
 
-def run_all(args: argparse.Namespace) -> list[dict[str, Any]]:
-    """Every workload through one engine; one record each."""
+def write_record(args: argparse.Namespace, rec: dict[str, Any]) -> Path:
+    path = Path(args.out) if args.out else Path(args.out_dir) / out_name(rec)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(rec, indent=2, default=str) + "\n")
+    return path
+
+
+def run_all(args: argparse.Namespace, write: bool = False) -> list[dict[str, Any]]:
+    """Every workload through one engine; one record each (each written as soon as it is done if `write`:
+    a later workload that fails or runs out of time loses only itself)."""
     _check_args(args)
     workloads = workload_requests(args)
     everything = [r for reqs in workloads.values() for r in reqs]
@@ -192,6 +200,8 @@ def run_all(args: argparse.Namespace) -> list[dict[str, Any]]:
         for name, reqs in workloads.items():
             records.append(record(args, name, reqs, backend.run(reqs)))
             _print_line(records[-1])
+            if write:
+                write_record(args, records[-1])
     finally:
         backend.close()
     return records
@@ -218,14 +228,10 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        records = run_all(args)
+        run_all(args, write=True)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    for rec in records:
-        path = Path(args.out) if args.out else Path(args.out_dir) / out_name(rec)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(rec, indent=2, default=str) + "\n")
     return 0
 
 
