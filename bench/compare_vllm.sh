@@ -87,7 +87,8 @@ for s in "$@"; do case $s in
 wheels)
   bash bench/vllm_wheels.sh install 2>&1 | tee -a "$LOG" ;;
 profile)
-  step profile 150 env $KV_ENV $PY bench/gpu_profile_issue16.py "$RUNS/profile" ;;
+  step profile 180 env $KV_ENV $PY bench/gpu_profile_issue16.py "$RUNS/profile"
+  cp "$RUNS/profile/profile.txt" "$OUT/" 2>/dev/null ;;
 kv-llama) offline kvfleet "$LLAMA" 240 $WORKLOADS_LLAMA ;;
 vllm-llama) need_vllm "$s" && offline vllm "$LLAMA" 330 $WORKLOADS_LLAMA ;;
 kv-qwen) offline kvfleet "$QWEN" 120 $WORKLOADS_QWEN ;;

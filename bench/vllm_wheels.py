@@ -224,55 +224,78 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
+# vLLM's FlashAttention-2 kernels: 305 MB, and xz does not shrink them below the wheel's deflate (~129 MB). On a
+# Hopper GPU vLLM runs FlashAttention-3 (v1/attention/backends/fa_utils.py: sm90 -> FA3), and the module that
+# loads FA2 catches its ImportError. They travel as their own optional stream: without them vLLM needs half the
+# parts (and calls); with them it is complete.
+OPTIONAL_MEMBERS = {"fa2": ("vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so",)}
+
+
+def _tar_member(tar: tarfile.TarFile, name: str, payload: bytes, mode: int = 0o644) -> None:
+    info = tarfile.TarInfo(name)
+    info.size = len(payload)
+    info.mode = mode
+    tar.addfile(info, io.BytesIO(payload))
+
+
+def _split(path: Path, out_dir: Path, prefix: str, part_bytes: int, first: int) -> list[Path]:
+    parts = []
+    with path.open("rb") as f:
+        i = first
+        while chunk := f.read(part_bytes):
+            d = out_dir / f"{prefix}{i}"
+            d.mkdir()
+            (d / f"{path.name}.{i - first + 1:02d}").write_bytes(chunk)
+            parts.append(d)
+            i += 1
+    return parts
+
+
 def pack(dl_dir: Path, out_dir: Path, part_mib: int, xz_threads: int = 2) -> list[Path]:
-    """OUT_DIR/partN/bundle.tar.xz.NN (each at most part_mib MiB) and SHA256SUMS in every part."""
+    """OUT_DIR/partN/core.tar.xz.NN (the small wheels and vLLM without its optional members, xz -9) and
+    OUT_DIR/fa2-partN/fa2.tar.xz.NN (OPTIONAL_MEMBERS, xz -2: it does not compress further), each piece at most
+    part_mib MiB, and SHA256SUMS in every part folder."""
     wheels = sorted(dl_dir.glob("*.whl"))
     vllm = [w for w in wheels if wheel_metadata(w)[0] == "vllm"]
     if len(vllm) != 1:
         raise ValueError(f"{dl_dir}: expected one vllm wheel, found {len(vllm)}")
     small = [w for w in wheels if w != vllm[0]]
     out_dir.mkdir(parents=True, exist_ok=True)
-    for old in out_dir.glob("part*"):
+    for old in [*out_dir.glob("part*"), *out_dir.glob("*-part*")]:
         for f in old.iterdir():
             f.unlink()
         old.rmdir()
+    optional = {m: group for group, members in OPTIONAL_MEMBERS.items() for m in members}
     manifest = {"vllm_wheel": vllm[0].name, "vllm_wheel_sha256": _sha256(vllm[0]),
-                "wheels": {w.name: _sha256(w) for w in small}}
-    tar_path = out_dir / "bundle.tar"
-    with tarfile.open(tar_path, "w", format=tarfile.PAX_FORMAT) as tar:
-        data = json.dumps(manifest, indent=1).encode()
-        info = tarfile.TarInfo(MANIFEST)
-        info.size = len(data)
-        tar.addfile(info, io.BytesIO(data))
+                "wheels": {w.name: _sha256(w) for w in small}, "optional": OPTIONAL_MEMBERS}
+    tars = {"core": out_dir / "core.tar", **{g: out_dir / f"{g}.tar" for g in OPTIONAL_MEMBERS}}
+    handles = {k: tarfile.open(p, "w", format=tarfile.PAX_FORMAT) for k, p in tars.items()}
+    try:
+        _tar_member(handles["core"], MANIFEST, json.dumps(manifest, indent=1).encode())
         for w in small:
-            tar.add(w, arcname=f"wheels/{w.name}")
+            handles["core"].add(w, arcname=f"wheels/{w.name}")
         with zipfile.ZipFile(vllm[0]) as z:
             for zi in z.infolist():
-                if zi.is_dir():
-                    continue
-                payload = z.read(zi)
-                info = tarfile.TarInfo(f"{VLLM_MEMBERS}/{zi.filename}")
-                info.size = len(payload)
-                info.mode = (zi.external_attr >> 16) & 0o7777 or 0o644
-                tar.addfile(info, io.BytesIO(payload))
-    subprocess.run(["xz", "-f", "-9", f"-T{xz_threads}", str(tar_path)], check=True)
-    bundle = out_dir / "bundle.tar.xz"
-    piece = part_mib << 20
-    parts = []
-    with bundle.open("rb") as f:
-        i = 0
-        while chunk := f.read(piece):
-            i += 1
-            d = out_dir / f"part{i}"
-            d.mkdir()
-            (d / f"bundle.tar.xz.{i:02d}").write_bytes(chunk)
-            parts.append(d)
-    sums = f"{_sha256(bundle)}  bundle.tar.xz\n" + "".join(
-        f"{_sha256(p / f'bundle.tar.xz.{n:02d}')}  bundle.tar.xz.{n:02d}\n" for n, p in enumerate(parts, 1))
-    sums += f"# parts: {len(parts)}\n"
+                if not zi.is_dir():
+                    _tar_member(handles[optional.get(zi.filename, "core")], f"{VLLM_MEMBERS}/{zi.filename}",
+                                z.read(zi), (zi.external_attr >> 16) & 0o7777 or 0o644)
+    finally:
+        for h in handles.values():
+            h.close()
+    parts: list[Path] = []
+    sums = ""
+    for kind, tar_path in tars.items():
+        level = "-9" if kind == "core" else "-2"
+        subprocess.run(["xz", "-f", level, f"-T{xz_threads}", str(tar_path)], check=True)
+        xz = tar_path.with_name(tar_path.name + ".xz")
+        pieces = _split(xz, out_dir, "part" if kind == "core" else f"{kind}-part", part_mib << 20, 1)
+        sums += f"{_sha256(xz)}  {xz.name}\n" + "".join(
+            f"{_sha256(d / f'{xz.name}.{n:02d}')}  {xz.name}.{n:02d}\n" for n, d in enumerate(pieces, 1))
+        sums += f"# {kind} parts: {len(pieces)}\n"
+        parts += pieces
+        xz.unlink()
     for d in parts:
         (d / "SHA256SUMS").write_text(sums)
-    bundle.unlink()
     return parts
 
 
@@ -293,14 +316,21 @@ def rebuild(unpacked: Path, wheel_dir: Path) -> Path:
     root = unpacked / VLLM_MEMBERS
     record_path = next(root.glob("*.dist-info/RECORD"))
     record_rel = record_path.relative_to(root).as_posix()
-    rows = list(csv.reader(record_path.read_text().splitlines()))
+    rows = [r for r in csv.reader(record_path.read_text().splitlines()) if r]
+    optional = {m for members in manifest.get("optional", {}).values() for m in members}
+    left_out = [r[0] for r in rows if r[0] in optional and not (root / r[0]).is_file()]
     out = wheel_dir / manifest["vllm_wheel"]
     checked = 0
     with zipfile.ZipFile(out, "w", compression=zipfile.ZIP_STORED) as z:
         for row in rows:
-            if not row:
-                continue
             rel, digest = row[0], row[1] if len(row) > 1 else ""
+            if rel in left_out:
+                continue
+            if rel == record_rel and left_out:   # the RECORD pip writes lists what is really there
+                text = "".join(",".join(r) + "\n" for r in rows if r[0] not in left_out)
+                zi = zipfile.ZipInfo(rel, date_time=(2020, 1, 1, 0, 0, 0))
+                z.writestr(zi, text)
+                continue
             data = (root / rel).read_bytes()
             if rel != record_rel:
                 if not digest:
@@ -311,11 +341,12 @@ def rebuild(unpacked: Path, wheel_dir: Path) -> Path:
             zi = zipfile.ZipInfo(rel, date_time=(2020, 1, 1, 0, 0, 0))
             zi.external_attr = ((root / rel).stat().st_mode & 0o7777) << 16
             z.writestr(zi, data)
-    listed = {r[0] for r in rows if r}
+    listed = {r[0] for r in rows}
     extra = [p for p in root.rglob("*") if p.is_file() and p.relative_to(root).as_posix() not in listed]
     if extra:
         raise ValueError(f"files not in RECORD: {[str(p) for p in extra[:5]]}")
-    print(f"rebuilt {out.name}: {checked} files match RECORD; {len(manifest['wheels'])} small wheels match")
+    print(f"rebuilt {out.name}: {checked} files match RECORD; {len(manifest['wheels'])} small wheels match"
+          + (f"; left out (optional, not carried): {', '.join(left_out)}" if left_out else ""))
     return out
 
 

@@ -3,13 +3,16 @@
 #
 # Here (once; needs PyPI):
 #   bash bench/vllm_wheels.sh prepare     download every pin of the list, check Requires-Dist and imports,
-#                                         pack into .whl-parts/partN/ (each < 55 MiB: xz bundle pieces + SHA256SUMS)
+#                                         pack into .whl-parts/partN/ (each <= 50 MiB: pieces of one xz stream of
+#                                         the small wheels and vLLM, + SHA256SUMS) and .whl-parts/fa2-partN/ (vLLM's
+#                                         FlashAttention-2 kernels, optional: unused on Hopper, see vllm_wheels.py)
 #   (steps alone: download, check, pack)
 # There (each device call carries one or more parts; `carry: [".whl-parts/part1", ...]`):
 #   bash bench/vllm_wheels.sh install     copy the carried parts to /tmp/whl (kept while the machine stays warm);
-#                                         once all are there: reassemble, sha256 check, rebuild the vLLM wheel
-#                                         (every file against its RECORD), pip install --no-deps --target /tmp/site
-#                                         exit 0: installed (or was already); 3: parts still missing (which, printed)
+#                                         once every partN is there (fa2-partN: all or none): reassemble, sha256
+#                                         check of each piece and stream, rebuild the vLLM wheel (every file against
+#                                         its RECORD), pip install --no-index --no-deps --target /tmp/site
+#                                         exit 0: installed (or was already); 3: parts still missing (printed)
 #   then run vLLM with PYTHONPATH=/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0 (bench/compare_vllm.sh does).
 #
 # LIST=/work/shared/design/vllm-0.26.0-wheels.txt  DIR=.whl-parts  KINDS=/work/.library/device/KINDS.md
@@ -53,28 +56,49 @@ check() { $PY bench/vllm_wheels.py check "$DIR/dl" "$LIST" ${KINDS:+--image-pack
 
 pack() { nice $PY bench/vllm_wheels.py pack "$DIR/dl" "$DIR" --part-mib 50; }
 
+stream_state() {  # stream_state KIND -> "complete", "absent" or "partial: partN ..." (pieces in $WHL)
+  local kind=$1 want have=0 i missing=()
+  want=$(sed -n "s/^# $kind parts: //p" "$WHL/SHA256SUMS")
+  local prefix=part; [[ $kind == core ]] || prefix=$kind-part
+  for ((i = 1; i <= want; i++)); do
+    if [[ -f $WHL/$kind.tar.xz.$(printf %02d "$i") ]]; then have=$((have + 1)); else missing+=("$prefix$i"); fi
+  done
+  if (( have == want )); then echo complete; elif (( have == 0 )); then echo absent; else echo "partial: ${missing[*]}"; fi
+}
+
+join_stream() {  # join_stream KIND: check each piece and the whole stream against SHA256SUMS, unpack into $WHL/x
+  local kind=$1
+  (cd "$WHL" && grep " $kind.tar.xz.[0-9]*$" SHA256SUMS | sha256sum -c --quiet) || { echo "$kind: a piece's sha256 differs" >&2; return 1; }
+  cat "$WHL/$kind.tar.xz".[0-9]* > "$WHL/$kind.tar.xz"
+  (cd "$WHL" && grep " $kind.tar.xz$" SHA256SUMS | sha256sum -c --quiet) || { echo "$kind: stream sha256 differs" >&2; return 1; }
+  xz -d -T0 -c "$WHL/$kind.tar.xz" | tar -x -C "$WHL/x"
+  rm -f "$WHL/$kind.tar.xz"
+}
+
 install() {
   if PYTHONPATH=$SITE $PY -c "import vllm, sys; sys.exit(vllm.__version__ != '0.26.0')" 2>/dev/null; then
     echo "vllm 0.26.0 already in $SITE"; return 0
   fi
   mkdir -p "$WHL"
-  cp -n "$DIR"/part*/* "$WHL"/ 2>/dev/null || true
-  local sums=$WHL/SHA256SUMS
-  [[ -f $sums ]] || { echo "no parts carried yet (carry .whl-parts/partN)"; return 3; }
-  local want; want=$(sed -n 's/^# parts: //p' "$sums")
-  local missing=() i
-  for ((i = 1; i <= want; i++)); do [[ -f $WHL/bundle.tar.xz.$(printf %02d "$i") ]] || missing+=("part$i"); done
-  if (( ${#missing[@]} )); then echo "have $(( want - ${#missing[@]} ))/$want parts in $WHL; still to carry: ${missing[*]}"; return 3; fi
+  local d
+  for d in "$DIR"/part* "$DIR"/*-part*; do [[ -d $d ]] && cp -n "$d"/* "$WHL"/; done
+  [[ -f $WHL/SHA256SUMS ]] || { echo "no vLLM parts carried yet (carry .whl-parts/part1 ...)"; return 3; }
+  local core fa2
+  core=$(stream_state core); fa2=$(stream_state fa2)
+  echo "vLLM parts in $WHL: core $core; fa2 (optional) $fa2"
+  if [[ $core != complete ]]; then echo "still to carry: ${core#partial: }"; return 3; fi
+  if [[ $fa2 == partial* && ${VLLM_FA2:-1} != 0 ]]; then
+    echo "still to carry: ${fa2#partial: } (or VLLM_FA2=0 to install without FlashAttention-2)"; return 3
+  fi
   local t0=$SECONDS
-  (cd "$WHL" && grep 'bundle.tar.xz.[0-9]' SHA256SUMS | sha256sum -c --quiet) || { echo "a part's sha256 differs" >&2; return 1; }
-  cat "$WHL"/bundle.tar.xz.[0-9]* > "$WHL/bundle.tar.xz"
-  (cd "$WHL" && grep ' bundle.tar.xz$' SHA256SUMS | sha256sum -c --quiet) || { echo "bundle sha256 differs" >&2; return 1; }
   rm -rf "$WHL/x" "$WHL/wheels" && mkdir -p "$WHL/x"
-  xz -d -T0 -c "$WHL/bundle.tar.xz" | tar -x -C "$WHL/x"
-  $PY bench/vllm_wheels.py rebuild "$WHL/x" "$WHL/wheels"
-  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" "$WHL"/wheels/*.whl
-  rm -rf "$WHL/x" "$WHL/bundle.tar.xz"
-  PYTHONPATH=$SITE $PY -c "import vllm; print('vllm', vllm.__version__, 'installed in $SITE')"
+  join_stream core || return 1
+  if [[ $fa2 == complete ]]; then join_stream fa2 || return 1; fi
+  $PY bench/vllm_wheels.py rebuild "$WHL/x" "$WHL/wheels" || return 1
+  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" "$WHL"/wheels/*.whl \
+    || return 1
+  rm -rf "$WHL/x"
+  PYTHONPATH=$SITE $PY -c "import vllm; print('vllm', vllm.__version__, 'installed in $SITE')" || return 1
   echo "install took $(( SECONDS - t0 )) s"
 }
 

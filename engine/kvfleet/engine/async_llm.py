@@ -141,6 +141,22 @@ class AsyncLLM:
         self._commands.put(run)
         await done
 
+    async def warm_up(self) -> Any:
+        """`LLMEngine.warm_up` on the loop thread (between steps; the engine must have no request yet)."""
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future = loop.create_future()
+
+        def run() -> None:
+            try:
+                report = self.engine.warm_up()
+            except BaseException as e:   # noqa: BLE001 - handed to the caller
+                loop.call_soon_threadsafe(lambda: done.done() or done.set_exception(e))
+            else:
+                loop.call_soon_threadsafe(lambda: done.done() or done.set_result(report))
+
+        self._commands.put(run)
+        return await done
+
     async def shutdown(self) -> None:
         self._stop.set()
         self._commands.put(lambda: None)
