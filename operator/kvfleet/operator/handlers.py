@@ -9,15 +9,25 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import httpx
 import kopf
 
 from . import metrics
 from .config import OperatorConfig
-from .constants import (GROUP, KUEUE_GROUP, KUEUE_VERSION, LABEL_MANAGED_BY, LABEL_MDEP, LABEL_TENANT,
-                        MANAGED_BY_VALUE, MDEP_PLURAL, TENANT_PLURAL, VERSION)
+from .constants import (
+    GROUP,
+    KUEUE_GROUP,
+    KUEUE_VERSION,
+    LABEL_MANAGED_BY,
+    LABEL_MDEP,
+    LABEL_TENANT,
+    MANAGED_BY_VALUE,
+    MDEP_PLURAL,
+    TENANT_PLURAL,
+    VERSION,
+)
 from .kube import Kube, KubeError
 from .reconcile import reconcile_model_deployment
 from .reconcile_tenant import reconcile_tenant
@@ -90,6 +100,13 @@ def _reconcile_and_record(namespace: str, name: str) -> dict[str, Any] | None:
     return status
 
 
+def namespaced(namespace: str | None) -> str:
+    """kopf types a handler's namespace as optional; every object these handlers watch is namespaced."""
+    if namespace is None:
+        raise kopf.PermanentError("a namespaced object came without a namespace")
+    return namespace
+
+
 def reconcile_now(namespace: str, name: str) -> Any:
     """Reconcile one ModelDeployment now (the autoscaler calls this after a decision)."""
     return _guarded("ModelDeployment", f"{namespace}/{name}", lambda: _reconcile_and_record(namespace, name))
@@ -98,7 +115,8 @@ def reconcile_now(namespace: str, name: str) -> Any:
 @kopf.on.create(GROUP, VERSION, MDEP_PLURAL)
 @kopf.on.update(GROUP, VERSION, MDEP_PLURAL)
 @kopf.on.resume(GROUP, VERSION, MDEP_PLURAL)
-def mdep_changed(namespace: str, name: str, **_: Any) -> None:
+def mdep_changed(namespace: str | None, name: str, **_: Any) -> None:
+    namespace = namespaced(namespace)
     status = reconcile_now(namespace, name)
     reason = waiting_reason(status)
     if reason:
@@ -107,23 +125,25 @@ def mdep_changed(namespace: str, name: str, **_: Any) -> None:
 
 
 @kopf.on.delete(GROUP, VERSION, MDEP_PLURAL, optional=True)
-def mdep_deleted(namespace: str, name: str, **_: Any) -> None:
+def mdep_deleted(namespace: str | None, name: str, **_: Any) -> None:
     # Owner references let the garbage collector remove workloads, Deployments and the Service.
     log.info("deleted mdep=%s/%s", namespace, name)
 
 
 @kopf.on.event(GROUP, VERSION, MDEP_PLURAL)
-def mdep_event(type: str | None, namespace: str, name: str, **_: Any) -> None:  # noqa: A002 (kopf's name)
+def mdep_event(type: str | None, namespace: str | None, name: str, **_: Any) -> None:  # noqa: A002 (kopf's name)
     """Gone from the API: drop its replica gauges. Without a finalizer kopf may never call the delete
     handler (the object can vanish before it is seen terminating), but the watch always says DELETED."""
     if type == "DELETED":
+        namespace = namespaced(namespace)
         with _lock(f"{namespace}/{name}"):
             metrics.REPLICAS.forget(namespace, name)
 
 
 @kopf.on.event(KUEUE_GROUP, KUEUE_VERSION, "workloads",
                labels={LABEL_MANAGED_BY: MANAGED_BY_VALUE, LABEL_MDEP: kopf.PRESENT})
-def owned_workload_event(namespace: str, labels: dict[str, str], **_: Any) -> None:
+def owned_workload_event(namespace: str | None, labels: Mapping[str, str], **_: Any) -> None:
+    namespace = namespaced(namespace)
     reconcile_now(namespace, labels[LABEL_MDEP])
     # Admission changed the tenant's GPU usage: refresh its status now.
     ns = kube().get("v1", "namespaces", namespace) or {}
@@ -135,8 +155,8 @@ def owned_workload_event(namespace: str, labels: dict[str, str], **_: Any) -> No
 
 @kopf.on.event("apps", "v1", "deployments",
                labels={LABEL_MANAGED_BY: MANAGED_BY_VALUE, LABEL_MDEP: kopf.PRESENT})
-def owned_deployment_event(namespace: str, labels: dict[str, str], **_: Any) -> None:
-    reconcile_now(namespace, labels[LABEL_MDEP])
+def owned_deployment_event(namespace: str | None, labels: Mapping[str, str], **_: Any) -> None:
+    reconcile_now(namespaced(namespace), labels[LABEL_MDEP])
 
 
 @kopf.on.create(GROUP, VERSION, TENANT_PLURAL)
@@ -151,7 +171,7 @@ def tenant_changed(name: str, **_: Any) -> None:
                labels={LABEL_MANAGED_BY: MANAGED_BY_VALUE, LABEL_TENANT: kopf.PRESENT})
 @kopf.on.event(KUEUE_GROUP, KUEUE_VERSION, "localqueues",
                labels={LABEL_MANAGED_BY: MANAGED_BY_VALUE, LABEL_TENANT: kopf.PRESENT})
-def tenant_queue_event(type: str | None, labels: dict[str, str], **_: Any) -> None:  # noqa: A002 (kopf's name)
+def tenant_queue_event(type: str | None, labels: Mapping[str, str], **_: Any) -> None:  # noqa: A002 (kopf's name)
     """A queue of a tenant was deleted by someone: put it back (self-healing without a timer)."""
     if type == "DELETED":
         tenant = labels[LABEL_TENANT]
