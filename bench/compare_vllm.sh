@@ -18,12 +18,14 @@
 #   vllm-online       vllm serve, same (~4.5: ~2 min to healthy)
 #   kv-fp8 vllm-fp8   --quantization fp8, Llama-3.1-8B chat-mix and random-1024-128 (~2 / ~3)
 #   ab-nowarmup       kvfleet serve without the warm-up before /health (KVFLEET_WARMUP=0), 0.5 req/s only (~1)
-#   ab-prefill        kvfleet long-prompt + shared-prefix with each prefill tile in PREFILL_TILES (~1 each)
+#   ab-prefill        kvfleet long-prompt + shared-prefix once per setting in PREFILL_AB (~1.2 each): the flash
+#                     prefill path and other Triton tiles, each result labelled by its setting
 #   summary           the comparison table of everything in $RUNS (also printed after every call)
 #
 # Knobs: BUDGET_S (default 570: stop starting stages that would not end inside it), KV_ENV (extra environment
 # for kvfleet, e.g. "KVFLEET_PREFILL_TILE=128,64,8,3"), LABEL (tags kvfleet results of a non-default
-# setting), WORKLOADS_LLAMA, WORKLOADS_QWEN, LOADS (name:rate:requests,...), PREFILL_TILES.
+# setting), WORKLOADS_LLAMA, WORKLOADS_QWEN, LOADS (name:rate:requests,...), PREFILL_AB (space-separated
+# settings, each VAR=VALUE[,VAR=VALUE...] for one run).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/kvfleet-out}
@@ -40,7 +42,7 @@ LLAMA=bench/models/llama-3.1-8b
 QWEN=bench/models/qwen3-0.6b
 WORKLOADS_LLAMA=${WORKLOADS_LLAMA:-chat-mix random-1024-128 long-prompt shared-prefix parallel-sampling}
 WORKLOADS_QWEN=${WORKLOADS_QWEN:-chat-mix random-1024-128}
-PREFILL_TILES=${PREFILL_TILES:-128,64,8,3 128,128,8,2}
+PREFILL_AB=${PREFILL_AB:-KVFLEET_PREFILL_ATTENTION=flash KVFLEET_PREFILL_TILE=128,64,8,3}
 KV_ENV=${KV_ENV:-}
 LABEL=${LABEL:-}
 c=$(git rev-parse HEAD 2>/dev/null) && echo "$c" > bench/.commit
@@ -100,9 +102,10 @@ vllm-fp8) need_vllm "$s" && XARGS="--quantization fp8" offline vllm "$LLAMA" 260
 ab-nowarmup)
   KV_ENV="$KV_ENV KVFLEET_WARMUP=0" LOADS=low:0.5:16 online kvfleet 120 --label nowarmup ;;
 ab-prefill)
-  for tile in $PREFILL_TILES; do
-    KV_ENV="$KV_ENV KVFLEET_PREFILL_TILE=$tile" LABEL="prefill-${tile//,/-}" \
-      offline kvfleet "$LLAMA" 120 long-prompt shared-prefix
+  for setting in $PREFILL_AB; do
+    label=$(echo "${setting//KVFLEET_/}" | tr 'A-Z' 'a-z' | tr '_=,' '-.-')
+    KV_ENV="$KV_ENV ${setting//,KVFLEET_/ KVFLEET_}" LABEL="$label" \
+      offline kvfleet "$LLAMA" 150 long-prompt shared-prefix
   done ;;
 summary) ;;
 *) echo "unknown stage $s" | tee -a "$LOG" ;;

@@ -327,7 +327,9 @@ def rebuild(unpacked: Path, wheel_dir: Path) -> Path:
             if rel in left_out:
                 continue
             if rel == record_rel and left_out:   # the RECORD pip writes lists what is really there
-                text = "".join(",".join(r) + "\n" for r in rows if r[0] not in left_out)
+                buf = io.StringIO()
+                csv.writer(buf, lineterminator="\n").writerows(r for r in rows if r[0] not in left_out)
+                text = buf.getvalue()
                 zi = zipfile.ZipInfo(rel, date_time=(2020, 1, 1, 0, 0, 0))
                 z.writestr(zi, text)
                 continue

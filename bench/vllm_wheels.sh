@@ -95,8 +95,9 @@ install() {
   join_stream core || return 1
   if [[ $fa2 == complete ]]; then join_stream fa2 || return 1; fi
   $PY bench/vllm_wheels.py rebuild "$WHL/x" "$WHL/wheels" || return 1
-  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" "$WHL"/wheels/*.whl \
-    || return 1
+  # shellcheck disable=SC2086 # PIP_EXTRA: only for a dry run elsewhere (e.g. --python-version 3.12 --platform ...)
+  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" ${PIP_EXTRA:-} \
+    "$WHL"/wheels/*.whl || return 1
   rm -rf "$WHL/x"
   PYTHONPATH=$SITE $PY -c "import vllm; print('vllm', vllm.__version__, 'installed in $SITE')" || return 1
   echo "install took $(( SECONDS - t0 )) s"

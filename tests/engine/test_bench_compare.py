@@ -165,5 +165,16 @@ def test_online_stage_against_kvfleet_serve(tiny_model_factory, tmp_path: Path) 
     assert burst["ttft_ms"]["p50"] > 0 and burst["load_point"] == "burst"
     startup = json.loads((out / f"kvfleet-{model.name}-startup.json").read_text())
     assert startup["time_to_healthy_s"] == res["time_to_healthy_s"]
+    # the server's histograms seen between two scrapes: its TTFT is within the client's
+    sm = burst["server_means_ms"]
+    assert 0 < sm["time_to_first_token_seconds"] <= burst["ttft_ms"]["mean"] + 1.0
+    assert "request_queue_time_seconds" in sm and "inter_token_latency_seconds" in sm
     lines = compare.summary_lines(*compare.load_results([out]))
     assert any(line.startswith(f"| {model.name} burst |") for line in lines)
+    assert any(line.startswith("| burst | kvfleet |") for line in lines)
+
+
+def test_histogram_means() -> None:
+    before = {"time_to_first_token_seconds": (1.0, 10.0)}
+    after = {"time_to_first_token_seconds": (3.0, 20.0), "other_seconds": (0.5, 0.0)}
+    assert compare.histogram_means_ms(before, after) == {"time_to_first_token_seconds": 200.0}

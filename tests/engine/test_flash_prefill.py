@@ -11,15 +11,14 @@ import pytest
 import torch
 
 from kvfleet.engine.attention import build_attention_metadata, torch_paged_attention
-from kvfleet.engine.attention.flash_prefill import (flash_plan, flash_prefill, prefill_impl,
-                                                    varlen_causal_reference)
+from kvfleet.engine.attention.flash_prefill import flash_plan, flash_prefill, prefill_impl, varlen_causal_reference
 from kvfleet.engine.attention.triton_backend import prefill_tile
 
 
 def _case(q_lens: list[int], ctx: list[int], hq: int = 8, hkv: int = 2, d: int = 16, bs: int = 4,
           seed: int = 0) -> dict:
     g = torch.Generator().manual_seed(seed)
-    seq = [c + q for c, q in zip(ctx, q_lens)]
+    seq = [c + q for c, q in zip(ctx, q_lens, strict=True)]
     nb = [math.ceil(s / bs) for s in seq]
     perm = torch.randperm(sum(nb) + 3, generator=g).tolist()   # blocks scattered through the pool
     tables, i = [], 0
@@ -46,7 +45,7 @@ def test_flash_path_equals_the_paged_reference(q_lens: list[int], ctx: list[int]
     ref = torch_paged_attention(c["q"], c["k"], c["v"], cache, md, 0.25)   # writes the new K/V into `cache`
     plan = flash_plan(md.query_start_loc_cpu, md.seq_lens_cpu, md.block_tables, c["bs"], torch.device("cpu"))
     assert plan is not None
-    assert (plan.k_slots is None) == all(x == 0 for x, q in zip(ctx, q_lens) if q > 1)
+    assert (plan.k_slots is None) == all(x == 0 for x, q in zip(ctx, q_lens, strict=True) if q > 1)
     out = torch.full_like(c["q"], float("nan"))
     flash_prefill(c["q"], c["k"], c["v"], cache, plan, 0.25, out, attn=varlen_causal_reference)
     rows = [r for b, q in enumerate(q_lens) if q > 1

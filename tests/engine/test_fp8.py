@@ -10,8 +10,17 @@ import torch
 
 from kvfleet.engine.config import EngineConfig
 from kvfleet.engine.llm_engine import LLMEngine
-from kvfleet.engine.models.fp8 import (FP8_DTYPE, FP8_MAX, Fp8Linear, dequantize, fp8_linear_reference,
-                                       fp8_supported, quantize_linear, quantize_model_fp8, quantize_per_row)
+from kvfleet.engine.models.fp8 import (
+    FP8_DTYPE,
+    FP8_MAX,
+    Fp8Linear,
+    dequantize,
+    fp8_linear_reference,
+    fp8_supported,
+    quantize_linear,
+    quantize_model_fp8,
+    quantize_per_row,
+)
 from kvfleet.engine.models.linear import ColumnParallelLinear, RowParallelLinear
 from kvfleet.engine.sampling_params import SamplingParams
 
@@ -122,16 +131,16 @@ def test_tiny_model_fp8_logits_and_greedy_tokens(tiny_model_factory) -> None:
                     if o.finished:
                         outs[o.request_id] = o.outputs[0].token_ids
             toks[name] = [outs[f"r{i}"] for i in range(len(prompts))]
-        same_seq = sum(a == b for a, b in zip(toks["base"], toks["fp8"]))
-        prefix = [next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), len(a))
-                  for a, b in zip(toks["base"], toks["fp8"])]
-        first = sum(a[0] == b[0] for a, b in zip(toks["base"], toks["fp8"]))
+        same_seq = sum(a == b for a, b in zip(toks["base"], toks["fp8"], strict=True))
+        prefix = [next((k for k, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), len(a))
+                  for a, b in zip(toks["base"], toks["fp8"], strict=True)]
+        first = sum(a[0] == b[0] for a, b in zip(toks["base"], toks["fp8"], strict=True))
         # teacher-forced: along the bf16 model's greedy sequences, how often the FP8 model's argmax agrees
         agree = total = 0
-        for ids, out in zip(prompts, toks["base"]):
+        for ids, out in zip(prompts, toks["base"], strict=True):
             seq = ids + out[:-1]
             pred = all_logits(quant, seq)[len(ids) - 1:].argmax(-1).tolist()
-            agree += sum(p == t for p, t in zip(pred, out))
+            agree += sum(p == t for p, t in zip(pred, out, strict=True))
             total += len(out)
         results[arch] = (max(rels), same_seq, sum(prefix) / len(prefix), first, agree / total)
         print(f"{arch}: logits rel err max {max(rels):.4f} mean {sum(rels) / len(rels):.4f}; greedy: "

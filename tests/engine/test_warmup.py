@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import inspect
 import time
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -22,6 +21,7 @@ from kvfleet.engine.config import EngineConfig
 from kvfleet.engine.llm_engine import LLMEngine
 from kvfleet.engine.sampling_params import SamplingParams
 from kvfleet.engine.warmup import WARMUP_SALT, run_warmup, warmup_enabled, warmup_plan
+
 
 class VariantRecorder:
     """Records (kernel, specialization key) of every Triton launch outside decode-only steps."""
@@ -35,7 +35,7 @@ class VariantRecorder:
 
         params = list(inspect.signature(jit_fn.fn).parameters.values())
         dns = set(jit_fn.kwargs.get("do_not_specialize") or ())
-        bound = dict(zip([p.name for p in params], args))
+        bound = dict(zip([p.name for p in params], args, strict=False))   # the rest come as keywords
         bound.update({k: v for k, v in kwargs.items() if k in {p.name for p in params}})
         spec = []
         for p in params:
@@ -99,7 +99,7 @@ def _varied_workload(engine: LLMEngine, seed: int) -> None:
                  dict(temperature=0.0, logprobs=3), dict(temperature=0.9, n=2), dict(temperature=0.0,
                                                                                       presence_penalty=0.5)]
     n = 0
-    for wave in range(4):
+    for _wave in range(4):
         for _ in range(int(rng.integers(1, 5))):
             plen = int(rng.integers(1, 81))
             ids = (shared[:plen // 2] if rng.random() < 0.4 else []) + rng.integers(0, vocab, size=plen).tolist()

@@ -155,9 +155,19 @@ class AsyncLLM:
             try:
                 report = self.engine.warm_up()
             except BaseException as e:   # noqa: BLE001 - handed to the caller
-                loop.call_soon_threadsafe(lambda: done.done() or done.set_exception(e))
+                err = e   # `e` is unbound once the except block ends, before the callback runs
+
+                def fail() -> None:
+                    if not done.done():
+                        done.set_exception(err)
+
+                loop.call_soon_threadsafe(fail)
             else:
-                loop.call_soon_threadsafe(lambda: done.done() or done.set_result(report))
+                def succeed() -> None:
+                    if not done.done():
+                        done.set_result(report)
+
+                loop.call_soon_threadsafe(succeed)
 
         self._commands.put(run)
         return await done

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import math
 import os
 import signal
 import subprocess
@@ -87,6 +86,41 @@ def health_ok(base_url: str, timeout: float = 2.0) -> bool:
         return False
 
 
+def scrape_histograms(base_url: str) -> dict[str, tuple[float, float]]:
+    """{histogram name without its prefix: (sum, count)} of the server's *_seconds histograms (kvfleet: and
+    vllm: name theirs alike: time_to_first_token, inter_token_latency, request_queue_time, ...)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    try:
+        with urllib.request.urlopen(f"{base_url}/metrics", timeout=10) as resp:
+            text = resp.read().decode()
+    except (urllib.error.URLError, OSError, ValueError):
+        return {}
+    out: dict[str, list[float]] = {}
+    for fam in text_string_to_metric_families(text):
+        if fam.type != "histogram" or not fam.name.endswith("_seconds"):
+            continue
+        short = fam.name.split(":", 1)[-1]
+        acc = out.setdefault(short, [0.0, 0.0])
+        for sample in fam.samples:
+            if sample.name.endswith("_sum"):
+                acc[0] += sample.value
+            elif sample.name.endswith("_count"):
+                acc[1] += sample.value
+    return {k: (v[0], v[1]) for k, v in out.items()}
+
+
+def histogram_means_ms(before: dict[str, tuple[float, float]],
+                       after: dict[str, tuple[float, float]]) -> dict[str, float]:
+    """Mean of each histogram over what was observed between two scrapes, in ms."""
+    means = {}
+    for name, (s1, c1) in after.items():
+        s0, c0 = before.get(name, (0.0, 0.0))
+        if c1 > c0:
+            means[name] = 1e3 * (s1 - s0) / (c1 - c0)
+    return means
+
+
 def wait_healthy(proc: subprocess.Popen, base_url: str, limit_s: float, poll_s: float = 0.25) -> float | None:
     """Seconds from now until /health answers 200; None if the process exits or the limit passes."""
     t0 = time.monotonic()
@@ -151,10 +185,14 @@ def run_online(engine: str, model: str, out_dir: Path, loads: Sequence[LoadPoint
             else:
                 for p in loads:
                     reqs = load_workload(workload, p.num_prompts, p.seed)
+                    before = scrape_histograms(base_url)
                     t = time.monotonic()
                     res = asyncio.run(run_benchmark(base_url, None, reqs, p.rate, None, p.seed, None, 600.0))
                     res.update(engine=engine, model_dir=Path(model).name, quantization=quantization, label=label,
-                               load_point=p.name, workload=Path(workload).stem, wall_s=time.monotonic() - t)
+                               load_point=p.name, workload=Path(workload).stem, wall_s=time.monotonic() - t,
+                               # the server's own view (its histograms between two scrapes): client minus
+                               # server TTFT is the HTTP path, server TTFT minus queue time the prefill
+                               server_means_ms=histogram_means_ms(before, scrape_histograms(base_url)))
                     (out_dir / f"{tag}-online-{p.name}.json").write_text(json.dumps(res, indent=1) + "\n")
                     print(f"{engine} {p.name}: {res['completed']}/{p.num_prompts} ok, TTFT p50 "
                           f"{res['ttft_ms']['p50']:.1f} p99 {res['ttft_ms']['p99']:.1f} ms, TPOT p50 "
@@ -238,6 +276,21 @@ def summary_lines(offline: list[dict[str, Any]], online: list[dict[str, Any]],
             name = f"{model} {point}" + (f" {quant}" if quant else "") + (f" [{label}]" if label else "")
             failed = f"{kv.get('failed', 0)} / {vl.get('failed', 0) if vl else '-'}"
             lines.append(f"| {name} | {cells[0]} | {cells[1]} | {cells[2]} | {ratios} | {failed} |")
+    if online:
+        lines += ["", "| load point | engine | client TTFT mean ms | server TTFT mean | server queue time mean | "
+                      "client TPOT mean | server ITL mean |", "| --- | --- | --- | --- | --- | --- | --- |"]
+        for r in sorted(online, key=lambda r: (str(r.get("model_dir")), r["load_point"], r["engine"],
+                                               str(r.get("label")))):
+            sm = r.get("server_means_ms") or {}
+
+            def cell(v: float | None) -> str:
+                return f"{v:.1f}" if v is not None else "-"
+
+            name = r["load_point"] + (f" [{r['label']}]" if r.get("label") else "")
+            lines.append(f"| {name} | {r['engine']} | {cell((r.get('ttft_ms') or {}).get('mean'))} | "
+                         f"{cell(sm.get('time_to_first_token_seconds'))} | {cell(sm.get('request_queue_time_seconds'))}"
+                         f" | {cell((r.get('tpot_ms') or {}).get('mean'))} | "
+                         f"{cell(sm.get('inter_token_latency_seconds'))} |")
     if startup:
         lines += ["", "| server start to healthy | seconds |", "| --- | --- |"]
         for s in sorted(startup, key=lambda s: (s["engine"], str(s.get("quantization")), str(s.get("label")))):

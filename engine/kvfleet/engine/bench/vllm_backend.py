@@ -81,7 +81,7 @@ class VllmBench:
         torch.cuda.synchronize()
         wall = time.monotonic() - t0
         short = 0
-        for r, o in zip(reqs, outs):
+        for r, o in zip(reqs, outs, strict=True):
             lens = [len(c.token_ids) for c in o.outputs]
             short += int(len(lens) != r.n or any(n != r.max_tokens for n in lens))
         self.llm.reset_prefix_cache()

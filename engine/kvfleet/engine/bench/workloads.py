@@ -80,7 +80,7 @@ def shared_prefix_workload(num: int = 512, num_prefixes: int = 8, prefix_len: in
     which = rng.integers(0, num_prefixes, size=num)
     suffix_lens = rng.integers(suffix_low, suffix_high, size=num)
     return [BenchRequest(prefixes[p].tolist() + rng.integers(0, TOKEN_HIGH, size=int(s)).tolist(), output_len)
-            for p, s in zip(which, suffix_lens)]
+            for p, s in zip(which, suffix_lens, strict=True)]
 
 
 def parallel_sampling_workload(num: int = 256, prompt_len: int = 512, n: int = 4, output_len: int = 128,
