@@ -24,8 +24,9 @@
 #
 # Knobs: BUDGET_S (default 570: stop starting stages that would not end inside it), KV_ENV (extra environment
 # for kvfleet, e.g. "KVFLEET_PREFILL_TILE=128,64,8,3"), LABEL (tags kvfleet results of a non-default
-# setting), WORKLOADS_LLAMA, WORKLOADS_QWEN, LOADS (name:rate:requests,...), PREFILL_AB (space-separated
-# settings, each VAR=VALUE[,VAR=VALUE...] for one run).
+# setting), WORKLOADS_LLAMA, WORKLOADS_QWEN, WORKLOADS_FP8, WORKLOADS_AB, LOADS (name:rate:requests,...),
+# ONLINE_ARGS (more flags for the online stage), PREFILL_AB (space-separated settings, each
+# VAR=VALUE[,VAR=VALUE...] for one run), LLAMA/QWEN (model folders: a dry run on CPU takes tiny ones).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/kvfleet-out}
@@ -38,10 +39,12 @@ PY=${PY:-python3}
 BUDGET_S=${BUDGET_S:-570}
 START=$(date +%s)
 LOG="$OUT/log.txt"
-LLAMA=bench/models/llama-3.1-8b
-QWEN=bench/models/qwen3-0.6b
+LLAMA=${LLAMA:-bench/models/llama-3.1-8b}   # (overridable for a dry run on CPU with tiny models)
+QWEN=${QWEN:-bench/models/qwen3-0.6b}
 WORKLOADS_LLAMA=${WORKLOADS_LLAMA:-chat-mix random-1024-128 long-prompt shared-prefix parallel-sampling}
 WORKLOADS_QWEN=${WORKLOADS_QWEN:-chat-mix random-1024-128}
+WORKLOADS_FP8=${WORKLOADS_FP8:-chat-mix random-1024-128}
+WORKLOADS_AB=${WORKLOADS_AB:-long-prompt shared-prefix}
 PREFILL_AB=${PREFILL_AB:-KVFLEET_PREFILL_ATTENTION=flash KVFLEET_PREFILL_TILE=128,64,8,3}
 KV_ENV=${KV_ENV:-}
 LABEL=${LABEL:-}
@@ -54,10 +57,12 @@ step() {  # step NAME MAX_SECONDS CMD...: run if it can finish inside the budget
   if (( rem < max / 2 || rem < 30 )); then echo "SKIP $name (needs ~${max}s, ${rem}s left)" | tee -a "$LOG"; return 124; fi
   (( max > rem - 10 )) && max=$(( rem - 10 ))
   echo "=== $name (limit ${max}s, t+$(( $(date +%s) - START ))s)" | tee -a "$LOG"
+  local from; from=$(wc -l < "$LOG")
   timeout -k 10 "$max" "$@" >>"$LOG" 2>&1
   local rc=$?
   echo "=== $name rc=$rc t+$(( $(date +%s) - START ))s" | tee -a "$LOG"
-  grep -E "out tok/s|healthy|TTFT|error|Error|Traceback|KV cache:|captured|warm" "$LOG" | tail -n 8
+  tail -n +"$((from + 1))" "$LOG" | grep -E "out tok/s|healthy|TTFT|error|Error|Traceback|KV cache:|captured|warm-up" \
+    | tail -n 8
   return $rc
 }
 offline() {  # offline BACKEND MODEL MAX_S WORKLOADS... (extra flags in XARGS)
@@ -72,7 +77,7 @@ online() {  # online ENGINE MAX_S [flags]
   local engine=$1 max=$2; shift 2
   local envs=""; [[ $engine == kvfleet ]] && envs=$KV_ENV
   step "online $engine $*" "$max" env $envs $PY -m kvfleet.engine.bench.compare online --engine "$engine" \
-    --model "$LLAMA" --out-dir "$RUNS" ${LOADS:+--loads "$LOADS"} "$@"
+    --model "$LLAMA" --out-dir "$RUNS" ${LOADS:+--loads "$LOADS"} ${ONLINE_ARGS:-} "$@"
 }
 need_vllm() {
   if PYTHONPATH=/tmp/site $PY -c "import vllm" 2>/dev/null; then return 0; fi
@@ -97,15 +102,15 @@ kv-qwen) offline kvfleet "$QWEN" 120 $WORKLOADS_QWEN ;;
 vllm-qwen) need_vllm "$s" && offline vllm "$QWEN" 180 $WORKLOADS_QWEN ;;
 kv-online) online kvfleet 240 ${LABEL:+--label "$LABEL"} ;;
 vllm-online) need_vllm "$s" && online vllm 400 --health-limit-s 300 ;;
-kv-fp8) XARGS="--quantization fp8" offline kvfleet "$LLAMA" 200 chat-mix random-1024-128 ;;
-vllm-fp8) need_vllm "$s" && XARGS="--quantization fp8" offline vllm "$LLAMA" 260 chat-mix random-1024-128 ;;
+kv-fp8) XARGS="--quantization fp8" offline kvfleet "$LLAMA" 200 $WORKLOADS_FP8 ;;
+vllm-fp8) need_vllm "$s" && XARGS="--quantization fp8" offline vllm "$LLAMA" 260 $WORKLOADS_FP8 ;;
 ab-nowarmup)
   KV_ENV="$KV_ENV KVFLEET_WARMUP=0" LOADS=low:0.5:16 online kvfleet 120 --label nowarmup ;;
 ab-prefill)
   for setting in $PREFILL_AB; do
     label=$(echo "${setting//KVFLEET_/}" | tr 'A-Z' 'a-z' | tr '_=,' '-.-')
     KV_ENV="$KV_ENV ${setting//,KVFLEET_/ KVFLEET_}" LABEL="$label" \
-      offline kvfleet "$LLAMA" 150 long-prompt shared-prefix
+      offline kvfleet "$LLAMA" 150 $WORKLOADS_AB
   done ;;
 summary) ;;
 *) echo "unknown stage $s" | tee -a "$LOG" ;;

@@ -74,3 +74,29 @@ def test_switches(monkeypatch: pytest.MonkeyPatch) -> None:
     for bad in ("128,64,8", "100,64,8,3", "a,b,c,d"):
         with pytest.raises(ValueError, match="KVFLEET_PREFILL_TILE"):
             prefill_tile(bad)
+
+
+def test_gqa_heads_expanded_if_the_kernel_refuses_them(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch.nn.attention.varlen as varlen
+
+    from kvfleet.engine.attention import flash_prefill as fp
+
+    calls: list[int] = []
+
+    def strict_kernel(q, k, v, cu_q, cu_k, max_q, max_k, *, scale, window_size):   # heads must match
+        calls.append(k.shape[1])
+        assert window_size == (-1, 0)
+        if k.shape[1] != q.shape[1]:
+            raise RuntimeError("Number of heads in key/value must equal the query's")
+        return varlen_causal_reference(q, k, v, cu_q, cu_k, max_q, max_k, scale)
+
+    monkeypatch.setattr(varlen, "varlen_attn", strict_kernel)
+    monkeypatch.setitem(fp._GQA, "native", True)
+    g = torch.Generator().manual_seed(1)
+    q, k, v = torch.randn(9, 8, 16, generator=g), torch.randn(9, 2, 16, generator=g), torch.randn(9, 2, 16, generator=g)
+    cu = torch.tensor([0, 4, 9], dtype=torch.int32)
+    out = fp.torch_varlen_attn(q, k, v, cu, cu, 5, 5, 0.25)
+    assert torch.allclose(out, varlen_causal_reference(q, k, v, cu, cu, 5, 5, 0.25), atol=1e-6)
+    assert calls == [2, 8] and fp._GQA["native"] is False
+    fp.torch_varlen_attn(q, k, v, cu, cu, 5, 5, 0.25)
+    assert calls == [2, 8, 8]   # expanded from then on, no failing call first

@@ -75,13 +75,26 @@ def flash_plan(qsl: list[int], seq_lens: list[int], block_tables: torch.Tensor, 
     return FlashPlan(q_rows, k_slots, _to(cu_q, device), _to(cu_k, device), int(q_lens.max()), int(k_lens.max()))
 
 
+_GQA: dict[str, bool] = {"native": True}   # False once the kernel refused fewer K/V heads than query heads
+
+
 def torch_varlen_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor,
                       max_q: int, max_k: int, scale: float) -> torch.Tensor:
-    """PyTorch's FlashAttention-2 varlen kernel, causal (window (-1, 0): aligned to the last key), GQA heads
-    passed as they are."""
+    """PyTorch's FlashAttention-2 varlen kernel, causal (window (-1, 0): aligned to the last key). GQA heads go
+    in as they are (FlashAttention-2 takes num_heads_k dividing num_heads); should this PyTorch build refuse
+    them, K/V are expanded to the query heads from then on."""
     from torch.nn.attention.varlen import varlen_attn
 
-    return varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, scale=scale, window_size=(-1, 0))
+    g = q.shape[1] // k.shape[1]
+    if g > 1 and not _GQA["native"]:
+        k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
+    try:
+        return varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, scale=scale, window_size=(-1, 0))
+    except RuntimeError:
+        if g == 1 or not _GQA["native"]:
+            raise
+        _GQA["native"] = False
+        return torch_varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, scale)
 
 
 def varlen_causal_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor,
@@ -113,6 +126,8 @@ def flash_prefill(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, kv_
         keys = kv_cache[0].reshape(-1, hkv, d).index_select(0, plan.k_slots)
         values = kv_cache[1].reshape(-1, hkv, d).index_select(0, plan.k_slots)
     queries = q if plan.q_rows is None else q.index_select(0, plan.q_rows)
+    # q/k/v of a step are views of the fused qkv projection (rows strided): dense for the kernel
+    queries, keys, values = queries.contiguous(), keys.contiguous(), values.contiguous()
     res = attn(queries, keys, values, plan.cu_q, plan.cu_k, plan.max_q, plan.max_k, scale)
     if plan.q_rows is None:
         out.copy_(res)

@@ -194,7 +194,7 @@ def run_online(engine: str, model: str, out_dir: Path, loads: Sequence[LoadPoint
                                # server TTFT is the HTTP path, server TTFT minus queue time the prefill
                                server_means_ms=histogram_means_ms(before, scrape_histograms(base_url)))
                     (out_dir / f"{tag}-online-{p.name}.json").write_text(json.dumps(res, indent=1) + "\n")
-                    print(f"{engine} {p.name}: {res['completed']}/{p.num_prompts} ok, TTFT p50 "
+                    print(f"{engine} {p.name}: {res['completed']}/{len(reqs)} ok, TTFT p50 "
                           f"{res['ttft_ms']['p50']:.1f} p99 {res['ttft_ms']['p99']:.1f} ms, TPOT p50 "
                           f"{res['tpot_ms']['p50']:.2f} ms, {res['output_throughput']:.0f} out tok/s", flush=True)
         finally:

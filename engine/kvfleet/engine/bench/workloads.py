@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -90,8 +91,9 @@ def parallel_sampling_workload(num: int = 256, prompt_len: int = 512, n: int = 4
     return [BenchRequest(row.tolist(), output_len, n) for row in tokens]
 
 
-BUILDERS = {"random-1024-128": random_workload, "chat-mix": chat_mix_workload, "long-prompt": long_prompt_workload,
-            "shared-prefix": shared_prefix_workload, "parallel-sampling": parallel_sampling_workload}
+BUILDERS: dict[str, Callable[..., list[BenchRequest]]] = {
+    "random-1024-128": random_workload, "chat-mix": chat_mix_workload, "long-prompt": long_prompt_workload,
+    "shared-prefix": shared_prefix_workload, "parallel-sampling": parallel_sampling_workload}
 
 
 def named_workload(name: str, seed: int = 0) -> list[BenchRequest]:
