@@ -89,7 +89,9 @@ def torch_varlen_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: t
     if g > 1 and not _GQA["native"]:
         k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
     try:
-        return varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, scale=scale, window_size=(-1, 0))
+        out = varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, scale=scale, window_size=(-1, 0))
+        assert isinstance(out, torch.Tensor)   # a tuple only when asked for the log-sum-exp
+        return out
     except RuntimeError:
         if g == 1 or not _GQA["native"]:
             raise
@@ -137,8 +139,8 @@ def flash_prefill(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, kv_
 
 def plan_for(md: Any, block_size: int, device: torch.device) -> FlashPlan | None:
     """The step's plan, computed by the first layer and kept on the metadata object for the others."""
-    plan = getattr(md, "_kvfleet_flash_plan", False)
-    if plan is False:
-        plan = flash_plan(md.query_start_loc_cpu, md.seq_lens_cpu, md.block_tables, block_size, device)
-        md._kvfleet_flash_plan = plan
+    if not hasattr(md, "_kvfleet_flash_plan"):
+        md._kvfleet_flash_plan = flash_plan(md.query_start_loc_cpu, md.seq_lens_cpu, md.block_tables, block_size,
+                                            device)
+    plan: FlashPlan | None = md._kvfleet_flash_plan
     return plan

@@ -12,10 +12,14 @@ FP8 rate.
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from kvfleet.engine.models.linear import ColumnParallelLinear, RowParallelLinear
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)   # 448
@@ -88,8 +92,12 @@ class Fp8Linear(nn.Module):
 
     ``reduce`` is the row-parallel layer's all-reduce of partial sums (applied before its bias, as there)."""
 
+    weight: torch.Tensor          # float8_e4m3fn [out, in]
+    weight_scale: torch.Tensor    # float32 [out, 1]
+
     def __init__(self, w_q: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None,
-                 reduce: Any = None, bias_after_reduce: bool = False, use_cuda_kernel: bool | None = None) -> None:
+                 reduce: Callable[[torch.Tensor], torch.Tensor] | None = None, bias_after_reduce: bool = False,
+                 use_cuda_kernel: bool | None = None) -> None:
         super().__init__()
         self.register_buffer("weight", w_q)
         self.register_buffer("weight_scale", w_scale)
@@ -117,23 +125,24 @@ class Fp8Linear(nn.Module):
         return f"in={self.in_features}, out={self.out_features}, fp8_e4m3 per-channel, dynamic per-token"
 
 
-def quantize_linear(layer: nn.Module, use_cuda_kernel: bool | None = None) -> Fp8Linear:
+def quantize_linear(layer: ColumnParallelLinear | RowParallelLinear | nn.Linear,
+                    use_cuda_kernel: bool | None = None) -> Fp8Linear:
     """An Fp8Linear equivalent to one of kvfleet's linear layers (models/linear.py) or an nn.Linear."""
     from kvfleet.engine.distributed.parallel_state import tp_all_reduce
     from kvfleet.engine.models.linear import ColumnParallelLinear, RowParallelLinear
 
+    if not isinstance(layer, (ColumnParallelLinear, RowParallelLinear, nn.Linear)):
+        raise ValueError(f"quantization: no FP8 form for {type(layer).__name__}")
     weight = layer.weight.data
     if weight.dim() != 2 or not weight.is_floating_point() or weight.dtype == FP8_DTYPE:
         raise ValueError(f"quantization: cannot quantize a weight of dtype {weight.dtype} and shape "
                          f"{tuple(weight.shape)}")
     w_q, w_scale = quantize_per_row(weight)
-    bias = layer.bias.data if getattr(layer, "bias", None) is not None else None
+    bias = layer.bias.data if layer.bias is not None else None
     if isinstance(layer, RowParallelLinear):
         return Fp8Linear(w_q, w_scale, bias, reduce=tp_all_reduce, bias_after_reduce=True,
                          use_cuda_kernel=use_cuda_kernel)
-    if isinstance(layer, (ColumnParallelLinear, nn.Linear)):
-        return Fp8Linear(w_q, w_scale, bias, use_cuda_kernel=use_cuda_kernel)
-    raise ValueError(f"quantization: no FP8 form for {type(layer).__name__}")
+    return Fp8Linear(w_q, w_scale, bias, use_cuda_kernel=use_cuda_kernel)
 
 
 def quantize_model_fp8(model: nn.Module, use_cuda_kernel: bool | None = None) -> int:
