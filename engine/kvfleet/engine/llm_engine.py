@@ -114,7 +114,7 @@ class LLMEngine:
             # bf16 weights free goes to the KV cache, and the graphs capture the FP8 matmuls.
             from kvfleet.engine.models.fp8 import quantize_model_fp8
 
-            n = quantize_model_fp8(self.runner.model)
+            n = quantize_model_fp8(self.runner.executor.model)
             logger.info("fp8: %d linear layers quantized (per-channel weight scales, dynamic per-token activations)", n)
         num_blocks = self.runner.determine_num_blocks()
         self.runner.init_kv_cache(num_blocks)
