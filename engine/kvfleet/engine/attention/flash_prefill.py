@@ -16,10 +16,12 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Callable
 
 import numpy as np
 import torch
+
+from kvfleet.engine.attention.metadata import AttentionMetadata
 
 AttnFn = Callable[..., torch.Tensor]
 
@@ -137,10 +139,10 @@ def flash_prefill(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, kv_
         out.index_copy_(0, plan.q_rows, res)
 
 
-def plan_for(md: Any, block_size: int, device: torch.device) -> FlashPlan | None:
-    """The step's plan, computed by the first layer and kept on the metadata object for the others."""
-    if not hasattr(md, "_kvfleet_flash_plan"):
-        md._kvfleet_flash_plan = flash_plan(md.query_start_loc_cpu, md.seq_lens_cpu, md.block_tables, block_size,
-                                            device)
-    plan: FlashPlan | None = md._kvfleet_flash_plan
-    return plan
+def plan_for(md: AttentionMetadata, block_size: int, device: torch.device) -> FlashPlan | None:
+    """The step's plan (None: no prefill rows), built by the first layer and kept in `md.plans` for the others."""
+    if "flash_prefill" not in md.plans:
+        md.plans["flash_prefill"] = flash_plan(md.query_start_loc_cpu, md.seq_lens_cpu, md.block_tables, block_size,
+                                               device)
+    plan = md.plans["flash_prefill"]
+    return plan if isinstance(plan, FlashPlan) else None

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import os
+from typing import NamedTuple
 
 import torch
 
@@ -45,23 +46,30 @@ def prefill_tile(raw: str) -> tuple[int, int, int, int] | None:
     return bm, bn, warps, stages
 
 
-def _prefill_plan(md: AttentionMetadata, dtype: torch.dtype,
-                  device: torch.device) -> tuple[bool, str, tuple[int, int, int, int], torch.Tensor | None]:
-    """(has single-token rows, "triton" or "flash", Triton tile, work list) of a step with prefill: computed
-    once per step (the first layer) and kept on the metadata object for the other layers."""
-    plan = getattr(md, "_kvfleet_prefill_plan", None)
-    if plan is None:
-        qsl = md.query_start_loc_cpu
-        mixed = any(qsl[i + 1] - qsl[i] == 1 for i in range(len(qsl) - 1))
-        impl = prefill_impl() if device.type == "cuda" else "triton"
-        block_m = default_block_m(md.max_query_len, dtype)
-        tile = (block_m, 64, 4, 2)
-        custom = prefill_tile(os.environ.get("KVFLEET_PREFILL_TILE", ""))
-        if custom is not None and md.max_query_len > 16:
-            tile = custom
-        work = prefill_work(qsl, tile[0], mixed, device) if impl == "triton" else None
-        plan = (mixed, impl, tile, work)
-        md._kvfleet_prefill_plan = plan  # type: ignore[attr-defined]
+class PrefillPlan(NamedTuple):
+    """How a step with prefill runs its attention: computed once per step (the first layer)."""
+
+    mixed: bool                        # single-token (decode) rows too: the decode kernel runs after the prefill
+    impl: str                          # "triton" or "flash"
+    tile: tuple[int, int, int, int]    # Triton: BLOCK_M, BLOCK_N, num_warps, num_stages
+    work: torch.Tensor | None          # Triton: the prefill kernel's work list
+
+
+def _prefill_plan(md: AttentionMetadata, dtype: torch.dtype, device: torch.device) -> PrefillPlan:
+    """The step's `PrefillPlan`, kept in `md.plans` for the other layers."""
+    plan = md.plans.get("triton_prefill")
+    if isinstance(plan, PrefillPlan):
+        return plan
+    qsl = md.query_start_loc_cpu
+    mixed = any(qsl[i + 1] - qsl[i] == 1 for i in range(len(qsl) - 1))
+    impl = prefill_impl() if device.type == "cuda" else "triton"
+    block_m = default_block_m(md.max_query_len, dtype)
+    tile = (block_m, 64, 4, 2)
+    custom = prefill_tile(os.environ.get("KVFLEET_PREFILL_TILE", ""))
+    if custom is not None and md.max_query_len > 16:
+        tile = custom
+    work = prefill_work(qsl, tile[0], mixed, device) if impl == "triton" else None
+    md.plans["triton_prefill"] = plan = PrefillPlan(mixed, impl, tile, work)
     return plan
 
 
