@@ -29,6 +29,7 @@ from kvfleet.engine.core.scheduler import RequestUpdate, Scheduler, SchedulerOut
 from kvfleet.engine.model_config import ModelConfig
 from kvfleet.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from kvfleet.engine.sampling_params import SamplingParams
+from kvfleet.engine.warmup import WarmupReport, run_warmup
 
 logger = logging.getLogger(__name__)
 
@@ -227,11 +228,9 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self.groups)
 
-    def warm_up(self) -> Any:
+    def warm_up(self) -> WarmupReport:
         """Run every step shape and sampler path once (kvfleet.engine.warmup), leaving nothing behind:
         the server calls it before /health says ready, so no request pays a first-use compile."""
-        from kvfleet.engine.warmup import run_warmup
-
         return run_warmup(self)
 
     # --- the step ------------------------------------------------------------------
