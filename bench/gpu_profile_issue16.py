@@ -86,6 +86,7 @@ def section(name: str) -> Callable[[Callable[[], Any]], Callable[[], None]]:
             say(f"({name}: {time.monotonic() - t:.1f} s)")
             if DEV.type == "cuda":
                 torch.cuda.empty_cache()
+        run.__name__ = fn.__name__
         return run
     return wrap
 
@@ -205,6 +206,7 @@ def prefill_attention_bench() -> list[dict[str, Any]]:
 
 @section("fp8 linear")
 def fp8_linear_bench() -> dict[str, Any]:
+    from kvfleet.engine.kernels.fp8_quant import per_token_quant_fp8
     from kvfleet.engine.models.fp8 import fp8_linear_cuda, fp8_linear_reference, quantize_per_row
 
     if DEV.type != "cuda":
@@ -216,6 +218,12 @@ def fp8_linear_bench() -> dict[str, Any]:
         x = torch.randn(m, k, device=DEV, dtype=BF16)
         w_q, w_s = quantize_per_row(torch.randn(n, k, device=DEV, dtype=BF16) * 0.02)
         err = rel_err(fp8_linear_cuda(x, w_q, w_s), fp8_linear_reference(x, w_q, w_s).float())
+        q_fused, s_fused = per_token_quant_fp8(x)
+        q_ref, s_ref = quantize_per_row(x)
+        out["checks"].append({"M": m, "quant_scales_equal": bool(torch.equal(s_fused, s_ref)),
+                              "quant_values_equal": bool(torch.equal(q_fused.float(), q_ref.float()))})
+        say(f"fused per-token quant vs eager, M={m}: scales equal {torch.equal(s_fused, s_ref)}, "
+            f"values equal {torch.equal(q_fused.float(), q_ref.float())}")
         out["checks"].append({"M": m, "rel_err_vs_reference": err, "ok": err < 2e-2})
         say(f"fp8 _scaled_mm vs float32 reference of the same operands, M={m}: rel err {err:.2e}")
     for m in (1, 16, 256, 8192):
@@ -225,10 +233,14 @@ def fp8_linear_bench() -> dict[str, Any]:
             w_q, w_s = quantize_per_row(w)
             t_bf16 = bench_ms(lambda x=x, w=w: F.linear(x, w))
             t_fp8 = bench_ms(lambda x=x, w_q=w_q, w_s=w_s: fp8_linear_cuda(x, w_q, w_s))
-            row = {"M": m, "layer": name, "bf16_ms": t_bf16, "fp8_ms": t_fp8, "speedup": t_bf16 / t_fp8}
+            # the activation's quantization alone: eager PyTorch ops (the first version) against the fused kernel
+            t_q_eager = bench_ms(lambda x=x: quantize_per_row(x))
+            t_q_fused = bench_ms(lambda x=x: per_token_quant_fp8(x))
+            row = {"M": m, "layer": name, "bf16_ms": t_bf16, "fp8_ms": t_fp8, "speedup": t_bf16 / t_fp8,
+                   "quant_eager_ms": t_q_eager, "quant_fused_ms": t_q_fused}
             out["timings"].append(row)
             say(f"M={m:5} {name:8} bf16 {t_bf16:.4f} ms  fp8 (incl. per-token quant) {t_fp8:.4f} ms  "
-                f"x{t_bf16 / t_fp8:.2f}")
+                f"x{t_bf16 / t_fp8:.2f}  (quant alone: eager {t_q_eager:.4f} ms, fused {t_q_fused:.4f} ms)")
     return out
 
 
@@ -401,8 +413,11 @@ def engine_profile() -> dict[str, Any]:
 def main() -> int:
     out = Path(sys.argv[1] if len(sys.argv) > 1 else "profile-out")
     out.mkdir(parents=True, exist_ok=True)
+    # PROFILE_SECTIONS=fp8,engine runs only the sections whose function names contain one of these words
+    only = [w for w in os.environ.get("PROFILE_SECTIONS", "").split(",") if w]
     for fn in (ceilings, prefill_attention_bench, fp8_linear_bench, engine_profile):
-        fn()
+        if not only or any(w in fn.__name__ for w in only):
+            fn()
     (out / "profile.json").write_text(json.dumps(REPORT, indent=1, default=str) + "\n")
     (out / "profile.txt").write_text("\n".join(LINES) + "\n")
     failed = [k for k, v in REPORT.items() if isinstance(v, dict) and "error" in v]
