@@ -25,6 +25,7 @@ import torch
 
 from kvfleet.engine.attention.metadata import AttentionMetadata
 from kvfleet.engine.distributed import parallel_state
+from kvfleet.engine.models.base import CausalLM
 
 logger = logging.getLogger(__name__)
 
@@ -102,7 +103,7 @@ class PiecewiseGraph:
 class CudaGraphRunner:
     """Captured decode forwards of ``model`` over ``kv_caches``, one per padded batch size."""
 
-    def __init__(self, model: Any, kv_caches: list[torch.Tensor], max_batch: int, max_model_len: int,
+    def __init__(self, model: CausalLM, kv_caches: list[torch.Tensor], max_batch: int, max_model_len: int,
                  block_size: int, device: torch.device) -> None:
         if device.type != "cuda":
             raise ValueError(f"device: CUDA graphs need a CUDA device, got {device}")
@@ -205,7 +206,7 @@ class CudaGraphRunner:
         return self.outputs[bs][:n]
 
 
-def build_graph_runner(model: Any, kv_caches: list[torch.Tensor], max_num_seqs: int, max_model_len: int,
+def build_graph_runner(model: CausalLM, kv_caches: list[torch.Tensor], max_num_seqs: int, max_model_len: int,
                        block_size: int, device: torch.device) -> CudaGraphRunner | None:
     """Capture decode graphs on CUDA; None elsewhere (the runner then stays eager)."""
     if device.type != "cuda":

@@ -19,7 +19,7 @@ import threading
 import time
 import traceback
 from dataclasses import dataclass
-from typing import Any
+from multiprocessing.connection import Connection
 
 import torch
 import torch.distributed as dist
@@ -149,7 +149,7 @@ class ShardWorker:
         return True
 
     @torch.inference_mode()
-    def serve(self, conn: Any) -> None:
+    def serve(self, conn: Connection) -> None:
         while self.handle(receive(conn)):
             pass
 
@@ -162,7 +162,7 @@ def _exit_when_orphaned(parent: int) -> None:
             os._exit(3)
 
 
-def worker_main(rank: int, spec: WorkerSpec, parent_pid: int, conn: Any) -> None:
+def worker_main(rank: int, spec: WorkerSpec, parent_pid: int, conn: Connection) -> None:
     """Entry point of a spawned worker process; `conn`: the read end of its control pipe."""
     logging.basicConfig(level=os.environ.get("KVFLEET_LOG_LEVEL", "WARNING"))
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
