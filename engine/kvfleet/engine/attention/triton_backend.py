@@ -16,7 +16,6 @@ from typing import NamedTuple
 
 import torch
 
-from kvfleet.engine.attention.flash_prefill import flash_prefill, plan_for, prefill_impl
 from kvfleet.engine.attention.metadata import AttentionMetadata
 from kvfleet.engine.kernels.paged_decode import choose_num_splits, paged_decode_attention
 from kvfleet.engine.kernels.prefill_attention import default_block_m, prefill_attention, prefill_work
@@ -50,9 +49,8 @@ class PrefillPlan(NamedTuple):
     """How a step with prefill runs its attention: computed once per step (the first layer)."""
 
     mixed: bool                        # single-token (decode) rows too: the decode kernel runs after the prefill
-    impl: str                          # "triton" or "flash"
-    tile: tuple[int, int, int, int]    # Triton: BLOCK_M, BLOCK_N, num_warps, num_stages
-    work: torch.Tensor | None          # Triton: the prefill kernel's work list
+    tile: tuple[int, int, int, int]    # BLOCK_M, BLOCK_N, num_warps, num_stages
+    work: torch.Tensor                 # the prefill kernel's work list
 
 
 def _prefill_plan(md: AttentionMetadata, dtype: torch.dtype, device: torch.device) -> PrefillPlan:
@@ -62,14 +60,12 @@ def _prefill_plan(md: AttentionMetadata, dtype: torch.dtype, device: torch.devic
         return plan
     qsl = md.query_start_loc_cpu
     mixed = any(qsl[i + 1] - qsl[i] == 1 for i in range(len(qsl) - 1))
-    impl = prefill_impl() if device.type == "cuda" else "triton"
     block_m = default_block_m(md.max_query_len, dtype)
     tile = (block_m, 64, 4, 2)
     custom = prefill_tile(os.environ.get("KVFLEET_PREFILL_TILE", ""))
     if custom is not None and md.max_query_len > 16:
         tile = custom
-    work = prefill_work(qsl, tile[0], mixed, device) if impl == "triton" else None
-    md.plans["triton_prefill"] = plan = PrefillPlan(mixed, impl, tile, work)
+    md.plans["triton_prefill"] = plan = PrefillPlan(mixed, tile, prefill_work(qsl, tile[0], mixed, device))
     return plan
 
 
@@ -94,15 +90,10 @@ def triton_paged_attention(
         splits = choose_num_splits(batch, kv_cache.shape[3], md.max_seq_len, _num_sms(q.device))
         return paged_decode_attention(q, kv_cache, md.block_tables, md.seq_lens, md.query_start_loc,
                                       scale, out, num_splits=splits)
-    mixed, impl, (block_m, block_n, warps, stages), work = _prefill_plan(md, q.dtype, q.device)
-    if impl == "flash":
-        plan = plan_for(md, kv_cache.shape[2], q.device)
-        if plan is not None:
-            flash_prefill(q, k, v, kv_cache, plan, scale, out)
-    else:
-        prefill_attention(q, kv_cache, md.block_tables, md.seq_lens, md.query_start_loc, md.max_query_len,
-                          scale, out, skip_decode=mixed, block_m=block_m, block_n=block_n, work=work,
-                          num_warps=warps, num_stages=stages)
+    mixed, (block_m, block_n, warps, stages), work = _prefill_plan(md, q.dtype, q.device)
+    prefill_attention(q, kv_cache, md.block_tables, md.seq_lens, md.query_start_loc, md.max_query_len,
+                      scale, out, skip_decode=mixed, block_m=block_m, block_n=block_n, work=work,
+                      num_warps=warps, num_stages=stages)
     if mixed:
         # decode rows of a mixed step: enough programs already come from the batch, no split
         paged_decode_attention(q, kv_cache, md.block_tables, md.seq_lens, md.query_start_loc, scale, out)
