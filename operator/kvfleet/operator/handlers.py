@@ -1,9 +1,10 @@
-"""kopf handlers: thin edges that call the reconcilers, serialised per object.
+"""kopf handlers: thin edges that call the reconcilers, one pass per object at a time (coalesce.py).
 
-ModelDeployments are reconciled on create/update/resume and on any event of a Workload or
-Deployment they own. Tenants on create/update/resume, when one of their queues is deleted,
-and (status only) when a workload in their namespaces changes. No timers, so no finalizers:
-deleting a ModelDeployment or a Tenant never waits for the operator.
+ModelDeployments are reconciled on create/update/resume and on the events of a Workload or Deployment they own
+that change what the reconcile reads (triggers.py). Tenants on create/update/resume, when one of their queues is
+deleted, and (status only) when a workload in their namespaces changes admission. Triggers that arrive while a
+pass runs fold into one more pass; a pass the apiserver could not serve runs again after a delay. No timers, so
+no finalizers: deleting a ModelDeployment or a Tenant never waits for the operator.
 """
 from __future__ import annotations
 
@@ -16,16 +17,20 @@ import kopf
 
 from . import metrics
 from .config import OperatorConfig
+from .coalesce import Coalescer
 from .constants import (GROUP, KUEUE_GROUP, KUEUE_VERSION, LABEL_MANAGED_BY, LABEL_MDEP, LABEL_TENANT,
                         MANAGED_BY_VALUE, MDEP_PLURAL, TENANT_PLURAL, VERSION)
 from .kube import Kube, KubeError
 from .reconcile import reconcile_model_deployment
 from .reconcile_tenant import reconcile_tenant
+from .triggers import Fingerprints, deployment_fingerprint, workload_fingerprint
 
 log = logging.getLogger("kvfleet.operator.handlers")
 
 _state_lock = threading.Lock()
-_locks: dict[str, threading.Lock] = {}
+_passes = Coalescer()
+_workloads_seen = Fingerprints()
+_deployments_seen = Fingerprints()
 _kube: Kube | None = None
 _config: OperatorConfig | None = None
 
@@ -46,14 +51,9 @@ def config() -> OperatorConfig:
         return _config
 
 
-def _lock(key: str) -> threading.Lock:
-    with _state_lock:
-        return _locks.setdefault(key, threading.Lock())
-
-
 def _guarded(kind: str, key: str, fn: Callable[[], Any]) -> Any:
-    """One reconcile per object at a time; API errors become kopf retries."""
-    with _lock(key), metrics.timed(kind):
+    """One reconcile, timed; API errors become kopf.TemporaryError (retried)."""
+    with metrics.timed(kind):
         try:
             return fn()
         except KubeError as exc:
@@ -64,6 +64,24 @@ def _guarded(kind: str, key: str, fn: Callable[[], Any]) -> Any:
             raise kopf.TemporaryError(f"{kind} {key}: {exc}", delay=1 if exc.status == 409 else 5) from exc
         except httpx.TransportError as exc:  # the apiserver is unreachable for a moment
             raise kopf.TemporaryError(f"{kind} {key}: {exc!r}", delay=5) from exc
+
+
+# Pass ranks per key: a full tenant reconcile covers a status refresh.
+_STATUS_ONLY, _FULL = 0, 1
+
+
+def _mdep_pass(namespace: str, name: str, *, wait: bool) -> Any:
+    key = f"{namespace}/{name}"
+    return _passes.run(f"ModelDeployment {key}",
+                       lambda: _guarded("ModelDeployment", key, lambda: _reconcile_and_record(namespace, name)),
+                       wait=wait)
+
+
+def _tenant_pass(name: str, *, converge: bool, wait: bool) -> Any:
+    def one() -> Any:
+        return _guarded("Tenant", name, lambda: reconcile_tenant(
+            kube(), name, converge=converge, system_namespaces=config().system_namespaces))
+    return _passes.run(f"Tenant {name}", one, wait=wait, rank=_FULL if converge else _STATUS_ONLY)
 
 
 # Problems that go away when something else appears (the spec itself is fine): retried.
@@ -80,7 +98,7 @@ def waiting_reason(status: dict[str, Any] | None) -> str | None:
 
 
 def _reconcile_and_record(namespace: str, name: str) -> dict[str, Any] | None:
-    """Reconcile, then mirror the status counts in the replica gauges (inside the object's lock, so a
+    """Reconcile, then mirror the status counts in the replica gauges (inside the object's pass, so a
     reconcile that ends after the object's deletion cannot bring its series back)."""
     status = reconcile_model_deployment(kube(), config(), namespace, name)
     if status is None:
@@ -91,15 +109,15 @@ def _reconcile_and_record(namespace: str, name: str) -> dict[str, Any] | None:
 
 
 def reconcile_now(namespace: str, name: str) -> Any:
-    """Reconcile one ModelDeployment now (the autoscaler calls this after a decision)."""
-    return _guarded("ModelDeployment", f"{namespace}/{name}", lambda: _reconcile_and_record(namespace, name))
+    """Reconcile one ModelDeployment now and return its status (the autoscaler calls this after a decision)."""
+    return _mdep_pass(namespace, name, wait=True)
 
 
 @kopf.on.create(GROUP, VERSION, MDEP_PLURAL)
 @kopf.on.update(GROUP, VERSION, MDEP_PLURAL)
 @kopf.on.resume(GROUP, VERSION, MDEP_PLURAL)
 def mdep_changed(namespace: str, name: str, **_: Any) -> None:
-    status = reconcile_now(namespace, name)
+    status = _mdep_pass(namespace, name, wait=True)
     reason = waiting_reason(status)
     if reason:
         # What it waits for (a flavor, a queue, a tenant) is not watched: kopf retries until it exists.
@@ -117,34 +135,44 @@ def mdep_event(type: str | None, namespace: str, name: str, **_: Any) -> None:  
     """Gone from the API: drop its replica gauges. Without a finalizer kopf may never call the delete
     handler (the object can vanish before it is seen terminating), but the watch always says DELETED."""
     if type == "DELETED":
-        with _lock(f"{namespace}/{name}"):
-            metrics.REPLICAS.forget(namespace, name)
+        _passes.run(f"ModelDeployment {namespace}/{name}",
+                    lambda: metrics.REPLICAS.forget(namespace, name), wait=True)
 
 
 @kopf.on.event(KUEUE_GROUP, KUEUE_VERSION, "workloads",
                labels={LABEL_MANAGED_BY: MANAGED_BY_VALUE, LABEL_MDEP: kopf.PRESENT})
-def owned_workload_event(namespace: str, labels: dict[str, str], **_: Any) -> None:
-    reconcile_now(namespace, labels[LABEL_MDEP])
-    # Admission changed the tenant's GPU usage: refresh its status now.
+def owned_workload_event(type: str | None, namespace: str, name: str, labels: dict[str, str],  # noqa: A002
+                         body: Any, **_: Any) -> None:
+    key = f"{namespace}/{name}"
+    if type == "DELETED":
+        _workloads_seen.forget(key)
+    elif not _workloads_seen.changed(key, workload_fingerprint(body)):
+        return  # nothing the plan reads changed (Kueue's bookkeeping)
+    _mdep_pass(namespace, labels[LABEL_MDEP], wait=False)
+    # Admission changed the tenant's GPU usage: refresh its status.
     ns = kube().get("v1", "namespaces", namespace) or {}
     tenant = ((ns.get("metadata") or {}).get("labels") or {}).get(LABEL_TENANT)
     if tenant:
-        _guarded("Tenant", tenant, lambda: reconcile_tenant(kube(), tenant, converge=False,
-                                                            system_namespaces=config().system_namespaces))
+        _tenant_pass(tenant, converge=False, wait=False)
 
 
 @kopf.on.event("apps", "v1", "deployments",
                labels={LABEL_MANAGED_BY: MANAGED_BY_VALUE, LABEL_MDEP: kopf.PRESENT})
-def owned_deployment_event(namespace: str, labels: dict[str, str], **_: Any) -> None:
-    reconcile_now(namespace, labels[LABEL_MDEP])
+def owned_deployment_event(type: str | None, namespace: str, name: str, labels: dict[str, str],  # noqa: A002
+                           body: Any, **_: Any) -> None:
+    key = f"{namespace}/{name}"
+    if type == "DELETED":
+        _deployments_seen.forget(key)
+    elif not _deployments_seen.changed(key, deployment_fingerprint(body)):
+        return  # only the controller's bookkeeping changed
+    _mdep_pass(namespace, labels[LABEL_MDEP], wait=False)
 
 
 @kopf.on.create(GROUP, VERSION, TENANT_PLURAL)
 @kopf.on.update(GROUP, VERSION, TENANT_PLURAL)
 @kopf.on.resume(GROUP, VERSION, TENANT_PLURAL)
 def tenant_changed(name: str, **_: Any) -> None:
-    _guarded("Tenant", name, lambda: reconcile_tenant(kube(), name,
-                                                        system_namespaces=config().system_namespaces))
+    _tenant_pass(name, converge=True, wait=True)
 
 
 @kopf.on.event(KUEUE_GROUP, KUEUE_VERSION, "clusterqueues",
@@ -154,6 +182,4 @@ def tenant_changed(name: str, **_: Any) -> None:
 def tenant_queue_event(type: str | None, labels: dict[str, str], **_: Any) -> None:  # noqa: A002 (kopf's name)
     """A queue of a tenant was deleted by someone: put it back (self-healing without a timer)."""
     if type == "DELETED":
-        tenant = labels[LABEL_TENANT]
-        _guarded("Tenant", tenant, lambda: reconcile_tenant(
-            kube(), tenant, system_namespaces=config().system_namespaces))
+        _tenant_pass(labels[LABEL_TENANT], converge=True, wait=False)
