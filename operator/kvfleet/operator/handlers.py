@@ -17,11 +17,14 @@ import kopf
 
 from . import metrics
 from .config import OperatorConfig
+from .applied import AppliedOnce, covers
+from .builders import build_service
 from .coalesce import Coalescer
 from .constants import (GROUP, KUEUE_GROUP, KUEUE_VERSION, LABEL_MANAGED_BY, LABEL_MDEP, LABEL_TENANT,
                         MANAGED_BY_VALUE, MDEP_PLURAL, TENANT_PLURAL, VERSION)
 from .kube import Kube, KubeError
 from .reconcile import reconcile_model_deployment
+from .refs import ApiRefs, WatchedRefs
 from .reconcile_tenant import reconcile_tenant
 from .triggers import Fingerprints, deployment_fingerprint, workload_fingerprint
 
@@ -31,8 +34,10 @@ _state_lock = threading.Lock()
 _passes = Coalescer()
 _workloads_seen = Fingerprints()
 _deployments_seen = Fingerprints()
+_services_applied = AppliedOnce()
 _kube: Kube | None = None
 _config: OperatorConfig | None = None
+_refs: WatchedRefs | None = None
 
 
 def kube() -> Kube:
@@ -41,6 +46,16 @@ def kube() -> Kube:
         if _kube is None:
             _kube = Kube.from_kubeconfig()
         return _kube
+
+
+def refs() -> WatchedRefs:
+    """Flavors, namespaces' tenants and LocalQueues as the watches below deliver them (read through on a miss)."""
+    global _refs
+    client = kube()
+    with _state_lock:
+        if _refs is None:
+            _refs = WatchedRefs(ApiRefs(client))
+        return _refs
 
 
 def config() -> OperatorConfig:
@@ -80,7 +95,7 @@ def _mdep_pass(namespace: str, name: str, *, wait: bool) -> Any:
 def _tenant_pass(name: str, *, converge: bool, wait: bool) -> Any:
     def one() -> Any:
         return _guarded("Tenant", name, lambda: reconcile_tenant(
-            kube(), name, converge=converge, system_namespaces=config().system_namespaces))
+            kube(), name, converge=converge, system_namespaces=config().system_namespaces, refs=refs()))
     return _passes.run(f"Tenant {name}", one, wait=wait, rank=_FULL if converge else _STATUS_ONLY)
 
 
@@ -100,7 +115,7 @@ def waiting_reason(status: dict[str, Any] | None) -> str | None:
 def _reconcile_and_record(namespace: str, name: str) -> dict[str, Any] | None:
     """Reconcile, then mirror the status counts in the replica gauges (inside the object's pass, so a
     reconcile that ends after the object's deletion cannot bring its series back)."""
-    status = reconcile_model_deployment(kube(), config(), namespace, name)
+    status = reconcile_model_deployment(kube(), config(), namespace, name, _services_applied, refs())
     if status is None:
         metrics.REPLICAS.forget(namespace, name)
     else:
@@ -150,8 +165,7 @@ def owned_workload_event(type: str | None, namespace: str, name: str, labels: di
         return  # nothing the plan reads changed (Kueue's bookkeeping)
     _mdep_pass(namespace, labels[LABEL_MDEP], wait=False)
     # Admission changed the tenant's GPU usage: refresh its status.
-    ns = kube().get("v1", "namespaces", namespace) or {}
-    tenant = ((ns.get("metadata") or {}).get("labels") or {}).get(LABEL_TENANT)
+    tenant = refs().namespace_tenant(namespace)
     if tenant:
         _tenant_pass(tenant, converge=False, wait=False)
 
@@ -166,6 +180,54 @@ def owned_deployment_event(type: str | None, namespace: str, name: str, labels: 
     elif not _deployments_seen.changed(key, deployment_fingerprint(body)):
         return  # only the controller's bookkeeping changed
     _mdep_pass(namespace, labels[LABEL_MDEP], wait=False)
+
+
+@kopf.on.event("v1", "services", labels={LABEL_MANAGED_BY: MANAGED_BY_VALUE, LABEL_MDEP: kopf.PRESENT})
+def owned_service_event(type: str | None, namespace: str, name: str, labels: dict[str, str],  # noqa: A002
+                        body: Any, **_: Any) -> None:
+    """Our Service deleted or edited by someone: apply it again (it is otherwise applied once per process)."""
+    if type is None:
+        return  # the initial listing: nothing changed
+    mdep = labels[LABEL_MDEP]
+    if type == "DELETED" or (body.get("metadata") or {}).get("deletionTimestamp") or \
+            not _service_intact(body, namespace, mdep):
+        _services_applied.forget(namespace, mdep)
+        _mdep_pass(namespace, mdep, wait=False)
+
+
+def _service_intact(body: Any, namespace: str, mdep: str) -> bool:
+    owner = next((o for o in (body.get("metadata") or {}).get("ownerReferences") or ()
+                  if o.get("kind") == "ModelDeployment"), None)
+    if owner is None:
+        return False
+    built = build_service({"apiVersion": owner["apiVersion"], "kind": "ModelDeployment",
+                           "metadata": {"name": mdep, "namespace": namespace, "uid": owner["uid"]}})
+    return covers(body, built)
+
+
+# What ModelDeployments refer to, kept from the watches (refs.py): no read of them per reconcile.
+@kopf.on.event(KUEUE_GROUP, KUEUE_VERSION, "resourceflavors")
+def flavor_event(type: str | None, name: str, body: Any, **_: Any) -> None:  # noqa: A002 (kopf's name)
+    if type == "DELETED":
+        refs().gone(WatchedRefs.FLAVOR, name)
+    else:
+        refs().seen(WatchedRefs.FLAVOR, name, dict(body.get("spec") or {}))
+
+
+@kopf.on.event("v1", "namespaces")
+def namespace_event(type: str | None, name: str, labels: dict[str, str], **_: Any) -> None:  # noqa: A002
+    if type == "DELETED":
+        refs().gone(WatchedRefs.NAMESPACE, name)
+    else:
+        refs().seen(WatchedRefs.NAMESPACE, name, labels.get(LABEL_TENANT))
+
+
+@kopf.on.event(KUEUE_GROUP, KUEUE_VERSION, "localqueues")
+def local_queue_event(type: str | None, namespace: str, name: str, **_: Any) -> None:  # noqa: A002
+    if type == "DELETED":
+        refs().gone(WatchedRefs.QUEUE, f"{namespace}/{name}")
+    else:
+        refs().seen(WatchedRefs.QUEUE, f"{namespace}/{name}", True)
 
 
 @kopf.on.create(GROUP, VERSION, TENANT_PLURAL)

@@ -8,8 +8,9 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from datetime import datetime, timezone
-from typing import Any, Mapping
+from typing import Any, Iterable, Mapping
 
+from .applied import AppliedOnce, unchanged, with_hash
 from .builders import build_deployment, build_service, build_workload, workload_hash
 from .builders.deployment import endpoint_url
 from .builders.meta import selector_labels
@@ -20,9 +21,10 @@ from .constants import (API_VERSION, KUEUE_API_VERSION, LABEL_FLAVOR, LABEL_MDEP
                         LABEL_WORKLOAD_HASH, MDEP_PLURAL)
 from .errors import SpecError
 from .events import build_event
-from .kube import Kube
+from .kube import Kube, KubeError
 from .kueue_state import observe_workload
 from .plan import WorkloadPlan, frozen_plan, plan_deployment_replicas, plan_workloads
+from .refs import ApiRefs, Refs
 from .scaling import desired_replicas_for
 from .spec import ModelDeploymentSpec, check_node_path, parse_model_deployment
 from .status import Observation, compute_status, status_changed, transition_events
@@ -38,34 +40,40 @@ def utcnow() -> str:
 class Resolved:
     queue_name: str
     priority: tuple[str, int] | None
-    flavors: dict[str, dict[str, Any]]  # ResourceFlavor name -> spec
+    flavors: dict[str, Mapping[str, Any]]  # ResourceFlavor name -> spec, of the flavors this reconcile places on
 
 
-def resolve(kube: Kube, namespace: str, spec: ModelDeploymentSpec) -> Resolved:
-    """Look up what the spec refers to; a missing reference is a SpecError with its reason."""
-    flavors = {f["metadata"]["name"]: f.get("spec") or {}
-               for f in kube.list(KUEUE_API_VERSION, "resourceflavors")}
-    if spec.gpu_flavor and spec.gpu_flavor not in flavors:
-        raise SpecError("spec.resources.gpuFlavor", f"ResourceFlavor {spec.gpu_flavor!r} does not exist",
-                        "FlavorNotFound")
+def resolve(refs: Refs, namespace: str, spec: ModelDeploymentSpec, placed: Iterable[str] = ()) -> Resolved:
+    """Look up what the spec refers to, and the flavors of `placed` (those workloads were admitted with); a
+    missing reference is a SpecError with its reason."""
+    flavors: dict[str, Mapping[str, Any]] = {}
+    if spec.gpu_flavor:
+        pinned = refs.flavor(spec.gpu_flavor)
+        if pinned is None:
+            raise SpecError("spec.resources.gpuFlavor", f"ResourceFlavor {spec.gpu_flavor!r} does not exist",
+                            "FlavorNotFound")
+        flavors[spec.gpu_flavor] = pinned
+    for name in set(placed) - set(flavors):
+        found = refs.flavor(name)
+        if found is not None:
+            flavors[name] = found
     queue = spec.queue_name
     if queue is None:
-        ns = kube.get("v1", "namespaces", namespace) or {}
-        tenant = ((ns.get("metadata") or {}).get("labels") or {}).get(LABEL_TENANT)
+        tenant = refs.namespace_tenant(namespace)
         if not tenant:
             raise SpecError("spec.queueName", f"namespace {namespace!r} belongs to no Tenant; set "
                             "spec.queueName or add the namespace to a Tenant", "NotATenantNamespace")
         queue = local_queue_name(tenant)
-    if kube.get(KUEUE_API_VERSION, "localqueues", queue, namespace) is None:
+    if not refs.local_queue_exists(namespace, queue):
         raise SpecError("spec.queueName", f"LocalQueue {queue!r} does not exist in {namespace!r}",
                         "QueueNotFound")
     priority = None
     if spec.priority_class_name:
-        wpc = kube.get(KUEUE_API_VERSION, "workloadpriorityclasses", spec.priority_class_name)
-        if wpc is None:
+        value = refs.priority_value(spec.priority_class_name)
+        if value is None:
             raise SpecError("spec.priorityClassName", f"WorkloadPriorityClass {spec.priority_class_name!r} "
                             "does not exist", "PriorityClassNotFound")
-        priority = (spec.priority_class_name, int(wpc.get("value", 0)))
+        priority = (spec.priority_class_name, value)
     return Resolved(queue, priority, flavors)
 
 
@@ -86,7 +94,10 @@ def _apply_deployments(kube: Kube, config: OperatorConfig, mdep: dict[str, Any],
     for (flavor, shape), replicas in plan_deployment_replicas(plan.admitted_by_shape, existing).items():
         if shape == spec_hash:
             node_labels, tolerations = _flavor_placement(resolved.flavors.get(flavor, {}))
-            kube.apply(build_deployment(mdep, spec, config, flavor, replicas, node_labels, tolerations, shape))
+            desired = with_hash(build_deployment(mdep, spec, config, flavor, replicas, node_labels, tolerations,
+                                                 shape))
+            if not unchanged(existing.get((flavor, shape)), desired):
+                kube.apply(desired)
         elif (flavor, shape) in existing:
             # An older shape keeps its template (its pods match their admitted workloads) and only
             # shrinks as those workloads are replaced.
@@ -100,8 +111,11 @@ def _apply_deployments(kube: Kube, config: OperatorConfig, mdep: dict[str, Any],
         # else: admitted with an old shape whose Deployment is gone; it runs once replaced.
 
 
-def reconcile_model_deployment(kube: Kube, config: OperatorConfig, namespace: str, name: str) -> dict | None:
-    """Converge one ModelDeployment; returns the status written (or None if it is gone)."""
+def reconcile_model_deployment(kube: Kube, config: OperatorConfig, namespace: str, name: str,
+                               applied: AppliedOnce | None = None, refs: Refs | None = None) -> dict | None:
+    """Converge one ModelDeployment; returns the status written (or None if it is gone). `applied` remembers
+    the Services already applied by this process (their content never changes), so they are applied once;
+    `refs` looks up what the spec refers to (default: the apiserver, each time)."""
     mdep = kube.get(API_VERSION, MDEP_PLURAL, name, namespace)
     if mdep is None or mdep["metadata"].get("deletionTimestamp"):
         return None  # the garbage collector removes what it owned
@@ -117,7 +131,7 @@ def reconcile_model_deployment(kube: Kube, config: OperatorConfig, namespace: st
         spec = parse_model_deployment(mdep.get("spec") or {})
         check_node_path(spec.source, config.node_cache_roots)
         desired = desired_replicas_for(spec, old_status.get("autoscaler"))
-        resolved = resolve(kube, namespace, spec)
+        resolved = resolve(refs or ApiRefs(kube), namespace, spec, {w.flavor for w in observed if w.flavor})
     except SpecError as exc:
         problem = exc
         plan = frozen_plan(desired, observed)
@@ -126,7 +140,11 @@ def reconcile_model_deployment(kube: Kube, config: OperatorConfig, namespace: st
         template = workload_pod_template(spec, config, pinned)
         spec_hash = workload_hash(template, resolved.queue_name, resolved.priority)
         plan = plan_workloads(desired, observed, spec_hash)
-        kube.apply(build_service(mdep))
+        service_key = (namespace, name, str(mdep["metadata"].get("uid")))
+        if applied is None or applied.needed(service_key):
+            kube.apply(build_service(mdep))
+            if applied is not None:
+                applied.done(service_key)
         _apply_deployments(kube, config, mdep, spec, resolved, plan, deployments, spec_hash)
         # Pods go first (above), then the quota: a freed GPU is never still in use by us.
         for wl_name in plan.delete:
@@ -153,5 +171,14 @@ def reconcile_model_deployment(kube: Kube, config: OperatorConfig, namespace: st
         kube.merge_patch(mdep, {"status": new_status}, subresource="status")
         for event_type, reason, message in transition_events(old_status.get("conditions") or [],
                                                              new_status["conditions"]):
-            kube.create(build_event(mdep, event_type, reason, message, now))
+            post_event(kube, build_event(mdep, event_type, reason, message, now))
     return new_status
+
+
+def post_event(kube: Kube, event: dict[str, Any]) -> None:
+    """Post an Event; one that cannot be posted (its namespace is being deleted, the apiserver refuses it) is
+    worth a log line, not a failed reconcile: the status it reports is already written."""
+    try:
+        kube.create(event)
+    except KubeError as exc:
+        log.warning("event %s/%s not posted: %s", event["metadata"]["namespace"], event["reason"], exc)
