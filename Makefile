@@ -31,6 +31,10 @@ system-deps: ## install the system packages the tests use (Debian's prometheus),
 test: install system-deps cluster-build ## run the unit, integration and e2e tests (builds the cluster binaries when missing)
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
+lint: install ## ruff (style, imports, pyflakes, bugbear) and mypy (types), as CI runs them
+	$(VENV)/bin/ruff check engine operator tests e2e bench
+	$(VENV)/bin/mypy
+
 test-unit: install ## run only the tests that need no cluster
 	$(PY) -m pytest -q tests $(PYTEST_ARGS)
 
@@ -58,4 +62,4 @@ demo: cluster-up ## the story: chart + samples on the local cluster, quota waits
 clean: ## remove the virtualenv and caches
 	rm -rf $(VENV) .pytest_cache .hypothesis
 
-.PHONY: help install system-deps test test-unit clean cluster-build cluster-up cluster-down cluster-status e2e demo
+.PHONY: help install system-deps lint test test-unit clean cluster-build cluster-up cluster-down cluster-status e2e demo

@@ -63,9 +63,9 @@ def run_hf(model: str, dtype: torch.dtype, ps: list[list[int]], max_tokens: int)
 
 def agreement(a: list[list[int]], b: list[list[int]]) -> dict[str, Any]:
     """Exact sequences equal, and mean length of the common prefix."""
-    equal = sum(int(x == y) for x, y in zip(a, b))
+    equal = sum(int(x == y) for x, y in zip(a, b, strict=True))
     prefix = []
-    for x, y in zip(a, b):
+    for x, y in zip(a, b, strict=True):
         n = 0
         while n < min(len(x), len(y)) and x[n] == y[n]:
             n += 1

@@ -9,13 +9,13 @@ tile configurations are swept. Writes one JSON (argv[1]) and prints a table.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
+import os
 import sys
 import time
 from typing import Any, Callable
-
-import os
 
 # Dry run on CPU (TRITON_INTERPRET=1, tiny sizes) to check this script itself before spending GPU time.
 DRY = os.environ.get("KVFLEET_GPU_DRYRUN") == "1"
@@ -24,15 +24,24 @@ if DRY:
 
 import torch  # noqa: E402
 
-from kvfleet.engine.attention import build_attention_metadata, torch_paged_attention
-from kvfleet.engine.bench.decode_probe import median_cuda_ms
-from kvfleet.engine.attention.triton_backend import triton_paged_attention
-from kvfleet.engine.kernels import (
-    apply_rotary_cos_sin, fused_add_rms_norm, paged_attention_ref, paged_decode_attention, prefill_attention,
-    reshape_and_cache, reshape_and_cache_ref, rms_norm, rms_norm_ref, silu_and_mul, silu_mul_ref,
+from kvfleet.engine.attention import build_attention_metadata, torch_paged_attention  # noqa: E402
+from kvfleet.engine.attention.triton_backend import triton_paged_attention  # noqa: E402
+from kvfleet.engine.bench.decode_probe import median_cuda_ms  # noqa: E402
+from kvfleet.engine.kernels import (  # noqa: E402
+    apply_rotary_cos_sin,
+    fused_add_rms_norm,
+    paged_attention_ref,
+    paged_decode_attention,
+    prefill_attention,
+    reshape_and_cache,
+    reshape_and_cache_ref,
+    rms_norm,
+    rms_norm_ref,
+    silu_and_mul,
+    silu_mul_ref,
 )
-from kvfleet.engine.kernels.prefill_attention import prefill_work
-from kvfleet.engine.models.layers import RotaryEmbedding, apply_rotary
+from kvfleet.engine.kernels.prefill_attention import prefill_work  # noqa: E402
+from kvfleet.engine.models.layers import RotaryEmbedding, apply_rotary  # noqa: E402
 
 DEV = torch.device("cpu" if DRY else "cuda")
 BF16 = torch.bfloat16
@@ -63,11 +72,11 @@ def ceilings() -> dict[str, float]:
     y = torch.empty_like(x)
     ms = bench_ms(lambda: y.copy_(x), 20)
     bw = 2 * x.numel() * 2 / (ms / 1e3)
+    x = y = None  # free the 4 GiB before the matmuls
     n = S(8192)
     a = torch.randn(n, n, dtype=BF16, device=DEV)
     b = torch.randn(n, n, dtype=BF16, device=DEV)
     mm = bench_ms(lambda: a @ b, 10)
-    del x, y
     return {"copy_bw_GBps": bw / 1e9, "bf16_matmul_TFLOPs": 2 * n**3 / (mm / 1e3) / 1e12}
 
 
@@ -119,7 +128,7 @@ def check_kernels() -> list[dict[str, Any]]:
                                  ([300, 1, 1, 1200, 1], [0, 900, 40, 700, 5000], 16)]:
         q_lens = [q if q == 1 else S(q) for q in q_lens]
         prefix = [S(p) for p in prefix]
-        seq_lens = [p + q for p, q in zip(prefix, q_lens)]
+        seq_lens = [p + q for p, q in zip(prefix, q_lens, strict=True)]
         c = paged_case(len(q_lens), seq_lens, q_lens, hq, 8)
         md = c["md"]
         cache_ref = c["cache"].clone()
@@ -172,7 +181,7 @@ def time_kernels(bw: float) -> list[dict[str, Any]]:
             rows.append({**base, "config": f"splits={splits} BLOCK_N={bn} warps={warps} stages={stages}",
                          "ms": ms, "GBps": kv_bytes / (ms / 1e3) / 1e9, "x_floor": ms / floor_ms})
         if b > 1:
-            ms = bench_ms(lambda: torch_paged_attention(c["q"], c["k"], c["v"], c["cache"], md, 0.088), 10)
+            ms = bench_ms(functools.partial(torch_paged_attention, c["q"], c["k"], c["v"], c["cache"], md, 0.088), 10)
             rows.append({**base, "config": "torch reference op (gather+einsum)", "ms": ms,
                          "GBps": kv_bytes / (ms / 1e3) / 1e9, "x_floor": ms / floor_ms})
     # prefill: 8 sequences of 1024 new tokens, causal; FLOPs = 4 * sum(L^2/2) * H * D
@@ -183,9 +192,9 @@ def time_kernels(bw: float) -> list[dict[str, Any]]:
     flops = 4 * sum(L * L / 2 for L in q_lens) * 32 * 128
     for bm, warps, stages in ((64, 4, 2), (64, 4, 3), (128, 8, 2), (128, 4, 2)):
         work = prefill_work(md.query_start_loc_cpu, bm, False, DEV)
-        ms = bench_ms(lambda: prefill_attention(c["q"], c["cache"], md.block_tables, md.seq_lens,
-                                                md.query_start_loc, q_lens[0], 0.088, out, block_m=bm,
-                                                work=work, num_warps=warps, num_stages=stages))
+        ms = bench_ms(functools.partial(prefill_attention, c["q"], c["cache"], md.block_tables, md.seq_lens,
+                                        md.query_start_loc, q_lens[0], 0.088, out, block_m=bm,
+                                        work=work, num_warps=warps, num_stages=stages))
         rows.append({"kernel": "prefill llama 8x1024 causal", "config": f"BLOCK_M={bm} warps={warps} "
                      f"stages={stages}", "ms": ms, "TFLOPs": flops / (ms / 1e3) / 1e12})
     return rows

@@ -23,7 +23,8 @@ def main(argv: list[str]) -> int:
     model = argv[2] if len(argv) > 2 else "bench/models/qwen3-0.6b"
     n = 8 if DRY else 256
     cfg = EngineConfig(model=model, load_format="dummy", dtype="bfloat16", device="cpu" if DRY else "cuda",
-                       max_model_len=512 if DRY else 1280, max_num_seqs=n, max_num_batched_tokens=8192 if not DRY else 64,
+                       max_model_len=512 if DRY else 1280, max_num_seqs=n,
+                       max_num_batched_tokens=8192 if not DRY else 64,
                        num_kv_blocks=2048 if DRY else None)
     eng = LLMEngine(cfg)
     reqs = random_workload(num=n + 16, prompt_len=64 if DRY else 1024, output_len=64)
@@ -48,7 +49,8 @@ def main(argv: list[str]) -> int:
             if not DRY:
                 torch.cuda.synchronize()
         found[kind] = True
-        lines.append(f"=== one {kind} step (running {sched_probe['num_running']}, waiting {sched_probe['num_waiting']})")
+        lines.append(f"=== one {kind} step (running {sched_probe['num_running']}, "
+                     f"waiting {sched_probe['num_waiting']})")
         lines.append(prof.key_averages().table(sort_by=key, row_limit=18, max_name_column_width=60))
     text = "\n".join(lines)
     with open(out, "w") as f:

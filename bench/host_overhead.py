@@ -207,7 +207,8 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     rng = np.random.default_rng(args.seed)
     result: dict[str, Any] = {"label": args.label, **git_commit(), "python": sys.version.split()[0],
-                              "torch": torch.__version__, "clock": "time.thread_time", "machine": platform.processor() or platform.machine(),
+                              "torch": torch.__version__, "clock": "time.thread_time",
+                              "machine": platform.processor() or platform.machine(),
                               "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "runs": []}
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = write_model_dir(Path(tmp))

@@ -23,7 +23,10 @@ WORKLOADS = ("random-1024-128", "chat-mix")
 KV_COLORS = ("#1f77b4", "#2ca02c", "#9467bd", "#ff7f0e")
 
 
-def collect(folders: list[tuple[str, Path]]) -> tuple[dict[tuple[str, str, str], tuple[float, float]], list[tuple[str, str]]]:
+Series = dict[tuple[str, str, str], tuple[float, float]]
+
+
+def collect(folders: list[tuple[str, Path]]) -> tuple[Series, list[tuple[str, str]]]:
     """(series, model, workload) -> (output tok/s, total tok/s), and the series with their colours."""
     data: dict[tuple[str, str, str], tuple[float, float]] = {}
     series: list[tuple[str, str]] = []

@@ -26,7 +26,7 @@ def load_runs(folder: Path) -> dict[str, Any]:
 def table(runs: dict[str, Any]) -> list[str]:
     lines = [f"{'backend':8} {'model':13} {'workload':16} {'req':>5} {'wall s':>7} {'out tok/s':>10} "
              f"{'tot tok/s':>10} {'vs vLLM out':>11} {'vs vLLM tot':>11} {'TTFT p50':>9} {'TPOT p50':>9}"]
-    for name, r in sorted(runs.items()):
+    for _name, r in sorted(runs.items()):
         key = (r["model"], r["workload"])
         v = VLLM.get(key)
         ratio_o = f"{r['output_tokens_per_s'] / v[0]:.2f}x" if v and r["backend"] == "kvfleet" else ""
@@ -56,7 +56,8 @@ def table(runs: dict[str, Any]) -> list[str]:
                              f"({100 * k.get('kv_cache_usage', 0):.0f}%), {k.get('num_running')} running, wasted "
                              f"{k.get('wasted_blocks_per_seq', 0):.2f} blocks/seq; preemptions {r['num_preemptions']}")
             if d:
-                lines.append(f"  decode steps {d['steps']} (mean batch {d['mean_batch']:.0f}): step {d['step_ms']:.2f} ms = "
+                lines.append(f"  decode steps {d['steps']} (mean batch {d['mean_batch']:.0f}): "
+                             f"step {d['step_ms']:.2f} ms = "
                              f"schedule {d['schedule_ms']:.2f} + prepare {d['prepare_ms']:.2f} + forward "
                              f"{d['forward_ms']:.2f} + sample {d['sample_ms']:.2f} + update {d['update_ms']:.2f} "
                              f"+ outputs {d['outputs_ms']:.2f}")

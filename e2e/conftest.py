@@ -34,6 +34,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent / "cluster"))
 from localcluster import control, manifests, sharing  # noqa: E402
 from localcluster.layout import Layout  # noqa: E402
 
+# The operator scenarios' fixtures, for every e2e module (a module may override one, as some do `operator`).
+from operator_fixtures import crds as crds  # noqa: E402
+from operator_fixtures import flavors as flavors  # noqa: E402
+from operator_fixtures import kube as kube  # noqa: E402
+from operator_fixtures import operator as operator  # noqa: E402
+from operator_fixtures import suffix as suffix  # noqa: E402
+from operator_fixtures import tenants as tenants  # noqa: E402
+
 E2E_DIR = Path(__file__).resolve().parent
 
 

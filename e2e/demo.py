@@ -20,11 +20,11 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "e2e" / "cluster"))
 
-from localcluster import control  # noqa: E402
-from localcluster.layout import Layout  # noqa: E402
-
 from kvfleet.operator.kube import Kube  # noqa: E402
 from kvfleet.operator.testing import OperatorProcess, condition, free_port, install_crds, wait_for  # noqa: E402
+
+from localcluster import control  # noqa: E402
+from localcluster.layout import Layout  # noqa: E402
 
 API = "serving.kvfleet.dev/v1alpha1"
 MANIFESTS = REPO / "manifests"

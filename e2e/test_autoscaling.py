@@ -27,12 +27,12 @@ from typing import Any, Iterator
 
 import httpx
 import pytest
-from operator_fixtures import (API, crds, engine_pods, flavors, kube, mdep_status,  # noqa: F401
-                               model_deployment, suffix, tenants, workloads)
 
 from kvfleet.operator.autoscaler.metrics import MetricsError, parse_load
 from kvfleet.operator.kube import Kube
 from kvfleet.operator.testing import REPO, OperatorProcess, condition, free_port, wait_for
+
+from operator_fixtures import API, engine_pods, mdep_status, model_deployment, workloads
 
 pytestmark = pytest.mark.timeout(420)
 

@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
+
 from localcluster import layout as layout_mod
 from localcluster.manifests import DEFAULT_NODES, FLAVOR_LABEL, FLAVORS, GPU_RESOURCE, parse_node_spec
 

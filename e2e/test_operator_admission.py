@@ -4,11 +4,18 @@ from __future__ import annotations
 
 from typing import Any
 
-from operator_fixtures import (API, KUEUE, SYSTEM_NAMESPACE, crds, deployments, engine_pods, flavors, kube,  # noqa: F401
-                               mdep_status, model_deployment, operator, suffix, tenants, workloads)
-
 from kvfleet.operator.kube import Kube
 from kvfleet.operator.testing import OperatorProcess, condition, wait_for
+
+from operator_fixtures import (
+    API,
+    KUEUE,
+    SYSTEM_NAMESPACE,
+    deployments,
+    engine_pods,
+    model_deployment,
+    workloads,
+)
 
 
 def test_admitted_replicas_run_on_the_flavors_nodes(kube: Kube, tenants: Any, flavors: dict[str, str],

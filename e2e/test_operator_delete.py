@@ -6,13 +6,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from operator_fixtures import (API, KUEUE, crds, deployments, engine_pods, flavors, kube, mdep_status,  # noqa: F401
-                               model_deployment, operator, suffix, tenants, workloads)
-
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvfleet.operator.kube import Kube
 from kvfleet.operator.testing import OperatorProcess, wait_for
+
+from operator_fixtures import API, deployments, engine_pods, mdep_status, model_deployment, workloads
 
 COUNTS = ("desired", "admitted", "ready")
 

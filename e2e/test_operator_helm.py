@@ -9,10 +9,11 @@ from typing import Any, Callable
 
 import pytest
 import yaml
-from operator_fixtures import API, KUEUE, crds, kube  # noqa: F401
 
 from kvfleet.operator.kube import Kube
 from kvfleet.operator.testing import REPO, OperatorProcess, wait_for
+
+from operator_fixtures import API, KUEUE
 
 CHART = REPO / "charts" / "kvfleet"
 

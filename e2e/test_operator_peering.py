@@ -6,11 +6,11 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from operator_fixtures import API, KUEUE, crds, kube  # noqa: F401
-
 from kvfleet.operator.kube import Kube
 from kvfleet.operator.main import peering_priority
 from kvfleet.operator.testing import OperatorProcess, wait_for
+
+from operator_fixtures import API, KUEUE
 
 RESUMED = "Resuming operations"  # kopf starts a peered operator paused; it logs this when it becomes active
 CONFLICT = "Possibly conflicting operators"  # what kopf says before pausing every peer of equal priority

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from operator_fixtures import (crds, engine_pods, flavors, kube, mdep_status, model_deployment, operator,  # noqa: F401
-                               suffix, tenants, workloads)
-
 from kvfleet.operator.kube import Kube
 from kvfleet.operator.testing import OperatorProcess, wait_for
+
+from operator_fixtures import engine_pods, mdep_status, model_deployment, workloads
 
 
 def test_reclaimed_quota_preempts_the_borrower(kube: Kube, tenants: Any, flavors: dict[str, str],

@@ -5,11 +5,10 @@ from __future__ import annotations
 import time
 from typing import Any, Callable
 
-from operator_fixtures import (API, crds, deployments, engine_pods, flavors, kube, mdep_status,  # noqa: F401
-                               model_deployment, operator, suffix, tenants, workloads)
-
 from kvfleet.operator.kube import Kube
 from kvfleet.operator.testing import OperatorProcess, condition, wait_for
+
+from operator_fixtures import API, deployments, engine_pods, mdep_status, model_deployment, workloads
 
 
 def test_scale_beyond_quota_waits_and_never_runs(kube: Kube, tenants: Any, flavors: dict[str, str],

@@ -7,11 +7,11 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import pytest
-from operator_fixtures import (API, crds, deployments, engine_pods, flavors, kube, mdep_status,  # noqa: F401
-                               model_deployment, suffix, tenants, workloads)
 
 from kvfleet.operator.kube import Kube
 from kvfleet.operator.testing import OperatorProcess, wait_for
+
+from operator_fixtures import API, deployments, engine_pods, mdep_status, model_deployment, workloads
 
 
 @pytest.fixture(scope="module")

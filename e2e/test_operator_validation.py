@@ -6,11 +6,11 @@ import json
 from typing import Any, Callable
 
 import pytest
-from operator_fixtures import (API, crds, flavors, kube, mdep_status, model_deployment, operator, suffix,  # noqa: F401
-                               tenants)
 
 from kvfleet.operator.kube import Kube
 from kvfleet.operator.testing import OperatorProcess, wait_for
+
+from operator_fixtures import API, mdep_status, model_deployment
 
 BASE = {"model": {"source": "org/model"}}
 

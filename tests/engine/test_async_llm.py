@@ -31,7 +31,7 @@ def test_concurrent_streams_are_cumulative_and_match_offline(engine: AsyncLLM, t
 
     streams = asyncio.run(main())
     offline = LLM(str(tiny_model_dir), num_kv_blocks=64, max_model_len=256).generate(prompts, params)
-    for outs, ref in zip(streams, offline):
+    for outs, ref in zip(streams, offline, strict=True):
         assert outs[-1].finished and not any(o.finished for o in outs[:-1])
         lens = [len(o.outputs[0].token_ids) for o in outs]
         assert lens == sorted(lens) and lens[-1] == 12

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+from typing import Any
 
 import pytest
 import torch
@@ -143,7 +144,7 @@ def test_stop_rules_exact(pair, tiny_model_dir) -> None:
     reasons = {c.finish_reason for o in b for c in o.outputs}
     assert reasons == {"stop", "length"}
     # The stop strings really fired and truncated (a late stop adds no token and no text).
-    for o, s in zip(b[:4], stop_str):
+    for o, s in zip(b[:4], stop_str, strict=True):
         assert o.outputs[0].finish_reason == "stop" and s not in o.outputs[0].text
         assert len(tok.encode(o.outputs[0].text)) <= len(o.outputs[0].token_ids) + 1
     assert_no_leak(fast)
@@ -195,11 +196,14 @@ def test_next_step_is_scheduled_and_prepared_before_the_last_ids_are_read(tiny_m
     sync = LLM(str(tiny_model_dir), async_scheduling=False, **kw)
     eng, runner = fast.llm_engine, fast.llm_engine.runner
     events: list[str] = []
+    def recording(name: str, method: Any) -> Any:
+        def hook(*a: Any, **k: Any) -> Any:
+            events.append(name)
+            return method(*a, **k)
+        return hook
+
     for obj, name in ((eng.scheduler, "schedule"), (runner, "prepare"), (runner, "launch"), (runner, "collect")):
-        def hook(*a, _f=getattr(obj, name), _n=name, **k):
-            events.append(_n)
-            return _f(*a, **k)
-        setattr(obj, name, hook)
+        setattr(obj, name, recording(name, getattr(obj, name)))
     assert summary(fast.generate(prompts, params)) == summary(sync.generate(prompts, params))
     # Every decode token after the first is fed from the last step's samples on the device.
     assert runner.num_placeholder_inputs == len(prompts) * (params.max_tokens - 1)
@@ -237,7 +241,7 @@ def test_async_llm_streams_with_async_scheduling(tiny_model_dir) -> None:
 
     streams = asyncio.run(main())
     offline = LLM(str(tiny_model_dir), num_kv_blocks=64, max_model_len=256).generate(prompts, params)
-    for outs, ref in zip(streams, offline):
+    for outs, ref in zip(streams, offline, strict=True):
         assert len(outs) > 1 and outs[-1].finished and not any(o.finished for o in outs[:-1])
         lens = [len(o.outputs[0].token_ids) for o in outs]
         assert lens == sorted(lens) and lens[-1] == 12

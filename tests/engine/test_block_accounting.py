@@ -85,7 +85,7 @@ def test_beam_search_matches_transformers(llm: LLM, tiny_model_dir, width: int, 
     params = SamplingParams(use_beam_search=True, best_of=width, max_tokens=12, temperature=0.0,
                             stop_token_ids=extra_eos)
     ours = llm.generate(prompts, params)
-    for prompt, out in zip(prompts, ours):
+    for prompt, out in zip(prompts, ours, strict=True):
         with torch.no_grad():
             ref = hf.generate(torch.tensor([prompt]), num_beams=width, do_sample=False, max_new_tokens=12,
                               length_penalty=1.0, early_stopping=False, pad_token_id=0,

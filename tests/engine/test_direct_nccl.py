@@ -57,8 +57,7 @@ def _rank(rank: int, port: int, queue) -> None:  # noqa: ANN001
 
     import torch.distributed as dist
 
-    from kvfleet.engine.distributed.parallel_state import (destroy_tensor_parallel, init_tensor_parallel,
-                                                           tp_all_reduce)
+    from kvfleet.engine.distributed.parallel_state import destroy_tensor_parallel, init_tensor_parallel, tp_all_reduce
 
     os.environ["KVFLEET_TP_ALLREDUCE"] = "nccl"
     dev = torch.device("cuda", rank)

@@ -48,7 +48,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, min_tokens=MAX_NEW)
 
 
 def check(outs, refs) -> None:
-    for out, (ref_ids, _) in zip(outs, refs):
+    for out, (ref_ids, _) in zip(outs, refs, strict=True):
         assert out.outputs[0].token_ids == ref_ids
 
 
@@ -90,13 +90,13 @@ def test_logprobs_match_transformers(tiny_model_factory) -> None:
                                                 logprobs=5, prompt_logprobs=3))[0]
     comp = out.outputs[0]
     assert comp.token_ids == ref_ids and len(comp.logprobs) == MAX_NEW
-    for tok, lp_dict, ref in zip(comp.token_ids, comp.logprobs, ref_lps):
+    for tok, lp_dict, ref in zip(comp.token_ids, comp.logprobs, ref_lps, strict=True):
         assert abs(lp_dict[tok].logprob - ref[tok].item()) < LOGPROB_TOL
         assert lp_dict[tok].rank == 1
         top_vals, top_ids = ref.topk(5)
-        for v, t in zip(top_vals.tolist(), top_ids.tolist()):
+        for v, t in zip(top_vals.tolist(), top_ids.tolist(), strict=True):
             assert abs(lp_dict[t].logprob - v) < LOGPROB_TOL
-    assert abs(comp.cumulative_logprob - sum(r[t].item() for t, r in zip(ref_ids, ref_lps))) < 1e-3
+    assert abs(comp.cumulative_logprob - sum(r[t].item() for t, r in zip(ref_ids, ref_lps, strict=True))) < 1e-3
     plp = out.prompt_logprobs
     assert plp[0] is None and len(plp) == len(prompt)
     for i in range(1, len(prompt)):

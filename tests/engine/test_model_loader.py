@@ -105,7 +105,8 @@ def test_smollm2_gguf_matches_transformers_gguf_loading(smollm2, smollm2_path: P
     import transformers
 
     cfg, model, tok = smollm2
-    assert (cfg.model_type, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.vocab_size) == ("llama", 30, 9, 3, 49152)
+    shape = (cfg.model_type, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.vocab_size)
+    assert shape == ("llama", 30, 9, 3, 49152)
     assert cfg.tie_word_embeddings and cfg.eos_token_ids == [tok.convert_tokens_to_ids("<|im_end|>")]
     ids = list(tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
                                        add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"])

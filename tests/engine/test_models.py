@@ -86,7 +86,7 @@ def test_batched_prefill_matches_transformers(arch: str, loaded) -> None:
     cfg, model, seqs, refs = loaded(arch)
     runner = PagedRunner(model, cfg)
     outs = runner.step([(i, s) for i, s in enumerate(seqs)])
-    for out, ref in zip(outs, refs):
+    for out, ref in zip(outs, refs, strict=True):
         torch.testing.assert_close(out, ref, atol=ATOL, rtol=0)
 
 
@@ -106,7 +106,7 @@ def test_chunked_prefill_and_decode_match_transformers(arch: str, loaded) -> Non
             n = min(7, prompt_len[i] - progress[i]) if progress[i] < prompt_len[i] else 1
             progress[i] += n
             work.append((i, seq[: progress[i]]))
-        for (i, _), out in zip(work, runner.step(work)):
+        for (i, _), out in zip(work, runner.step(work), strict=True):
             got[i].append(out)
     for i, ref in enumerate(refs):
         ours = torch.cat(got[i])

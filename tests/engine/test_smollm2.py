@@ -31,7 +31,7 @@ def test_greedy_chat_matches_transformers_gguf(llm: LLM, smollm2_path) -> None:
         str(smollm2_path.parent), gguf_file=smollm2_path.name, dtype=torch.float32).eval()
     convs = [[{"role": "user", "content": q}] for q in QUESTIONS]
     outs = llm.chat(convs, SamplingParams(temperature=0.0, max_tokens=MAX_NEW))
-    for conv, out in zip(convs, outs):
+    for conv, out in zip(convs, outs, strict=True):
         ids = tok.apply_chat_template(conv, tokenize=True, add_generation_prompt=True, return_dict=False)
         if not isinstance(ids, list):
             ids = list(ids["input_ids"])

@@ -101,7 +101,7 @@ def test_sharded_layers_match_single_process(tiny_model_factory) -> None:
         cfg = ModelConfig.from_pretrained(folder)
         heads, logits = got[folder]
         assert heads == max(1, cfg.num_kv_heads // 2)
-        for ours, theirs in zip(logits, refs[folder]):
+        for ours, theirs in zip(logits, refs[folder], strict=True):
             torch.testing.assert_close(ours, theirs, atol=ATOL, rtol=0)
 
 
@@ -126,7 +126,7 @@ def test_driver_model_with_worker_process(tiny_model_factory) -> None:
         assert isinstance(tp, executor.TensorParallelModel) and tp.num_kv_heads == 1
         tp._on_death = deaths.append
         ours = run_steps(tp, tp.num_kv_heads, cfg.head_dim, cfg.num_layers, cfg.vocab_size)
-        for a, b in zip(ours, ref):
+        for a, b in zip(ours, ref, strict=True):
             torch.testing.assert_close(a, b, atol=ATOL, rtol=0)
         tp.copy_blocks([(0, 1)])  # mirrored in the worker's cache; must not desynchronise the group
         again = run_steps(tp, tp.num_kv_heads, cfg.head_dim, cfg.num_layers, cfg.vocab_size)
@@ -191,7 +191,7 @@ def test_two_gpus_nccl_match_one_gpu(tiny_model_factory) -> None:
     ref = steps_on_gpu(load_model(cfg, device=dev), cfg.num_kv_heads)
     tp = load_model(cfg, _EngineConfig(), dev)
     try:
-        for a, b in zip(steps_on_gpu(tp, tp.num_kv_heads), ref):
+        for a, b in zip(steps_on_gpu(tp, tp.num_kv_heads), ref, strict=True):
             torch.testing.assert_close(a, b, atol=ATOL, rtol=0)
     finally:
         tp.shutdown()

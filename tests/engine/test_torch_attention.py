@@ -6,12 +6,12 @@ import pytest
 import torch
 
 from kvfleet.engine.attention import (
+    _BACKENDS,  # noqa: PLC2701 - cleaned up after the registry test
     build_attention_metadata,
     get_attention_backend,
     register_attention_backend,
     torch_paged_attention,
 )
-from kvfleet.engine.attention import _BACKENDS  # noqa: PLC2701 - cleaned up after the registry test
 from kvfleet.engine.attention.metadata import compute_slot_mapping
 
 
@@ -47,8 +47,8 @@ def _case(num_heads: int, num_kv_heads: int, block_size: int, seqs: list[tuple[i
         full_k.append(k)
         full_v.append(v)
     q = torch.randn(sum(n for _, n in seqs), num_heads, head_dim, generator=gen)
-    k_new = torch.cat([k[p:] for (p, _), k in zip(seqs, full_k)])
-    v_new = torch.cat([v[p:] for (p, _), v in zip(seqs, full_v)])
+    k_new = torch.cat([k[p:] for (p, _), k in zip(seqs, full_k, strict=True)])
+    v_new = torch.cat([v[p:] for (p, _), v in zip(seqs, full_v, strict=True)])
     md = build_attention_metadata([n for _, n in seqs], [p + n for p, n in seqs], tables, block_size)
     return q, k_new, v_new, cache, md, full_k, full_v
 
@@ -64,7 +64,7 @@ def test_matches_naive_reference(num_heads: int, num_kv_heads: int, block_size: 
     scale = 0.37
     out = torch_paged_attention(q, k, v, cache, md, scale)
     starts = md.query_start_loc_cpu
-    for b, (prefix, new) in enumerate(seqs):
+    for b, (prefix, _new) in enumerate(seqs):
         ref = naive_attention(q[starts[b] : starts[b + 1]], full_k[b], full_v[b], prefix, scale)
         torch.testing.assert_close(out[starts[b] : starts[b + 1]], ref, atol=1e-5, rtol=1e-5)
     # the new K/V landed at their slots

@@ -35,7 +35,7 @@ def make_batch(gen: torch.Generator, seq_lens: list[int], q_lens: list[int], hq:
     cache = torch.randn(2, num_blocks, block_size, hkv, d, generator=gen).to(dtype)
     total = sum(q_lens)
     slots = []
-    for b, (s, ql) in enumerate(zip(seq_lens, q_lens)):
+    for b, (s, ql) in enumerate(zip(seq_lens, q_lens, strict=True)):
         for p in range(s - ql, s):
             slots.append(int(tables[b, p // block_size]) * block_size + p % block_size)
     qsl = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32)

@@ -3,7 +3,6 @@
 import pytest
 import torch
 
-from kvfleet.engine.kernels.prefill_attention import prefill_work
 from kvfleet.engine.kernels import (
     _common,
     paged_attention_ref,
@@ -12,6 +11,7 @@ from kvfleet.engine.kernels import (
     reshape_and_cache,
     reshape_and_cache_ref,
 )
+from kvfleet.engine.kernels.prefill_attention import prefill_work
 
 from .paged import TOL, make_batch, rel_err
 
@@ -69,7 +69,7 @@ def test_prefill_with_cached_prefix_matches_reference(dtype: torch.dtype, block_
     # fresh prompt, chunk after a cached prefix, a single-token decode, a longer chunk
     q_lens = [19, 7, 1, 40]
     prefix = [0, 30, 25, 9]
-    seq_lens = [p + q for p, q in zip(prefix, q_lens)]
+    seq_lens = [p + q for p, q in zip(prefix, q_lens, strict=True)]
     batch = make_batch(gen, seq_lens, q_lens, hq=4, hkv=2, d=16, block_size=8, dtype=dtype)
     reshape_and_cache(batch.k, batch.v, batch.kv_cache, batch.slot_mapping)
     scale = 0.3

@@ -209,7 +209,7 @@ def _cases(draw: st.DrawFn) -> tuple[AutoscalingSpec, int, list[PodLoad], Autosc
     since = draw(st.one_of(st.none(), st.floats(0, 1000)))
     needs = sorted(set(draw(st.lists(st.integers(0, 12), max_size=4))), reverse=True)
     times = sorted(draw(st.lists(st.floats(0, 1000), min_size=len(needs), max_size=len(needs))))
-    state = AutoscalerState(since, tuple(zip(times, needs)) if since is not None else ())
+    state = AutoscalerState(since, tuple(zip(times, needs, strict=True)) if since is not None else ())
     return spec, current, pods(*loads), state, draw(st.floats(1000, 2000))
 
 
@@ -231,4 +231,5 @@ def test_policy_invariants(case: tuple[AutoscalingSpec, int, list[PodLoad], Auto
     # Same inputs, same decision; and a decision taken again at once changes nothing more.
     assert decide(spec, current, observed, state, now) == d
     again = decide(spec, d.desired, observed, d.state, now)
-    assert again.action == "hold" or (d.action == "scale_down" and again.desired <= d.desired), (spec, current, d, again)
+    settled = again.action == "hold" or (d.action == "scale_down" and again.desired <= d.desired)
+    assert settled, (spec, current, d, again)

@@ -12,8 +12,7 @@ from kvfleet.operator.autoscaler.policy import (
     PodLoad,
     decide,
 )
-from kvfleet.operator.autoscaler.state import (event_message, state_from_status, status_patch,
-                                               status_unchanged)
+from kvfleet.operator.autoscaler.state import event_message, state_from_status, status_patch, status_unchanged
 
 SPEC = AutoscalingSpec(1, 4, 4, 60)
 

@@ -3,11 +3,11 @@ from __future__ import annotations
 
 import copy
 
-from op_factories import make_mdep
-
 from kvfleet.operator.applied import ANNOTATION_HASH, AppliedOnce, covers, unchanged, with_hash
 from kvfleet.operator.builders import build_deployment
 from kvfleet.operator.spec import parse_model_deployment
+
+from op_factories import make_mdep
 
 
 def live_copy(obj: dict) -> dict:

@@ -2,15 +2,22 @@
 from __future__ import annotations
 
 import pytest
-from op_factories import make_mdep
 
-from kvfleet.operator.builders import (build_deployment, build_engine_args, build_pod_template, build_service,
-                                       build_workload, workload_hash)
+from kvfleet.operator.builders import (
+    build_deployment,
+    build_engine_args,
+    build_pod_template,
+    build_service,
+    build_workload,
+    workload_hash,
+)
 from kvfleet.operator.builders.workload import workload_pod_template
 from kvfleet.operator.config import OperatorConfig
 from kvfleet.operator.constants import LABEL_FLAVOR, LABEL_MDEP, LABEL_ORDINAL, LABEL_WORKLOAD_HASH
 from kvfleet.operator.errors import SpecError
 from kvfleet.operator.spec import check_node_path, parse_model_deployment, parse_model_source
+
+from op_factories import make_mdep
 
 
 def _spec(**over):
@@ -25,7 +32,7 @@ def test_kvfleet_args_and_env(op_config: OperatorConfig) -> None:
     command, args = build_engine_args(spec, op_config)
     assert command == ["kvfleet", "serve"]
     assert args[0] == "org/m"
-    flags = dict(zip(args[1::2], args[2::2]))
+    flags = dict(zip(args[1::2], args[2::2], strict=False))
     assert flags["--tensor-parallel-size"] == "2" and flags["--max-model-len"] == "4096"
     assert flags["--served-model-name"] == "m" and flags["--port"] == "8000"
     assert "--api-keys-file" in args and args[-1] == "--enforce-eager"

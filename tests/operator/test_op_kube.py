@@ -1,10 +1,10 @@
 """REST paths and Events (the client's pure parts)."""
 from __future__ import annotations
 
-from op_factories import make_mdep
-
 from kvfleet.operator.events import build_event
 from kvfleet.operator.kube import object_path, request_kind, resource_path
+
+from op_factories import make_mdep
 
 
 def test_paths() -> None:

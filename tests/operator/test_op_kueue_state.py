@@ -1,9 +1,9 @@
 """Reading Kueue v1beta2 Workload status."""
 from __future__ import annotations
 
-from op_factories import make_workload
-
 from kvfleet.operator.kueue_state import assigned_flavor, observe_workload, quantity_to_int, requested_gpus
+
+from op_factories import make_workload
 
 
 def test_admitted_workload() -> None:

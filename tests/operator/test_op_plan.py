@@ -2,10 +2,11 @@
 from __future__ import annotations
 
 import pytest
-from op_factories import make_workload
 
 from kvfleet.operator.kueue_state import observe_workload
 from kvfleet.operator.plan import frozen_plan, plan_deployment_replicas, plan_workloads
+
+from op_factories import make_workload
 
 
 def obs(*wls):

@@ -1,9 +1,9 @@
 """desired_replicas: spec, or the autoscaler's decision within its bounds."""
 from __future__ import annotations
 
-from op_factories import make_mdep
-
 from kvfleet.operator.scaling import desired_replicas
+
+from op_factories import make_mdep
 
 
 def test_manual_replicas() -> None:

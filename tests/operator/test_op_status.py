@@ -1,12 +1,12 @@
 """Status and conditions from observation; Events on transitions only."""
 from __future__ import annotations
 
-from op_factories import make_workload
-
 from kvfleet.operator.errors import SpecError
 from kvfleet.operator.kueue_state import observe_workload
 from kvfleet.operator.plan import plan_workloads
 from kvfleet.operator.status import Observation, compute_status, status_changed, transition_events
+
+from op_factories import make_workload
 
 T0, T1 = "2026-01-01T00:00:00Z", "2026-01-01T00:05:00Z"
 MSG = "couldn't assign flavors to pod set main: insufficient unused quota for nvidia.com/gpu in flavor h200"

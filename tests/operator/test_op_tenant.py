@@ -1,14 +1,19 @@
 """Tenant builders (ClusterQueue, LocalQueue, NetworkPolicy, RBAC) and usage status."""
 from __future__ import annotations
 
-from op_factories import make_workload
-
-from kvfleet.operator.builders import (build_cluster_queue, build_local_queue, build_namespace,
-                                       build_network_policy, build_rbac)
+from kvfleet.operator.builders import (
+    build_cluster_queue,
+    build_local_queue,
+    build_namespace,
+    build_network_policy,
+    build_rbac,
+)
 from kvfleet.operator.config import OperatorConfig
 from kvfleet.operator.constants import LABEL_FLAVOR, LABEL_TENANT
 from kvfleet.operator.spec import parse_tenant
 from kvfleet.operator.tenant_status import compute_tenant_status, gpu_usage, namespace_conflicts
+
+from op_factories import make_workload
 
 TENANT = {"apiVersion": "serving.kvfleet.dev/v1alpha1", "kind": "Tenant",
           "metadata": {"name": "team-a", "uid": "t-uid", "generation": 2}}

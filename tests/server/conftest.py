@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Iterator
 
 import pytest
+
 from server_proc import KEYS, Server, start_server
 
 

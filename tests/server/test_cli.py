@@ -6,9 +6,10 @@ import subprocess
 import sys
 
 import pytest
-from server_proc import kvfleet_cmd
 
 from kvfleet.engine.server.args import SERVE_FLAGS, env_name
+
+from server_proc import kvfleet_cmd
 
 
 def run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:

@@ -11,6 +11,7 @@ from typing import Iterator
 
 import httpx
 import pytest
+
 from server_proc import Server, kvfleet_cmd, start_server
 
 

@@ -16,6 +16,7 @@ from typing import Any, Callable, Iterator
 
 import httpx
 import pytest
+
 from server_proc import Server, start_server
 
 LONG = {"model": "tiny", "prompt": "once upon a time", "max_tokens": 1000, "ignore_eos": True}
@@ -135,7 +136,7 @@ def test_disconnect_of_a_multi_prompt_stream_aborts_every_prompt(server: Server)
     aborts = server.metric("kvfleet:request_success_total", finished_reason="abort")
     body = dict(LONG, prompt=["once upon a time", "the king of the city"], stream=True)
     with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as resp:
-        for n, line in enumerate(resp.iter_lines()):
+        for n, _line in enumerate(resp.iter_lines()):
             if n == 4:
                 assert busy(server, idle) and server.metric("kvfleet:num_requests_waiting") == 1
                 break

@@ -13,6 +13,7 @@ import pytest
 import schemathesis
 from hypothesis import HealthCheck, Phase, given, settings
 from schemathesis import GenerationMode
+
 from server_proc import ALPHA, Server
 
 EXAMPLES = 12

@@ -7,11 +7,10 @@ import json
 from types import SimpleNamespace
 
 import pytest
-from pydantic import ValidationError
 from prometheus_client.parser import text_string_to_metric_families
+from pydantic import ValidationError
 
-from kvfleet.engine.bench.serve import (RequestResult, load_jsonl, load_workload, percentiles, summarize,
-                                        tiny_workload)
+from kvfleet.engine.bench.serve import RequestResult, load_jsonl, load_workload, percentiles, summarize, tiny_workload
 from kvfleet.engine.outputs import Logprob
 from kvfleet.engine.server.args import SERVE_FLAGS, Flag, add_serve_args, check_serve_args, engine_kwargs, env_name
 from kvfleet.engine.server.auth import KeyFileError, bearer_token, load_keys, parse_keys, tenant_for

@@ -27,6 +27,11 @@ from kvfleet.engine.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 
+def _resolve(future: "asyncio.Future[None]") -> None:
+    if not future.done():
+        future.set_result(None)
+
+
 @dataclass
 class _Stream:
     loop: asyncio.AbstractEventLoop
@@ -136,7 +141,7 @@ class AsyncLLM:
             try:
                 self._abort_now(request_id)
             finally:
-                loop.call_soon_threadsafe(lambda: done.done() or done.set_result(None))
+                loop.call_soon_threadsafe(_resolve, done)
 
         self._commands.put(run)
         await done

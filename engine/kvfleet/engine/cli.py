@@ -24,7 +24,7 @@ def _resolve_main(module_name: str, attr: str) -> Callable[[list[str]], object]:
     """Find `module.main`; if `main` is itself a submodule, take its `main` function."""
     target = getattr(importlib.import_module(module_name), attr, None)
     if target is None or not callable(target):
-        target = getattr(importlib.import_module(f"{module_name}.{attr}"), "main")
+        target = importlib.import_module(f"{module_name}.{attr}").main
     return target
 
 

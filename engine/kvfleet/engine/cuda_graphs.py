@@ -15,6 +15,7 @@ The model runner calls it through its ``graph_runner`` hook:
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import time
@@ -156,7 +157,7 @@ class CudaGraphRunner:
                 if self.pool is None:
                     self.pool = torch.cuda.graph_pool_handle()
                 pieces = PiecewiseGraph()
-                out = pieces.capture(lambda: self.model(*args), self.pool, stream, capture_error_mode)
+                out = pieces.capture(functools.partial(self.model, *args), self.pool, stream, capture_error_mode)
                 self.graphs[bs] = pieces
             else:
                 graph = torch.cuda.CUDAGraph()
@@ -191,7 +192,7 @@ class CudaGraphRunner:
         n = input_ids.shape[0]
         bs = pick_bucket(self.sizes, n)
         if bs is None or kv_caches is not self.kv_caches and any(
-                a.data_ptr() != b.data_ptr() for a, b in zip(kv_caches, self.kv_caches)):
+                a.data_ptr() != b.data_ptr() for a, b in zip(kv_caches, self.kv_caches, strict=True)):
             raise ValueError("attn_metadata: batch not capturable (check can_run first) or KV cache replaced")
         md = attn_metadata
         width = md.block_tables.shape[1]

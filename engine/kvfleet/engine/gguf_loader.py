@@ -83,4 +83,5 @@ def iter_gguf_tensors(cfg: ModelConfig, quiet: bool | None = None) -> Iterator[t
                 weights = reverse_permute(weights, cfg.num_heads)
             elif permute and ".attn_k." in tensor.name:
                 weights = reverse_permute(weights, cfg.num_kv_heads)
-            yield name, torch.from_numpy(np.array(weights, dtype=np.float32))  # a copy: the reader maps the file read-only
+            # A copy: the reader maps the file read-only.
+            yield name, torch.from_numpy(np.array(weights, dtype=np.float32))

@@ -72,7 +72,7 @@ class LLM:
         engine = self.llm_engine
         ids: list[str] = []
         try:
-            for i, (p, sp) in enumerate(zip(plist, params)):
+            for i, (p, sp) in enumerate(zip(plist, params, strict=True)):
                 rid = str(next(self._ids))
                 engine.add_request(rid, p, sp, priority=priority[i] if priority else 0)
                 ids.append(rid)

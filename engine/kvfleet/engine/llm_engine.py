@@ -8,7 +8,6 @@ applies what the scheduler cannot see (stop strings, beam choices), and builds t
 from __future__ import annotations
 
 import dataclasses
-
 import gc
 import logging
 import os
@@ -319,7 +318,7 @@ class LLMEngine:
         req = upd.request
         if upd.new_token_id is None:
             if req.external_tokens:
-                g.beam_pending[req.request_id] = list(zip(*result.logprobs[req.request_id][2:4]))
+                g.beam_pending[req.request_id] = list(zip(*result.logprobs[req.request_id][2:4], strict=True))
                 self._maybe_beam_step(g)
             elif req.compute_limit is not None:
                 self._fork_samples(g, req)

@@ -182,7 +182,8 @@ class ModelConfig:
     ) -> "ModelConfig":
         model_type = getattr(hf, "model_type", None)
         if model_type not in SUPPORTED_MODEL_TYPES:
-            raise ValueError(f"model: architecture {model_type!r} is not supported ({', '.join(SUPPORTED_MODEL_TYPES)})")
+            raise ValueError(f"model: architecture {model_type!r} is not supported "
+                             f"({', '.join(SUPPORTED_MODEL_TYPES)})")
         archs = getattr(hf, "architectures", None) or [type(hf).__name__.replace("Config", "ForCausalLM")]
         num_heads = hf.num_attention_heads
         head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // num_heads

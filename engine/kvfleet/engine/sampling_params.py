@@ -9,12 +9,12 @@ from __future__ import annotations
 import copy
 import math
 from dataclasses import dataclass
-from typing import Optional, Union
+from typing import NoReturn, Optional, TypeGuard, Union
 
 _GREEDY_EPS = 1e-5  # vLLM treats temperature below this as greedy
 
 
-def _fail(field_name: str, message: str) -> None:
+def _fail(field_name: str, message: str) -> NoReturn:
     raise ValueError(f"{field_name}: {message}")
 
 
@@ -86,7 +86,7 @@ class SamplingParams:
 
     # --- validation ----------------------------------------------------------------
     def validate(self, vocab_size: Optional[int] = None) -> "SamplingParams":
-        def is_int(v: object) -> bool:
+        def is_int(v: object) -> TypeGuard[int]:
             return isinstance(v, int) and not isinstance(v, bool)
 
         for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty",

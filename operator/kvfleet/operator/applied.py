@@ -26,7 +26,7 @@ def covers(live: Any, desired: Any) -> bool:
         return isinstance(live, Mapping) and all(k in live and covers(live[k], v) for k, v in desired.items())
     if isinstance(desired, list):
         return isinstance(live, list) and len(live) == len(desired) and all(
-            covers(a, b) for a, b in zip(live, desired))
+            covers(a, b) for a, b in zip(live, desired, strict=True))
     return bool(live == desired and type(live) is type(desired))
 
 

@@ -10,22 +10,32 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import httpx
 import kopf
 
 from . import metrics
-from .config import OperatorConfig
 from .applied import AppliedOnce, covers
 from .builders import build_service
 from .coalesce import Coalescer
-from .constants import (GROUP, KUEUE_GROUP, KUEUE_VERSION, LABEL_MANAGED_BY, LABEL_MDEP, LABEL_TENANT,
-                        MANAGED_BY_VALUE, MDEP_PLURAL, TENANT_PLURAL, VERSION)
+from .config import OperatorConfig
+from .constants import (
+    GROUP,
+    KUEUE_GROUP,
+    KUEUE_VERSION,
+    LABEL_MANAGED_BY,
+    LABEL_MDEP,
+    LABEL_TENANT,
+    MANAGED_BY_VALUE,
+    MDEP_PLURAL,
+    TENANT_PLURAL,
+    VERSION,
+)
 from .kube import Kube, KubeError
 from .reconcile import reconcile_model_deployment
-from .refs import ApiRefs, WatchedRefs
 from .reconcile_tenant import reconcile_tenant
+from .refs import ApiRefs, WatchedRefs
 from .triggers import Fingerprints, deployment_fingerprint, workload_fingerprint
 
 log = logging.getLogger("kvfleet.operator.handlers")
@@ -123,6 +133,13 @@ def _reconcile_and_record(namespace: str, name: str) -> dict[str, Any] | None:
     return status
 
 
+def namespaced(namespace: str | None) -> str:
+    """kopf types a handler's namespace as optional; every object these handlers watch is namespaced."""
+    if namespace is None:
+        raise kopf.PermanentError("a namespaced object came without a namespace")
+    return namespace
+
+
 def reconcile_now(namespace: str, name: str) -> Any:
     """Reconcile one ModelDeployment now and return its status (the autoscaler calls this after a decision)."""
     return _mdep_pass(namespace, name, wait=True)
@@ -131,7 +148,8 @@ def reconcile_now(namespace: str, name: str) -> Any:
 @kopf.on.create(GROUP, VERSION, MDEP_PLURAL)
 @kopf.on.update(GROUP, VERSION, MDEP_PLURAL)
 @kopf.on.resume(GROUP, VERSION, MDEP_PLURAL)
-def mdep_changed(namespace: str, name: str, **_: Any) -> None:
+def mdep_changed(namespace: str | None, name: str, **_: Any) -> None:
+    namespace = namespaced(namespace)
     status = _mdep_pass(namespace, name, wait=True)
     reason = waiting_reason(status)
     if reason:
@@ -140,24 +158,26 @@ def mdep_changed(namespace: str, name: str, **_: Any) -> None:
 
 
 @kopf.on.delete(GROUP, VERSION, MDEP_PLURAL, optional=True)
-def mdep_deleted(namespace: str, name: str, **_: Any) -> None:
+def mdep_deleted(namespace: str | None, name: str, **_: Any) -> None:
     # Owner references let the garbage collector remove workloads, Deployments and the Service.
     log.info("deleted mdep=%s/%s", namespace, name)
 
 
 @kopf.on.event(GROUP, VERSION, MDEP_PLURAL)
-def mdep_event(type: str | None, namespace: str, name: str, **_: Any) -> None:  # noqa: A002 (kopf's name)
+def mdep_event(type: str | None, namespace: str | None, name: str, **_: Any) -> None:  # noqa: A002 (kopf's name)
     """Gone from the API: drop its replica gauges. Without a finalizer kopf may never call the delete
     handler (the object can vanish before it is seen terminating), but the watch always says DELETED."""
     if type == "DELETED":
+        namespace = namespaced(namespace)
         _passes.run(f"ModelDeployment {namespace}/{name}",
                     lambda: metrics.REPLICAS.forget(namespace, name), wait=True)
 
 
 @kopf.on.event(KUEUE_GROUP, KUEUE_VERSION, "workloads",
                labels={LABEL_MANAGED_BY: MANAGED_BY_VALUE, LABEL_MDEP: kopf.PRESENT})
-def owned_workload_event(type: str | None, namespace: str, name: str, labels: dict[str, str],  # noqa: A002
+def owned_workload_event(type: str | None, namespace: str | None, name: str, labels: Mapping[str, str],  # noqa: A002
                          body: Any, **_: Any) -> None:
+    namespace = namespaced(namespace)
     key = f"{namespace}/{name}"
     if type == "DELETED":
         _workloads_seen.forget(key)
@@ -172,8 +192,9 @@ def owned_workload_event(type: str | None, namespace: str, name: str, labels: di
 
 @kopf.on.event("apps", "v1", "deployments",
                labels={LABEL_MANAGED_BY: MANAGED_BY_VALUE, LABEL_MDEP: kopf.PRESENT})
-def owned_deployment_event(type: str | None, namespace: str, name: str, labels: dict[str, str],  # noqa: A002
+def owned_deployment_event(type: str | None, namespace: str | None, name: str, labels: Mapping[str, str],  # noqa: A002
                            body: Any, **_: Any) -> None:
+    namespace = namespaced(namespace)
     key = f"{namespace}/{name}"
     if type == "DELETED":
         _deployments_seen.forget(key)
@@ -183,11 +204,12 @@ def owned_deployment_event(type: str | None, namespace: str, name: str, labels: 
 
 
 @kopf.on.event("v1", "services", labels={LABEL_MANAGED_BY: MANAGED_BY_VALUE, LABEL_MDEP: kopf.PRESENT})
-def owned_service_event(type: str | None, namespace: str, name: str, labels: dict[str, str],  # noqa: A002
+def owned_service_event(type: str | None, namespace: str | None, name: str, labels: Mapping[str, str],  # noqa: A002
                         body: Any, **_: Any) -> None:
     """Our Service deleted or edited by someone: apply it again (it is otherwise applied once per process)."""
     if type is None:
         return  # the initial listing: nothing changed
+    namespace = namespaced(namespace)
     mdep = labels[LABEL_MDEP]
     if type == "DELETED" or (body.get("metadata") or {}).get("deletionTimestamp") or \
             not _service_intact(body, namespace, mdep):
@@ -215,7 +237,7 @@ def flavor_event(type: str | None, name: str, body: Any, **_: Any) -> None:  # n
 
 
 @kopf.on.event("v1", "namespaces")
-def namespace_event(type: str | None, name: str, labels: dict[str, str], **_: Any) -> None:  # noqa: A002
+def namespace_event(type: str | None, name: str, labels: Mapping[str, str], **_: Any) -> None:  # noqa: A002
     if type == "DELETED":
         refs().gone(WatchedRefs.NAMESPACE, name)
     else:
@@ -223,7 +245,7 @@ def namespace_event(type: str | None, name: str, labels: dict[str, str], **_: An
 
 
 @kopf.on.event(KUEUE_GROUP, KUEUE_VERSION, "localqueues")
-def local_queue_event(type: str | None, namespace: str, name: str, **_: Any) -> None:  # noqa: A002
+def local_queue_event(type: str | None, namespace: str | None, name: str, **_: Any) -> None:  # noqa: A002
     if type == "DELETED":
         refs().gone(WatchedRefs.QUEUE, f"{namespace}/{name}")
     else:
@@ -241,7 +263,7 @@ def tenant_changed(name: str, **_: Any) -> None:
                labels={LABEL_MANAGED_BY: MANAGED_BY_VALUE, LABEL_TENANT: kopf.PRESENT})
 @kopf.on.event(KUEUE_GROUP, KUEUE_VERSION, "localqueues",
                labels={LABEL_MANAGED_BY: MANAGED_BY_VALUE, LABEL_TENANT: kopf.PRESENT})
-def tenant_queue_event(type: str | None, labels: dict[str, str], **_: Any) -> None:  # noqa: A002 (kopf's name)
+def tenant_queue_event(type: str | None, labels: Mapping[str, str], **_: Any) -> None:  # noqa: A002 (kopf's name)
     """A queue of a tenant was deleted by someone: put it back (self-healing without a timer)."""
     if type == "DELETED":
         _tenant_pass(labels[LABEL_TENANT], converge=True, wait=False)

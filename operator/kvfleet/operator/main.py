@@ -75,7 +75,7 @@ def login(**_: Any) -> kopf.ConnectionInfo:
     """The same credentials as the operator's own client: in-cluster, else $KUBECONFIG (read now)."""
     cfg = load_client_configuration()
     token = bearer_token(cfg)
-    scheme, _, value = (token or "").partition(" ")
+    scheme, _sep, value = (token or "").partition(" ")
     return kopf.ConnectionInfo(
         server=cfg.host, ca_path=cfg.ssl_ca_cert, insecure=not cfg.verify_ssl,
         certificate_path=cfg.cert_file, private_key_path=cfg.key_file,

@@ -17,8 +17,15 @@ from .builders.meta import selector_labels
 from .builders.tenant import local_queue_name
 from .builders.workload import workload_pod_template
 from .config import OperatorConfig
-from .constants import (API_VERSION, KUEUE_API_VERSION, LABEL_FLAVOR, LABEL_MDEP, LABEL_TENANT,
-                        LABEL_WORKLOAD_HASH, MDEP_PLURAL)
+from .constants import (
+    API_VERSION,
+    KUEUE_API_VERSION,
+    LABEL_FLAVOR,
+    LABEL_MDEP,
+    LABEL_TENANT,
+    LABEL_WORKLOAD_HASH,
+    MDEP_PLURAL,
+)
 from .errors import SpecError
 from .events import build_event
 from .kube import Kube, KubeError

@@ -5,8 +5,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Sequence
 
-from .builders import (build_cluster_queue, build_local_queue, build_namespace, build_network_policy,
-                       build_rbac)
+from .builders import build_cluster_queue, build_local_queue, build_namespace, build_network_policy, build_rbac
 from .constants import API_VERSION, KUEUE_API_VERSION, LABEL_TENANT, TENANT_PLURAL
 from .errors import SpecError
 from .events import build_event
@@ -68,7 +67,8 @@ def reconcile_tenant(kube: Kube, name: str, converge: bool = True,
         status = compute_tenant_status(tenant, spec, None, workloads, now, conflicts, reserved)
     if {k: old_status.get(k) for k in status} != status:
         kube.merge_patch(tenant, {"status": status}, subresource="status")
-        old_ready = next((c for c in old_status.get("conditions") or [] if c["type"] == "Ready"), {})
+        old_ready: dict[str, Any] = next(
+            (c for c in old_status.get("conditions") or [] if c["type"] == "Ready"), {})
         ready = status["conditions"][0]
         if (old_ready.get("status"), old_ready.get("reason")) != (ready["status"], ready["reason"]):
             kind = "Normal" if ready["status"] == "True" else "Warning"

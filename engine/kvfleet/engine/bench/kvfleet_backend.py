@@ -130,7 +130,7 @@ def _write_profile(prof: Any, path: str) -> None:
 
 
 def _drain(engine: Any, on_step: Callable[[list[Any], float], None] | None = None) -> list[Any]:
-    done = []
+    done: list[Any] = []
     while engine.has_unfinished_requests():
         t = time.perf_counter()
         outs = engine.step(final_only=True)  # offline: only finished outputs are read

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 import numpy as np
 
 
-def percentiles(values: Sequence[float], qs: Sequence[float] = (50, 90, 99)) -> dict[str, float] | None:
+def percentiles(values: Sequence[float | None], qs: Sequence[float] = (50, 90, 99)) -> dict[str, float] | None:
     """``{"mean", "p50", ...}`` in the values' unit, or None when there are none."""
     vals = np.asarray([v for v in values if v is not None], dtype=np.float64)
     if vals.size == 0:

@@ -43,7 +43,7 @@ def chat_mix_workload(num: int = 1000, seed: int = 0) -> list[BenchRequest]:
     prompt_lens = np.clip(np.round(rng.lognormal(5.5, 0.9, num)), 16, 4096).astype(np.int64)
     output_lens = np.clip(np.round(rng.lognormal(5.0, 0.8, num)), 8, 1024).astype(np.int64)
     return [BenchRequest(rng.integers(0, TOKEN_HIGH, size=int(p)).tolist(), int(o))
-            for p, o in zip(prompt_lens, output_lens)]
+            for p, o in zip(prompt_lens, output_lens, strict=True)]
 
 
 def load_workload(name_or_file: str) -> list[BenchRequest]:

@@ -15,7 +15,7 @@ or when every candidate hits a stop.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Union
+from typing import Sequence, Union
 
 _BLOCKED = -1.0e9
 
@@ -77,7 +77,7 @@ class BeamSearchState:
             del self.finished[self.width:]
 
         running = sorted(((score + (_BLOCKED if hit else 0.0), i) for i, ((score, _, _, _), hit)
-                          in enumerate(zip(cands, hits))), key=lambda x: (-x[0], x[1]))[:self.width]
+                          in enumerate(zip(cands, hits, strict=True))), key=lambda x: (-x[0], x[1]))[:self.width]
         next_beams = [(cands[i][3].key, cands[i][2], cands[i][0]) for s, i in running if s > _BLOCKED / 2]
         self.num_generated = gen_len
 
@@ -93,7 +93,7 @@ class BeamSearchState:
         done = not self.heuristic_unsatisfied or all_done or all(hits) or not next_beams
         return BeamStep(next_beams=[] if done else next_beams, done=done)
 
-    def best(self, n: int, running: list[Beam] = ()) -> list[Hypothesis]:
+    def best(self, n: int, running: Sequence[Beam] = ()) -> list[Hypothesis]:
         """The n best finished hypotheses (running beams stand in if none finished)."""
         if self.finished:
             return self.finished[:n]

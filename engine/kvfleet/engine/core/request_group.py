@@ -22,7 +22,7 @@ def logprobs_dict(tokenizer: Any, token_id: int, lp: float, rank: int, top_ids: 
         return tokenizer.decode([t]) if tokenizer is not None else None
 
     out: LogprobsDict = {token_id: Logprob(lp, rank, dec(token_id))}
-    for i, (t, v) in enumerate(zip(top_ids, top_lps)):
+    for i, (t, v) in enumerate(zip(top_ids, top_lps, strict=True)):
         if t not in out:
             out[t] = Logprob(v, i + 1, dec(t))
     return out

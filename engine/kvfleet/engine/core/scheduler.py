@@ -220,16 +220,16 @@ class Scheduler:
         out = SchedulerOutput(copy_pairs=self.kv.take_copies(), preempted_req_ids=preempted)
         tables, bs, add, changed = self.kv.block_tables, self.kv.block_size, out.scheduled.append, self.kv.take_changed
         for req in self.running:
-            n = scheduled.get(req.request_id)
-            if n is None:
+            count = scheduled.get(req.request_id)
+            if count is None:
                 continue
             start = req.num_computed_tokens
-            done = start + n
+            done = start + count
             req.num_computed_tokens = done
             table = tables[req.request_id]
             assert len(table) * bs >= done
             needs_sample = done == req.num_tokens + req.num_placeholders
-            add(ScheduledRequest(req, start, n, table, needs_sample, changed(req)))
+            add(ScheduledRequest(req, start, count, table, needs_sample, changed(req)))
             if needs_sample and self.async_placeholders and may_continue(req, self.max_model_len):
                 req.num_placeholders += 1
         assert out.num_batched_tokens <= self.max_num_batched_tokens

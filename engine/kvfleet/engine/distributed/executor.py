@@ -88,8 +88,9 @@ class TensorParallelModel:
         """Tell the workers to run `cmd` ("forward" eager, "replay" a captured graph) on this step."""
         rows, self._logit_rows = self._logit_rows, ()
         header = StepHeader(
-            num_tokens=int(input_ids.shape[0]), num_seqs=len(md.seq_lens_cpu), table_width=int(md.block_tables.shape[1]),
-            max_query_len=md.max_query_len, max_seq_len=md.max_seq_len, query_start_loc_cpu=list(md.query_start_loc_cpu),
+            num_tokens=int(input_ids.shape[0]), num_seqs=len(md.seq_lens_cpu),
+            table_width=int(md.block_tables.shape[1]), max_query_len=md.max_query_len, max_seq_len=md.max_seq_len,
+            query_start_loc_cpu=list(md.query_start_loc_cpu),
             seq_lens_cpu=list(md.seq_lens_cpu), cache_shape=tuple(kv_caches[0].shape), num_layers=len(kv_caches),
             logit_rows=rows,
         )

@@ -6,8 +6,8 @@ the forward pair up. Control messages (small, host-only, through a pipe: control
 ("forward", StepHeader), ("replay", StepHeader) (a captured decode graph; a header with
 `logit_rows` also has the worker compute those rows' logits right after, as the driver will),
 ("capture", cache_shape, num_layers, max_batch, max_model_len, block_size, piecewise),
-("logits", rows_shape), ("copy_blocks", src, dst), ("free_cache",), ("shutdown",). The step's tensors follow a "forward" header as one
-packed int64 tensor broadcast over the tensor group (NCCL on GPUs), so the driver
+("logits", rows_shape), ("copy_blocks", src, dst), ("free_cache",), ("shutdown",). The step's tensors follow a
+"forward" header as one packed int64 tensor broadcast over the tensor group (NCCL on GPUs), so the driver
 never waits for the device to build a message.
 """
 

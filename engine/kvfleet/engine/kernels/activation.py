@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import SUPPORTED_DTYPES, fail, check_tensor
+from ._common import SUPPORTED_DTYPES, check_tensor, fail
 
 
 @triton.jit

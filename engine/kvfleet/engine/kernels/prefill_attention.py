@@ -14,8 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import (check_paged_attention_args, check_tensor, dot_precision, fail, next_pow2,
-                      upcast_dots)
+from ._common import check_paged_attention_args, check_tensor, dot_precision, fail, next_pow2, upcast_dots
 
 LOG2E = 1.4426950408889634
 

@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import SUPPORTED_DTYPES, fail, check_tensor, next_pow2
+from ._common import SUPPORTED_DTYPES, check_tensor, fail, next_pow2
 
 
 @triton.jit

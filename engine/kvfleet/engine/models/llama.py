@@ -104,7 +104,7 @@ class LlamaModel(nn.Module):
             raise ValueError(f"kv_caches: {len(kv_caches)} tensors for {len(self.layers)} layers")
         hidden = self.embed_tokens(input_ids)
         cos, sin = self.rotary_emb(positions, hidden.dtype)
-        for layer, kv_cache in zip(self.layers, kv_caches):
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             hidden = layer(hidden, cos, sin, kv_cache, attn_metadata)
         return self.norm(hidden)
 

@@ -120,7 +120,7 @@ def add_serve_args(parser: argparse.ArgumentParser, env: Mapping[str, str] | Non
             parser.add_argument(flag.name, dest=dest, action=argparse.BooleanOptionalAction, default=default,
                                 help=help_text)
         else:
-            parser.add_argument(flag.name, dest=dest, type=flag.type, default=default, choices=flag.choices,
+            parser.add_argument(flag.name, dest=dest, type=flag.type or str, default=default, choices=flag.choices,
                                 metavar=flag.metavar, help=help_text)
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from typing import Any, AsyncIterator
+from typing import Any, AsyncGenerator, AsyncIterator
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -12,8 +12,16 @@ from kvfleet.engine.server.errors import APIError, error_body
 from kvfleet.engine.server.generation import ClientGone, last_outputs, merge_streams, new_request_id, stream_request
 from kvfleet.engine.server.logprobs import chat_logprobs
 from kvfleet.engine.server.protocol import ChatCompletionRequest, ChatMessage
-from kvfleet.engine.server.serving import (SSE_DONE, ManagedStream, build_params, check_model, release_all, sse,
-                                           take_tickets, usage)
+from kvfleet.engine.server.serving import (
+    SSE_DONE,
+    ManagedStream,
+    build_params,
+    check_model,
+    release_all,
+    sse,
+    take_tickets,
+    usage,
+)
 from kvfleet.engine.server.state import ServerState, logger
 
 
@@ -71,7 +79,7 @@ def _chunk(request_id: str, model: str, created: int, choices: list[dict[str, An
             "choices": choices}
 
 
-async def _stream(state: ServerState, req: ChatCompletionRequest, streams: list[AsyncIterator[Any]],
+async def _stream(state: ServerState, req: ChatCompletionRequest, streams: list[AsyncGenerator[Any, None]],
                   request_id: str, model: str, created: int) -> AsyncIterator[str]:
     sent_text: dict[int, int] = {}
     sent_tokens: dict[int, int] = {}

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from typing import Any, AsyncIterator
+from typing import Any, AsyncGenerator, AsyncIterator
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -12,8 +12,16 @@ from kvfleet.engine.server.errors import APIError, error_body
 from kvfleet.engine.server.generation import ClientGone, last_outputs, merge_streams, new_request_id, stream_request
 from kvfleet.engine.server.logprobs import completion_logprobs
 from kvfleet.engine.server.protocol import CompletionRequest
-from kvfleet.engine.server.serving import (SSE_DONE, ManagedStream, build_params, check_model, release_all, sse,
-                                           take_tickets, usage)
+from kvfleet.engine.server.serving import (
+    SSE_DONE,
+    ManagedStream,
+    build_params,
+    check_model,
+    release_all,
+    sse,
+    take_tickets,
+    usage,
+)
 from kvfleet.engine.server.state import ServerState, logger
 
 
@@ -75,8 +83,8 @@ async def create_completion(state: ServerState, req: CompletionRequest, request:
                          "choices": choices, "usage": usage(prompt_tokens, completion_tokens)})
 
 
-async def _stream(state: ServerState, req: CompletionRequest, streams: list[AsyncIterator[Any]], texts: list[str],
-                  request_id: str, model: str, created: int) -> AsyncIterator[str]:
+async def _stream(state: ServerState, req: CompletionRequest, streams: list[AsyncGenerator[Any, None]],
+                  texts: list[str], request_id: str, model: str, created: int) -> AsyncIterator[str]:
     sent_text: dict[int, int] = {}
     sent_tokens: dict[int, int] = {}
     finished: set[int] = set()

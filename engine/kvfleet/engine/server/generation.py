@@ -11,7 +11,7 @@ import asyncio
 import contextlib
 import time
 import uuid
-from typing import Any, AsyncIterator, Sequence, TypeVar
+from typing import Any, AsyncGenerator, AsyncIterator, Sequence, TypeVar
 
 import anyio
 from starlette.requests import Request
@@ -42,7 +42,7 @@ def finish_reason_of(out: Any) -> str:
 
 
 async def stream_request(state: ServerState, ticket: Ticket, prompt_ids: list[int], params: Any,
-                         request_id: str, tenant: str, prompt_text: str | None = None) -> AsyncIterator[Any]:
+                         request_id: str, tenant: str, prompt_text: str | None = None) -> AsyncGenerator[Any, None]:
     """`engine.generate` with bookkeeping: queue count until the first output, ITL, finish metrics."""
     engine = state.engine
     # With tenant keys, each tenant's prompts hash into its own prefix-cache space: no tenant can
@@ -85,7 +85,7 @@ async def stream_request(state: ServerState, ticket: Ticket, prompt_ids: list[in
                                                        "finish_reason": reason, "output_tokens": prev_tokens})
 
 
-async def merge_streams(streams: Sequence[AsyncIterator[T]]) -> AsyncIterator[tuple[int, T]]:
+async def merge_streams(streams: Sequence[AsyncGenerator[T, None]]) -> AsyncIterator[tuple[int, T]]:
     """Interleave several streams as items arrive, tagged with the stream's index."""
     if len(streams) == 1:
         async with contextlib.aclosing(streams[0]) as only:  # closing it aborts the engine request now
@@ -95,7 +95,7 @@ async def merge_streams(streams: Sequence[AsyncIterator[T]]) -> AsyncIterator[tu
     queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
     done = object()
 
-    async def pump(i: int, stream: AsyncIterator[T]) -> None:
+    async def pump(i: int, stream: AsyncGenerator[T, None]) -> None:
         try:
             async for item in stream:
                 await queue.put((i, item))
@@ -127,7 +127,7 @@ async def wait_for_disconnect(request: Request) -> None:
             return
 
 
-async def last_outputs(streams: Sequence[AsyncIterator[Any]], request: Request) -> list[Any]:
+async def last_outputs(streams: Sequence[AsyncGenerator[Any, None]], request: Request) -> list[Any]:
     """The final output of each stream; raises ClientGone (after aborting) if the client leaves."""
 
     async def consume() -> list[Any]:

@@ -59,9 +59,9 @@ class EngineStatsCollector(Collector):
         usage.add_metric([self._model_name], float(stats.get("kv_cache_usage", 0.0)))
         yield usage
         for name, key, help_text in _COUNTERS:
-            family = CounterMetricFamily(name, help_text, labels=["model_name"])
-            family.add_metric([self._model_name], float(stats.get(key, 0)))
-            yield family
+            counter = CounterMetricFamily(name, help_text, labels=["model_name"])
+            counter.add_metric([self._model_name], float(stats.get(key, 0)))
+            yield counter
 
 
 def request_timings(metrics: Any) -> dict[str, float]:

@@ -11,8 +11,15 @@ from starlette.types import Receive, Scope, Send
 from kvfleet.engine.sampling_params import SamplingParams
 from kvfleet.engine.server.errors import APIError, value_error_param
 from kvfleet.engine.server.generation import REQUEST_FIELDS
-from kvfleet.engine.server.limits import (RequestError, Ticket, admit, check_prompt_ids, resolve_max_tokens,
-                                          retry_after_seconds, sampling_kwargs)
+from kvfleet.engine.server.limits import (
+    RequestError,
+    Ticket,
+    admit,
+    check_prompt_ids,
+    resolve_max_tokens,
+    retry_after_seconds,
+    sampling_kwargs,
+)
 from kvfleet.engine.server.protocol import SamplingFields
 from kvfleet.engine.server.state import ServerState
 
@@ -69,7 +76,7 @@ def check_engine_inputs(state: ServerState, prompt_ids: list[int], params: Sampl
             param = prompt_field
         elif param == "max_tokens":
             param = max_field
-        if named and param != named and message.startswith(named + ":"):
+        if named and param and param != named and message.startswith(named + ":"):
             message = param + message[len(named):]  # the field as this request spelled it
         raise APIError(400, message, param, "invalid_value") from None
 

@@ -28,8 +28,13 @@ from kvfleet.operator.autoscaler.gauges import ScalingGauges
 from kvfleet.operator.autoscaler.metrics import query_prometheus, scrape_pods
 from kvfleet.operator.autoscaler.pods import ready_targets
 from kvfleet.operator.autoscaler.policy import AutoscalingSpec, Decision, decide
-from kvfleet.operator.autoscaler.state import (STATUS_KEY, event_message, state_from_status, status_patch,
-                                               status_unchanged)
+from kvfleet.operator.autoscaler.state import (
+    STATUS_KEY,
+    event_message,
+    state_from_status,
+    status_patch,
+    status_unchanged,
+)
 from kvfleet.operator.builders.meta import selector_labels
 from kvfleet.operator.constants import API_VERSION, ENGINE_PORT, GROUP, MDEP_PLURAL, VERSION
 from kvfleet.operator.errors import SpecError
@@ -145,22 +150,24 @@ async def _post_events(kube: Any, mdep: Mapping[str, Any], decision: Decision,
 
 
 @kopf.timer(GROUP, VERSION, MDEP_PLURAL, interval=SETTINGS.interval, when=_enabled, id="autoscaler")
-async def autoscale(namespace: str, name: str, **_: Any) -> None:
+async def autoscale(namespace: str | None, name: str, **_: Any) -> None:
     # Imported here: the operator's handlers module imports this package optionally (main.py).
     from kvfleet.operator import handlers as operator_handlers
 
+    namespace = operator_handlers.namespaced(namespace)
     decision = await autoscale_once(operator_handlers.kube(), namespace, name, SETTINGS)
     if decision is not None and decision.desired != decision.current:
         await asyncio.to_thread(operator_handlers.reconcile_now, namespace, name)
 
 
 @kopf.on.field(GROUP, VERSION, MDEP_PLURAL, field="spec.autoscaling.enabled", id="autoscaler-toggled")
-def toggled(new: Any, namespace: str, name: str, body: Mapping[str, Any], **_: Any) -> None:
+def toggled(new: Any, namespace: str | None, name: str, body: Mapping[str, Any], **_: Any) -> None:
     """Autoscaling turned off: drop its status (and saved window) so nothing stale is shown or resumed."""
     if new or not (body.get("status") or {}).get("autoscaler"):
         return
     from kvfleet.operator import handlers as operator_handlers
 
+    namespace = operator_handlers.namespaced(namespace)
     ref = {"apiVersion": API_VERSION, "kind": "ModelDeployment",
            "metadata": {"name": name, "namespace": namespace}}
     operator_handlers.kube().merge_patch(ref, {"status": {"autoscaler": None}}, "status")
@@ -169,5 +176,6 @@ def toggled(new: Any, namespace: str, name: str, body: Mapping[str, Any], **_: A
 
 
 @kopf.on.delete(GROUP, VERSION, MDEP_PLURAL, optional=True, id="autoscaler-forget")
-def forget(namespace: str, name: str, **_: Any) -> None:
-    GAUGES.forget(namespace, name)
+def forget(namespace: str | None, name: str, **_: Any) -> None:
+    if namespace is not None:
+        GAUGES.forget(namespace, name)

@@ -2,8 +2,7 @@
 from .deployment import build_deployment, build_service, deployment_name
 from .meta import owner_reference
 from .pod import build_engine_args, build_pod_template
-from .tenant import (build_cluster_queue, build_local_queue, build_namespace, build_network_policy,
-                     build_rbac)
+from .tenant import build_cluster_queue, build_local_queue, build_namespace, build_network_policy, build_rbac
 from .workload import build_workload, workload_hash, workload_name
 
 __all__ = [

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from ..constants import (LABEL_COMPONENT, LABEL_MANAGED_BY, LABEL_MDEP, LABEL_NAME, MANAGED_BY_VALUE)
+from ..constants import LABEL_COMPONENT, LABEL_MANAGED_BY, LABEL_MDEP, LABEL_NAME, MANAGED_BY_VALUE
 
 
 def owner_reference(owner: Mapping[str, Any], controller: bool = True) -> dict[str, Any]:

@@ -4,8 +4,16 @@ from __future__ import annotations
 
 from typing import Any, Mapping, Sequence
 
-from ..constants import (GPU_RESOURCE, GROUP, KUEUE_API_VERSION, LABEL_MANAGED_BY,
-                         LABEL_SYSTEM_NAMESPACE, LABEL_TENANT, MANAGED_BY_VALUE, MDEP_PLURAL)
+from ..constants import (
+    GPU_RESOURCE,
+    GROUP,
+    KUEUE_API_VERSION,
+    LABEL_MANAGED_BY,
+    LABEL_SYSTEM_NAMESPACE,
+    LABEL_TENANT,
+    MANAGED_BY_VALUE,
+    MDEP_PLURAL,
+)
 from ..spec import FlavorQuota, TenantSpec
 from .meta import owner_reference
 

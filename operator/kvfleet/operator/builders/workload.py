@@ -6,8 +6,15 @@ import json
 from typing import Any, Mapping
 
 from ..config import OperatorConfig
-from ..constants import (GPU_TOLERATION, KUEUE_API_VERSION, KUEUE_GROUP, LABEL_FLAVOR, LABEL_ORDINAL,
-                         LABEL_WORKLOAD_HASH, POD_SET_NAME)
+from ..constants import (
+    GPU_TOLERATION,
+    KUEUE_API_VERSION,
+    KUEUE_GROUP,
+    LABEL_FLAVOR,
+    LABEL_ORDINAL,
+    LABEL_WORKLOAD_HASH,
+    POD_SET_NAME,
+)
 from ..spec import ModelDeploymentSpec
 from .meta import mdep_labels, owner_reference
 from .pod import container_resources
