@@ -22,7 +22,6 @@ from .constants import (
     KUEUE_API_VERSION,
     LABEL_FLAVOR,
     LABEL_MDEP,
-    LABEL_TENANT,
     LABEL_WORKLOAD_HASH,
     MDEP_PLURAL,
 )
