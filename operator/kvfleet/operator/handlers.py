@@ -125,12 +125,23 @@ def waiting_reason(status: dict[str, Any] | None) -> str | None:
 def _reconcile_and_record(namespace: str, name: str) -> dict[str, Any] | None:
     """Reconcile, then mirror the status counts in the replica gauges (inside the object's pass, so a
     reconcile that ends after the object's deletion cannot bring its series back)."""
-    status = reconcile_model_deployment(kube(), config(), namespace, name, _services_applied, refs())
+    status = reconcile_model_deployment(kube(), config(), namespace, name, _services_applied, refs(), _written)
     if status is None:
         metrics.REPLICAS.forget(namespace, name)
     else:
         metrics.REPLICAS.record(namespace, name, status)
     return status
+
+
+def _written(obj: Mapping[str, Any]) -> None:
+    """What a reconcile just wrote, as the apiserver returned it: the watch's echo of it changes nothing the
+    reconcile reads, so it needs no pass of its own."""
+    meta = obj.get("metadata") or {}
+    key = f"{meta.get('namespace')}/{meta.get('name')}"
+    if obj.get("kind") == "Workload":
+        _workloads_seen.changed(key, workload_fingerprint(obj))
+    elif obj.get("kind") == "Deployment":
+        _deployments_seen.changed(key, deployment_fingerprint(obj))
 
 
 def namespaced(namespace: str | None) -> str:

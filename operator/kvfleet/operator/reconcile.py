@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from datetime import datetime, timezone
-from typing import Any, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 from .applied import AppliedOnce, unchanged, with_hash
 from .builders import build_deployment, build_service, build_workload, workload_hash
@@ -87,9 +87,16 @@ def _flavor_placement(flavor_spec: Mapping[str, Any]) -> tuple[dict[str, str], l
     return dict(flavor_spec.get("nodeLabels") or {}), list(flavor_spec.get("tolerations") or [])
 
 
+Written = Callable[[Mapping[str, Any]], None]
+
+
+def _ignore(_: Mapping[str, Any]) -> None:
+    pass
+
+
 def _apply_deployments(kube: Kube, config: OperatorConfig, mdep: dict[str, Any], spec: ModelDeploymentSpec,
                        resolved: Resolved, plan: WorkloadPlan, deployments: list[dict[str, Any]],
-                       spec_hash: str) -> None:
+                       spec_hash: str, written: Written) -> None:
     """Each shape's Deployment to the number of workloads admitted with that shape."""
     namespace = mdep["metadata"]["namespace"]
     existing: dict[tuple[str, str], dict[str, Any]] = {}
@@ -103,7 +110,7 @@ def _apply_deployments(kube: Kube, config: OperatorConfig, mdep: dict[str, Any],
             desired = with_hash(build_deployment(mdep, spec, config, flavor, replicas, node_labels, tolerations,
                                                  shape))
             if not unchanged(existing.get((flavor, shape)), desired):
-                kube.apply(desired)
+                written(kube.apply(desired))
         elif (flavor, shape) in existing:
             # An older shape keeps its template (its pods match their admitted workloads) and only
             # shrinks as those workloads are replaced.
@@ -113,15 +120,17 @@ def _apply_deployments(kube: Kube, config: OperatorConfig, mdep: dict[str, Any],
             elif (existing[(flavor, shape)].get("spec") or {}).get("replicas") != replicas:
                 ref = {"apiVersion": "apps/v1", "kind": "Deployment",
                        "metadata": {"name": old_name, "namespace": namespace}}
-                kube.merge_patch(ref, {"spec": {"replicas": replicas}})
+                written(kube.merge_patch(ref, {"spec": {"replicas": replicas}}))
         # else: admitted with an old shape whose Deployment is gone; it runs once replaced.
 
 
 def reconcile_model_deployment(kube: Kube, config: OperatorConfig, namespace: str, name: str,
-                               applied: AppliedOnce | None = None, refs: Refs | None = None) -> dict | None:
+                               applied: AppliedOnce | None = None, refs: Refs | None = None,
+                               written: Written = _ignore) -> dict | None:
     """Converge one ModelDeployment; returns the status written (or None if it is gone). `applied` remembers
     the Services already applied by this process (their content never changes), so they are applied once;
-    `refs` looks up what the spec refers to (default: the apiserver, each time)."""
+    `refs` looks up what the spec refers to (default: the apiserver, each time); `written` is told each Workload
+    and Deployment as the apiserver returned it after our write (so the watch's echo of it needs no reconcile)."""
     mdep = kube.get(API_VERSION, MDEP_PLURAL, name, namespace)
     if mdep is None or mdep["metadata"].get("deletionTimestamp"):
         return None  # the garbage collector removes what it owned
@@ -151,13 +160,13 @@ def reconcile_model_deployment(kube: Kube, config: OperatorConfig, namespace: st
             kube.apply(build_service(mdep))
             if applied is not None:
                 applied.done(service_key)
-        _apply_deployments(kube, config, mdep, spec, resolved, plan, deployments, spec_hash)
+        _apply_deployments(kube, config, mdep, spec, resolved, plan, deployments, spec_hash, written)
         # Pods go first (above), then the quota: a freed GPU is never still in use by us.
         for wl_name in plan.delete:
             kube.delete(KUEUE_API_VERSION, "workloads", wl_name, namespace)
         for ordinal in plan.create:
-            kube.apply(build_workload(mdep, spec, config, ordinal, resolved.queue_name, resolved.priority,
-                                      pinned))
+            written(kube.apply(build_workload(mdep, spec, config, ordinal, resolved.queue_name, resolved.priority,
+                                              pinned)))
         if plan.create or plan.delete:
             log.info("workloads mdep=%s/%s desired=%d created=%s deleted=%s", namespace, name, desired,
                      list(plan.create), list(plan.delete))
