@@ -134,8 +134,11 @@ def _reconcile_and_record(namespace: str, name: str) -> dict[str, Any] | None:
 
 
 def _written(obj: Mapping[str, Any]) -> None:
-    """What a reconcile just wrote, as the apiserver returned it: the watch's echo of it changes nothing the
-    reconcile reads, so it needs no pass of its own."""
+    """What a reconcile just created, as the apiserver returned it: the watch's echo of it changes nothing the
+    reconcile read, so it needs no pass of its own. Only a fresh object (no status yet) is recorded: status the
+    pass did not see must still trigger one."""
+    if obj.get("status"):
+        return
     meta = obj.get("metadata") or {}
     key = f"{meta.get('namespace')}/{meta.get('name')}"
     if obj.get("kind") == "Workload":

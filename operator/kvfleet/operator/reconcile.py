@@ -109,8 +109,11 @@ def _apply_deployments(kube: Kube, config: OperatorConfig, mdep: dict[str, Any],
             node_labels, tolerations = _flavor_placement(resolved.flavors.get(flavor, {}))
             desired = with_hash(build_deployment(mdep, spec, config, flavor, replicas, node_labels, tolerations,
                                                  shape))
-            if not unchanged(existing.get((flavor, shape)), desired):
-                written(kube.apply(desired))
+            live = existing.get((flavor, shape))
+            if not unchanged(live, desired):
+                result = kube.apply(desired)
+                if live is None:
+                    written(result)
         elif (flavor, shape) in existing:
             # An older shape keeps its template (its pods match their admitted workloads) and only
             # shrinks as those workloads are replaced.
@@ -120,7 +123,7 @@ def _apply_deployments(kube: Kube, config: OperatorConfig, mdep: dict[str, Any],
             elif (existing[(flavor, shape)].get("spec") or {}).get("replicas") != replicas:
                 ref = {"apiVersion": "apps/v1", "kind": "Deployment",
                        "metadata": {"name": old_name, "namespace": namespace}}
-                written(kube.merge_patch(ref, {"spec": {"replicas": replicas}}))
+                kube.merge_patch(ref, {"spec": {"replicas": replicas}})
         # else: admitted with an old shape whose Deployment is gone; it runs once replaced.
 
 
@@ -130,7 +133,8 @@ def reconcile_model_deployment(kube: Kube, config: OperatorConfig, namespace: st
     """Converge one ModelDeployment; returns the status written (or None if it is gone). `applied` remembers
     the Services already applied by this process (their content never changes), so they are applied once;
     `refs` looks up what the spec refers to (default: the apiserver, each time); `written` is told each Workload
-    and Deployment as the apiserver returned it after our write (so the watch's echo of it needs no reconcile)."""
+    and Deployment this pass created, as the apiserver returned it (so the watch's echo of it needs no pass: this
+    pass already counted it as new; an update's answer may carry status this pass did not see, so not those)."""
     mdep = kube.get(API_VERSION, MDEP_PLURAL, name, namespace)
     if mdep is None or mdep["metadata"].get("deletionTimestamp"):
         return None  # the garbage collector removes what it owned
