@@ -33,7 +33,7 @@ from .plan import WorkloadPlan, frozen_plan, plan_deployment_replicas, plan_work
 from .refs import ApiRefs, Refs
 from .scaling import desired_replicas_for
 from .spec import ModelDeploymentSpec, check_node_path, parse_model_deployment
-from .status import Observation, compute_status, status_changed, transition_events
+from .status import Observation, compute_status, status_changed, status_event
 
 log = logging.getLogger("kvfleet.operator.reconcile")
 
@@ -188,9 +188,9 @@ def reconcile_model_deployment(kube: Kube, config: OperatorConfig, namespace: st
     new_status = compute_status(obs, old_status, now)
     if status_changed(old_status, new_status):
         kube.merge_patch(mdep, {"status": new_status}, subresource="status")
-        for event_type, reason, message in transition_events(old_status.get("conditions") or [],
-                                                             new_status["conditions"]):
-            post_event(kube, build_event(mdep, event_type, reason, message, now))
+        event = status_event(old_status.get("conditions") or [], new_status["conditions"])
+        if event is not None:
+            post_event(kube, build_event(mdep, *event, now))
     return new_status
 
 
