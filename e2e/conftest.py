@@ -9,7 +9,7 @@ Fixtures (names are the contract other e2e test files build on):
 - ``k8s`` (session): a ``kubernetes.client.ApiClient`` for the admin user; make typed APIs from it
   (``kubernetes.client.CoreV1Api(k8s)``, ``AppsV1Api(k8s)``, ``CustomObjectsApi(k8s)``).
 - ``namespace`` (function): a fresh namespace (name str) whose default ServiceAccount exists; deleted afterwards,
-  with everything in it.
+  with everything in it. Engine pods in it are served by the tiny model (``E2E_ENGINE_MODEL``).
 - ``cluster_objects`` (function): ``ClusterObjects`` -- creates cluster-scoped custom objects (Kueue
   ResourceFlavors, ClusterQueues, ...) with ``create(group, version, plural, body)`` and deletes them afterwards.
 - ``kubectl`` (session): ``kubectl(*args, namespace=None, stdin=None, check=True)`` runs the cluster's kubectl
@@ -31,6 +31,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "cluster"))
 
+from local_engines import E2E_ENGINE_MODEL, MODEL_ANNOTATION  # noqa: E402
 from localcluster import control, manifests, sharing  # noqa: E402
 from localcluster.layout import Layout  # noqa: E402
 
@@ -108,7 +109,8 @@ def namespace(k8s: Any, request: pytest.FixtureRequest) -> Iterator[str]:
 
     core = client.CoreV1Api(k8s)
     name = f"e2e-{_short_test_name(request)}-{uuid.uuid4().hex[:5]}"
-    core.create_namespace({"metadata": {"name": name, "labels": {"kvfleet.dev/e2e": "true"}}})
+    core.create_namespace({"metadata": {"name": name, "labels": {"kvfleet.dev/e2e": "true"},
+                                        "annotations": {MODEL_ANNOTATION: E2E_ENGINE_MODEL}}})
     # The ServiceAccount admission plugin rejects pods until the namespace's default account exists.
     deadline = time.monotonic() + 30
     while not core.list_namespaced_service_account(name, field_selector="metadata.name=default").items:

@@ -1,12 +1,14 @@
-"""`make demo`: the kvfleet story on the local cluster, plus the engine answering on CPU.
+"""`make demo`: the kvfleet story on the local cluster, ending with a chat answered by team-a's pod.
 
-1. the local control plane (real apiserver, scheduler, Kueue, fake GPU nodes) is up;
+1. the local control plane (real apiserver, scheduler, Kueue, fake GPU nodes, and the engine kubelet that runs
+   a real `kvfleet serve` for each engine pod) is up;
 2. the Helm chart is installed (CRDs, RBAC, ResourceFlavors), the samples applied (two tenants in one
    cohort, a model each), and the operator runs as a local process against the cluster;
-3. team-a's model is admitted and Ready; team-b's second model waits on quota with Kueue's reason,
-   and is admitted once team-a scales down;
-4. beside it, `kvfleet serve` runs the embedded SmolLM2 model on CPU and answers a chat request
-   through the `openai` client (on 127.0.0.1: fake pods never run containers).
+3. team-a's model is admitted and Ready (each pod Ready once its engine, the embedded SmolLM2 on CPU, answers
+   /health); team-b's second model waits on quota with Kueue's reason, and is admitted once team-a scales down;
+4. team-a's pod answers a chat request through the `openai` client, at the pod's own (loopback) IP;
+5. the gateway (a local process, as the operator is) answers a chat with team-a's key by a pod of team-a's
+   ModelDeployment, and refuses team-b's key for it (e2e/demo_gateway.py).
 """
 from __future__ import annotations
 
@@ -21,8 +23,9 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "e2e" / "cluster"))
 
 from kvfleet.operator.kube import Kube  # noqa: E402
-from kvfleet.operator.testing import OperatorProcess, condition, free_port, install_crds, wait_for  # noqa: E402
+from kvfleet.operator.testing import OperatorProcess, condition, install_crds, wait_for  # noqa: E402
 
+from demo_gateway import gateway_act  # noqa: E402
 from localcluster import control  # noqa: E402
 from localcluster.layout import Layout  # noqa: E402
 
@@ -62,9 +65,15 @@ class Demo:
     def status(self, ns: str, name: str) -> dict[str, Any]:
         return (self.kube.get(API, "modeldeployments", name, ns) or {}).get("status") or {}
 
-    def wait_ready(self, ns: str, name: str, replicas: int, timeout: float = 120) -> dict[str, Any]:
+    def wait_ready(self, ns: str, name: str, replicas: int, timeout: float = 420) -> dict[str, Any]:
+        # Ready pods: each engine (SmolLM2 on CPU) has loaded and answers /health; on two busy cores that can
+        # take a few minutes when several start at once.
         return wait_for(f"{ns}/{name} ready", lambda: (s := self.status(ns, name)).get("readyReplicas") == replicas
                         and s.get("admittedReplicas") == replicas and s, timeout=timeout)
+
+    def cluster_status_engines(self) -> list[str]:
+        """The engine kubelet's engines, as `make cluster-status` lists them."""
+        return control.describe_engines(control.engines(self.layout)).splitlines()
 
     def show_mdeps(self) -> None:
         for line in self.kubectl("get", "mdep", "-A").rstrip().splitlines():
@@ -100,6 +109,7 @@ def story(demo: Demo) -> None:
     note("team-a owns 4 H200 GPUs; team-b owns 2 and may borrow 2 more from the cohort")
 
     say("team-a/chat (kvfleet engine, 2 replicas x 2 GPUs) and team-b/coder (vLLM, 1 x 2 GPUs)")
+    note("each pod runs a real `kvfleet serve` on CPU (SmolLM2) at its IP; Ready once /health answers", DIM)
     for ns, name, n in (("team-a", "chat", 2), ("team-b", "coder", 1)):
         st = demo.wait_ready(ns, name, n)
         note(f"{ns}/{name}: {st['admittedReplicas']}/{st['desiredReplicas']} admitted by Kueue, "
@@ -134,41 +144,27 @@ def story(demo: Demo) -> None:
              f"{g['pending']} pending", DIM)
 
 
-def engine_chat(logs: Path) -> None:
-    say("The engine: `kvfleet serve` with the embedded SmolLM2-135M-Instruct on CPU, asked through `openai`")
-    port = free_port()
-    log = open(logs / "demo-engine.log", "wb")  # noqa: SIM115
-    engine = subprocess.Popen([sys.executable, "-m", "kvfleet.engine.cli", "serve", "--host", "127.0.0.1",  # noqa: S603
-                               "--port", str(port), "--device", "cpu", "--max-model-len", "2048"],
-                              stdout=log, stderr=subprocess.STDOUT, cwd=str(REPO))
-    try:
-        import httpx
-        from openai import OpenAI
+def pod_chat(demo: Demo) -> None:
+    say("team-a's pod answers: the `openai` client at the pod's IP (its engine: SmolLM2-135M-Instruct on CPU)")
+    import httpx
+    from openai import OpenAI
 
-        def healthy() -> bool:
-            if engine.poll() is not None:
-                raise RuntimeError(f"kvfleet serve exited; see {logs / 'demo-engine.log'}")
-            try:
-                return httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200
-            except httpx.HTTPError:
-                return False
-
-        wait_for("kvfleet serve healthy", healthy, timeout=300, interval=1)
-        client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="not-needed")
-        model = client.models.list().data[0].id
-        question = "In one sentence, what is a GPU?"
-        note(f"model {model}; user: {question}")
-        reply = client.chat.completions.create(model=model, messages=[{"role": "user", "content": question}],
-                                               max_tokens=48, temperature=0)
-        note(f"assistant: {reply.choices[0].message.content.strip()}", GREEN)
-        note(f"usage: {json.dumps(reply.usage.model_dump())}", DIM)
-    finally:
-        engine.terminate()
-        try:
-            engine.wait(30)
-        except subprocess.TimeoutExpired:
-            engine.kill()
-        log.close()
+    pods = [p for p in demo.kube.list("v1", "pods", "team-a", "serving.kvfleet.dev/modeldeployment=chat")
+            if not p["metadata"].get("deletionTimestamp") and any(
+                c["type"] == "Ready" and c["status"] == "True" for c in p["status"].get("conditions") or [])]
+    pod = pods[0]
+    ip, port = pod["status"]["podIP"], pod["spec"]["containers"][0]["ports"][0]["containerPort"]
+    note(f"pod {pod['metadata']['name']} on {pod['spec']['nodeName']}: http://{ip}:{port}/v1")
+    client = OpenAI(base_url=f"http://{ip}:{port}/v1", api_key="not-needed", http_client=httpx.Client(trust_env=False))
+    model = client.models.list().data[0].id
+    question = "In one sentence, what is a GPU?"
+    note(f"model {model}; user: {question}")
+    reply = client.chat.completions.create(model=model, messages=[{"role": "user", "content": question}],
+                                           max_tokens=48, temperature=0)
+    note(f"assistant: {(reply.choices[0].message.content or '').strip()}", GREEN)
+    note(f"usage: {json.dumps(reply.usage.model_dump() if reply.usage else {})}", DIM)
+    for line in demo.cluster_status_engines():
+        note(line, DIM)
 
 
 def main() -> int:
@@ -185,9 +181,10 @@ def main() -> int:
         operator.start()
         note(f"operator: {' '.join(operator.argv()[1:])}  (log: {op_log})", DIM)
         story(demo)
+        pod_chat(demo)
+        gateway_act(str(layout.kubeconfig), Path(layout.logs), demo.kubectl, say, note, GREEN, YELLOW, DIM)
     finally:
         operator.stop()
-    engine_chat(Path(layout.logs))
     say("Continue by hand")
     kc = layout.kubeconfig
     print(f"""    export KUBECONFIG={kc} PATH={REPO}/.cluster/bin:$PATH
@@ -195,8 +192,12 @@ def main() -> int:
     kubectl get tenants,mdep -A ; kubectl get workloads -A          # state and Kueue admission
     kubectl scale mdep/chat --replicas=3 -n team-a                   # beyond quota: watch it wait
     kubectl describe mdep/summarizer -n team-b                       # conditions and Events
-    .venv/bin/kvfleet serve --device cpu                             # the engine, OpenAI API on :8000
-    make cluster-down                                                # stop the cluster""")
+    kubectl get pods -n team-a -o wide                               # engine pods and their IPs
+    curl http://POD_IP:8000/v1/models                                # an engine pod's OpenAI API
+    .venv/bin/kvfleet gateway --kubeconfig {kc} --keys-namespace kvfleet-system --port 8080 &   # the gateway
+    curl -H "Authorization: Bearer $KEY" 127.0.0.1:8080/v1/models    # KEY: in Secret kvfleet-system/team-a-keys
+    make cluster-status                                              # components, nodes, engines (pid, state)
+    make cluster-down                                                # stop the cluster and every engine""")
     return 0
 
 

@@ -2,15 +2,19 @@
 running as a local process against the local cluster, unique ResourceFlavors and Tenants per test."""
 from __future__ import annotations
 
+import subprocess
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from kvfleet.operator.kube import Kube
 from kvfleet.operator.testing import OperatorProcess, flavor_objects, install_crds, wait_for
+
+from local_engines import use_test_model
 
 API = "serving.kvfleet.dev/v1alpha1"
 KUEUE = "kueue.x-k8s.io/v1beta2"
@@ -84,6 +88,7 @@ class Tenants:
         self.namespaces.append(name)
         wait_for(f"LocalQueue of tenant {name}",
                  lambda: self.kube.get(KUEUE, "localqueues", name, name), timeout=60)
+        use_test_model(self.kube, name)  # its engine pods run the tiny model (the namespace's annotation)
         return name, name
 
     def cleanup(self) -> None:
@@ -110,11 +115,11 @@ def tenants(kube: Kube, suffix: str, flavors: dict[str, str], operator: Operator
 
 
 def model_deployment(name: str, namespace: str, flavor: str, replicas: int = 1, tp: int = 1,
-                     kind: str = "kvfleet", **spec: Any) -> dict[str, Any]:
+                     kind: str = "kvfleet", engine: dict[str, Any] | None = None, **spec: Any) -> dict[str, Any]:
     return {
         "apiVersion": API, "kind": "ModelDeployment", "metadata": {"name": name, "namespace": namespace},
         "spec": {"model": {"source": "HuggingFaceTB/SmolLM2-135M-Instruct", "servedName": name},
-                 "engine": {"kind": kind, "tensorParallelSize": tp},
+                 "engine": {"kind": kind, "tensorParallelSize": tp, **(engine or {})},
                  "resources": {"gpuFlavor": flavor, "cpu": "2", "memory": "8Gi"},
                  "replicas": replicas, **spec},
     }
@@ -137,3 +142,26 @@ def workloads(kube: Kube, namespace: str, name: str) -> list[dict[str, Any]]:
 
 def mdep_status(kube: Kube, namespace: str, name: str) -> dict[str, Any]:
     return (kube.get(API, "modeldeployments", name, namespace) or {}).get("status") or {}
+
+
+# -- the Helm chart (e2e/test_operator_helm.py, e2e/test_gateway_chart.py) --
+
+def helm(cluster: Any, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    proc = subprocess.run([str(cluster.binary("helm")), f"--kubeconfig={cluster.kubeconfig}", *args],  # noqa: S603
+                          capture_output=True, text=True, check=False, timeout=120)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"helm {' '.join(args)}: {proc.stderr}")
+    return proc
+
+
+def service_account_kubeconfig(cluster: Any, kubectl: Callable[..., Any], sa: str, ns: str, path: Path) -> str:
+    """A kubeconfig that authenticates as the chart's ServiceAccount (a TokenRequest token)."""
+    token = kubectl("create", "token", sa, "--namespace", ns, "--duration=1h").stdout.strip()
+    admin = yaml.safe_load(Path(cluster.kubeconfig).read_text())
+    path.write_text(yaml.safe_dump({
+        "apiVersion": "v1", "kind": "Config", "current-context": "sa",
+        "clusters": [{"name": "local", "cluster": admin["clusters"][0]["cluster"]}],
+        "users": [{"name": "sa", "user": {"token": token}}],
+        "contexts": [{"name": "sa", "context": {"cluster": "local", "user": "sa"}}],
+    }))
+    return str(path)

@@ -2,7 +2,6 @@
 cluster; the operator (a local process) turns the chart's `tenants:` into ClusterQueues."""
 from __future__ import annotations
 
-import subprocess
 import uuid
 from pathlib import Path
 from typing import Any, Callable
@@ -13,17 +12,10 @@ import yaml
 from kvfleet.operator.kube import Kube
 from kvfleet.operator.testing import REPO, OperatorProcess, wait_for
 
-from operator_fixtures import API, KUEUE
+from local_engines import use_test_model
+from operator_fixtures import API, KUEUE, helm, service_account_kubeconfig
 
 CHART = REPO / "charts" / "kvfleet"
-
-
-def helm(cluster: Any, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-    proc = subprocess.run([str(cluster.binary("helm")), f"--kubeconfig={cluster.kubeconfig}", *args],  # noqa: S603
-                          capture_output=True, text=True, check=False, timeout=120)
-    if check and proc.returncode != 0:
-        raise AssertionError(f"helm {' '.join(args)}: {proc.stderr}")
-    return proc
 
 
 def values(sfx: str) -> dict[str, Any]:
@@ -48,11 +40,14 @@ def test_helm_template_renders(cluster: Any, tmp_path: Path) -> None:
     docs = [d for d in yaml.safe_load_all(out) if d]
     kinds = sorted(d["kind"] for d in docs)
     assert kinds == sorted(["ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Deployment", "ResourceFlavor",
-                            "Tenant", "ClusterKopfPeering"]), kinds
-    role = next(d for d in docs if d["kind"] == "ClusterRole")
-    for rule in role["rules"]:
-        assert "*" not in rule["verbs"] and "*" not in rule["resources"] and "*" not in rule["apiGroups"], rule
-    dep = next(d for d in docs if d["kind"] == "Deployment")
+                            "Tenant", "ClusterKopfPeering",
+                            # the gateway's
+                            "ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding",
+                            "Deployment", "Service", "NetworkPolicy"]), kinds
+    for role in (d for d in docs if d["kind"] in ("ClusterRole", "Role")):
+        for rule in role["rules"]:
+            assert "*" not in rule["verbs"] and "*" not in rule["resources"] and "*" not in rule["apiGroups"], rule
+    dep = next(d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"] == "rel-kvfleet-operator")
     c = dep["spec"]["template"]["spec"]["containers"][0]
     assert c["command"] == ["kvfleet", "operator"] and c["securityContext"]["allowPrivilegeEscalation"] is False
     assert dep["spec"]["template"]["spec"]["serviceAccountName"] == "rel-kvfleet"
@@ -65,19 +60,6 @@ def test_helm_template_renders(cluster: Any, tmp_path: Path) -> None:
     assert tenant["spec"]["quotas"][0]["nominal"] == 4 and tenant["spec"]["cohort"] == "c"
     for d in docs:
         assert d["metadata"]["labels"]["app.kubernetes.io/instance"] == "rel"
-
-
-def service_account_kubeconfig(cluster: Any, kubectl: Callable[..., Any], sa: str, ns: str, path: Path) -> str:
-    """A kubeconfig that authenticates as the chart's ServiceAccount (a TokenRequest token)."""
-    token = kubectl("create", "token", sa, "--namespace", ns, "--duration=1h").stdout.strip()
-    admin = yaml.safe_load(Path(cluster.kubeconfig).read_text())
-    path.write_text(yaml.safe_dump({
-        "apiVersion": "v1", "kind": "Config", "current-context": "sa",
-        "clusters": [{"name": "local", "cluster": admin["clusters"][0]["cluster"]}],
-        "users": [{"name": "sa", "user": {"token": token}}],
-        "contexts": [{"name": "sa", "context": {"cluster": "local", "user": "sa"}}],
-    }))
-    return str(path)
 
 
 def test_helm_install_on_the_cluster(cluster: Any, kube: Kube, crds: None, kubectl: Callable[..., Any],
@@ -110,11 +92,13 @@ def test_helm_install_on_the_cluster(cluster: Any, kube: Kube, crds: None, kubec
         # Applied after the LocalQueue in the same reconciliation: wait, don't race it.
         wait_for("RoleBinding", lambda: kube.get("rbac.authorization.k8s.io/v1", "rolebindings",
                                                  "kvfleet-modeldeployment-editor", tenant), timeout=30)
+        use_test_model(kube, tenant)  # the pod's engine (the engine kubelet's) runs the tiny model
         kube.apply({"apiVersion": API, "kind": "ModelDeployment", "metadata": {"name": "m", "namespace": tenant},
                     "spec": {"model": {"source": "org/m"}, "resources": {"gpuFlavor": f"h200-helm-{sfx}"}}})
+        # Ready: the pod's engine (the local cluster's engine kubelet runs one) answers /health.
         wait_for("ModelDeployment ready under the chart's RBAC",
                  lambda: ((kube.get(API, "modeldeployments", "m", tenant) or {}).get("status") or {})
-                 .get("readyReplicas") == 1, timeout=60)
+                 .get("readyReplicas") == 1, timeout=180)
         log = operator.log_text()
         assert "forbidden" not in log.lower() and "HTTP 403" not in log, log[-3000:]
     finally:

@@ -1,6 +1,8 @@
 """Builders: the pod template, workload, Deployment and Service as plain dicts."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from kvfleet.operator.builders import (
@@ -75,11 +77,48 @@ def test_pod_template_security_probes_volumes(op_config: OperatorConfig) -> None
 
 
 def test_file_source_is_a_read_only_host_path(op_config: OperatorConfig) -> None:
-    tpl = build_pod_template("x", _spec(model={"source": "file:///var/cache/kvfleet/m"}), op_config)
+    privileged = dataclasses.replace(op_config, tenant_pod_security="privileged")
+    tpl = build_pod_template("x", _spec(model={"source": "file:///var/cache/kvfleet/m"}), privileged)
     vols = {v["name"]: v for v in tpl["spec"]["volumes"]}
     assert vols["model"]["hostPath"]["path"] == "/var/cache/kvfleet/m"
     mount = next(m for m in tpl["spec"]["containers"][0]["volumeMounts"] if m["name"] == "model")
     assert mount["readOnly"] is True
+
+
+@pytest.mark.parametrize("level", ["restricted", "baseline"])
+def test_file_source_is_refused_where_pod_security_forbids_host_paths(op_config: OperatorConfig, level: str) -> None:
+    """PodSecurity would reject the pod (hostPath volumes are only `privileged`): say so instead of making it."""
+    cfg = dataclasses.replace(op_config, tenant_pod_security=level)
+    with pytest.raises(SpecError) as err:
+        build_pod_template("x", _spec(model={"source": "file:///var/cache/kvfleet/m"}), cfg)
+    assert err.value.reason == "HostPathNotAllowed" and f"the {level} Pod Security Standard" in err.value.message
+    assert "pvc://" in err.value.message and "podSecurity.tenantEnforce" in err.value.message
+
+
+def test_engine_pod_meets_the_restricted_pod_security_standard(op_config: OperatorConfig) -> None:
+    """What PodSecurity's restricted level checks (the e2e test has the apiserver check it too), and a read-only
+    root file system whose writable places are emptyDirs: HOME (every cache) and /tmp."""
+    pod = build_pod_template("x", _spec(model={"source": "pvc://models/llama"}), op_config)["spec"]
+    c = pod["containers"][0]
+    assert pod["securityContext"]["runAsNonRoot"] is True and pod["securityContext"]["runAsUser"] != 0
+    assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+    assert c["securityContext"] == {"allowPrivilegeEscalation": False, "privileged": False, "runAsNonRoot": True,
+                                    "readOnlyRootFilesystem": True, "capabilities": {"drop": ["ALL"]}}
+    assert all(set(v) & {"emptyDir", "persistentVolumeClaim", "secret"} for v in pod["volumes"])
+    empty = {v["name"] for v in pod["volumes"] if "emptyDir" in v}
+    mounts = {m["mountPath"]: m["name"] for m in c["volumeMounts"]}
+    assert mounts["/tmp"] in empty and mounts["/home/kvfleet"] in empty and mounts["/models/hf-cache"] in empty
+    env = {e["name"]: e.get("value") for e in c["env"]}
+    assert env["HOME"] == "/home/kvfleet" and env["TRITON_CACHE_DIR"].startswith("/home/kvfleet/")
+    assert env["XDG_CACHE_HOME"].startswith("/home/kvfleet/")
+
+
+def test_tenant_pod_security_comes_from_the_environment() -> None:
+    assert OperatorConfig.from_env({}).tenant_pod_security == "restricted"
+    assert OperatorConfig.from_env({"KVFLEET_TENANT_POD_SECURITY": "privileged"}).tenant_pod_security == "privileged"
+    assert OperatorConfig.from_env({"KVFLEET_TENANT_POD_SECURITY": ""}).tenant_pod_security == ""
+    with pytest.raises(ValueError, match="KVFLEET_TENANT_POD_SECURITY"):
+        OperatorConfig.from_env({"KVFLEET_TENANT_POD_SECURITY": "strict"})
 
 
 def test_workload_one_pod_with_requests_queue_priority(op_config: OperatorConfig) -> None:
@@ -152,3 +191,31 @@ def test_node_cache_roots_come_from_the_environment() -> None:
     off = OperatorConfig.from_env({"KVFLEET_NODE_CACHE_ROOTS": ""})
     with pytest.raises(SpecError, match="file:// sources are off"):
         check_node_path(parse_model_source("file:///data/llm/x"), off.node_cache_roots)
+
+
+def test_pod_outlives_the_engines_drain(op_config: OperatorConfig) -> None:
+    """terminationGracePeriodSeconds = the engine's --shutdown-grace-period + a margin, whatever sets it."""
+    from kvfleet.engine.server.args import SERVE_FLAGS
+    from kvfleet.operator.builders.grace import (
+        DEFAULT_ENGINE_GRACE_SECONDS,
+        TERMINATION_MARGIN_SECONDS,
+        engine_grace_seconds,
+    )
+
+    assert DEFAULT_ENGINE_GRACE_SECONDS == next(f.default for f in SERVE_FLAGS if f.name == "--shutdown-grace-period")
+    cases = [({}, 30), ({"extraArgs": ["--shutdown-grace-period", "120"]}, 120),
+             ({"extraArgs": ["--shutdown-grace-period=7.5"]}, 7.5),
+             ({"env": [{"name": "KVFLEET_SHUTDOWN_GRACE_PERIOD", "value": "45"}]}, 45),
+             ({"extraArgs": ["--shutdown-grace-period", "0"],
+               "env": [{"name": "KVFLEET_SHUTDOWN_GRACE_PERIOD", "value": "45"}]}, 0),
+             ({"extraArgs": ["--shutdown-grace-period", "soon"]}, 30)]
+    for engine, grace in cases:
+        spec = _spec(engine={"tensorParallelSize": 1, **engine})
+        assert engine_grace_seconds(spec.extra_args, spec.env) == grace, engine
+        tpl = build_pod_template("m", spec, op_config)
+        args = tpl["spec"]["containers"][0]["args"]
+        assert args[args.index("--shutdown-grace-period") + 1] == f"{grace:g}"
+        assert tpl["spec"]["terminationGracePeriodSeconds"] == -(-grace // 1) + TERMINATION_MARGIN_SECONDS
+    vllm = build_pod_template("m", _spec(engine={"kind": "vllm"}), op_config)
+    assert "--shutdown-grace-period" not in vllm["spec"]["containers"][0]["args"]
+    assert vllm["spec"]["terminationGracePeriodSeconds"] == 30 + TERMINATION_MARGIN_SECONDS

@@ -60,3 +60,33 @@ def test_chart_carries_the_same_crds() -> None:
     assert ours and sorted(p.name for p in chart_crds.glob("*.yaml")) == ours
     for name in ours:
         assert (chart_crds / name).read_bytes() == (CRDS / name).read_bytes(), name
+
+
+def undescribed(schema: dict, path: str = "") -> list[str]:
+    """Fields without a description (what `kubectl explain` would show as empty). The root `metadata` is the
+    apiserver's ObjectMeta, which it describes itself."""
+    out = []
+    for name, prop in (schema.get("properties") or {}).items():
+        here = f"{path}.{name}"
+        if not prop.get("description") and here != ".metadata":
+            out.append(here)
+        out += undescribed(prop, here)
+    if isinstance(schema.get("items"), dict):
+        out += undescribed(schema["items"], f"{path}[]")
+    return out
+
+
+def test_every_field_of_both_crds_is_described() -> None:
+    for name in ("serving.kvfleet.dev_modeldeployments.yaml", "serving.kvfleet.dev_tenants.yaml"):
+        for version in load(name)["spec"]["versions"]:
+            schema = version["schema"]["openAPIV3Schema"]
+            assert schema.get("description"), name
+            assert undescribed(schema) == [], name
+
+
+def test_tenant_gateway_keys_field_names_its_secrets() -> None:
+    crd = load("serving.kvfleet.dev_tenants.yaml")
+    spec = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
+    keys = spec["properties"]["gateway"]["properties"]["apiKeySecrets"]
+    assert keys["x-kubernetes-list-map-keys"] == ["name"] and keys["items"]["required"] == ["name"]
+    assert "Authorization: Bearer" in keys["description"]

@@ -78,3 +78,12 @@ def test_tenant_parsing_and_errors() -> None:
         parse_tenant({"namespaces": ["a"], "quotas": [{"flavor": "h200", "nominal": 1, "cpu": "-4"}]})
     zero_cpu = parse_tenant({"namespaces": ["a"], "quotas": [{"flavor": "h200", "nominal": 1, "cpu": 0}]})
     assert zero_cpu.quotas[0].cpu == "0"
+
+
+def test_served_name_and_tenant_key_secrets_shared_with_the_gateway() -> None:
+    from kvfleet.operator.spec import served_name, tenant_key_secrets
+
+    assert served_name({"source": "org/My-Model", "servedName": "chat"}) == "chat"
+    assert served_name({"source": "pvc://models/llama/3b/"}) == "3b"
+    assert tenant_key_secrets({"gateway": {"apiKeySecrets": [{"name": "a"}, {"name": "b"}]}}) == ("a", "b")
+    assert tenant_key_secrets({"namespaces": ["x"]}) == ()

@@ -48,6 +48,13 @@ def test_no_cohort_means_no_cohort_name() -> None:
 def test_namespace_queue_policy_rbac() -> None:
     ns = build_namespace("team-a", "team-a-dev")
     assert ns["metadata"]["labels"][LABEL_TENANT] == "team-a" and "ownerReferences" not in ns["metadata"]
+    # PodSecurity admission holds the tenant's pods to the restricted standard (warns and audits at it too).
+    labels = ns["metadata"]["labels"]
+    assert labels["pod-security.kubernetes.io/enforce"] == "restricted" == labels["pod-security.kubernetes.io/warn"]
+    assert labels["pod-security.kubernetes.io/enforce-version"] == "latest"
+    assert build_namespace("team-a", "team-a-dev", "privileged")["metadata"]["labels"][
+        "pod-security.kubernetes.io/enforce"] == "privileged"
+    assert not any(k.startswith("pod-security.") for k in build_namespace("t", "n", "")["metadata"]["labels"])
     lq = build_local_queue(TENANT, "team-a-dev")
     assert lq["spec"] == {"clusterQueue": "team-a"} and lq["metadata"]["namespace"] == "team-a-dev"
     np = build_network_policy(TENANT, "team-a-dev")

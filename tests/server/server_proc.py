@@ -63,7 +63,7 @@ class Server:
         return int(self.proc.returncode)
 
 
-def start_server(model_dir: Path, log_dir: Path, *extra: str, ready_timeout: float = 120) -> Server:
+def start_server(model_dir: Path, log_dir: Path, *extra: str, ready_timeout: float = 300) -> Server:
     port = free_port()
     log = log_dir / f"serve-{port}.log"
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")

@@ -13,7 +13,7 @@ from server_proc import kvfleet_cmd
 
 
 def run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([*kvfleet_cmd(), *args], capture_output=True, text=True, timeout=60, env=env)
+    return subprocess.run([*kvfleet_cmd(), *args], capture_output=True, text=True, timeout=300, env=env)
 
 
 def test_serve_help_explains_every_flag_and_its_env_var() -> None:

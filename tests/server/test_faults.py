@@ -8,6 +8,7 @@ checks what happens to work still running when the grace period ends.
 from __future__ import annotations
 
 import asyncio
+import json
 import signal
 import threading
 import time
@@ -230,20 +231,48 @@ def test_single_api_key_and_chat_template_file(short_grace: Server) -> None:
 
 
 def test_sigterm_grace_period_cuts_long_requests_and_exits_zero(short_grace: Server) -> None:
-    """Work that outlives --shutdown-grace-period does not hold the pod: it is cut, the process exits 0."""
+    """Work that outlives --shutdown-grace-period does not hold the pod: it is cut, and cut cleanly (an
+    OpenAI-shaped 503, an error event then [DONE] in a stream: nothing ends mid-chunk), and the process
+    exits 0."""
     srv = short_grace
-    # One at a time, 8 x 1000 tokens: far more than a second of work on any machine.
-    thread, box = in_thread(lambda: burst_results(srv.url, 8, 1000, {"Authorization": f"Bearer {SOLO_KEY}"}))
-    wait_until(lambda: srv.metric("kvfleet:num_requests_waiting") >= 4, 10, "the burst to queue")
+    auth = {"Authorization": f"Bearer {SOLO_KEY}"}
+    # One at a time, 8 x 1000 tokens and a stream: far more than a second of work on any machine.
+    stream_thread, stream_box = in_thread(lambda: stream_lines(srv.url, auth))
+    thread, box = in_thread(lambda: burst_results(srv.url, 8, 1000, auth))
+    # All 9 admitted: one runs, 8 wait (the stream among them or running).
+    wait_until(lambda: srv.metric("kvfleet:num_requests_waiting") >= 8, 20, "the burst and the stream to queue")
     start = time.monotonic()
     srv.proc.send_signal(signal.SIGTERM)
     assert srv.proc.wait(30) == 0
     took = time.monotonic() - start
     thread.join(30)
+    stream_thread.join(30)
     assert 1.0 <= took < 10, took
     results = box["result"]
-    full = [r for r in results if isinstance(r, httpx.Response) and r.status_code == 200]
-    assert len(results) == 8 and len(full) < 8, results   # the rest were cut at the deadline
+    assert all(isinstance(r, httpx.Response) for r in results), results   # every request got an answer
+    cut = [r for r in results if r.status_code != 200]
+    assert len(results) == 8 and cut, results   # the rest were cut at the deadline
+    for r in cut:
+        assert r.status_code == 503 and r.headers["Retry-After"] == "1", (r.status_code, r.text)
+        err = r.json()["error"]
+        assert err["code"] == "server_shutdown" and err["type"] == "service_unavailable", err
+        assert "--shutdown-grace-period" in err["message"]
+    assert "error" not in stream_box, stream_box
+    lines = [line for line in stream_box["result"] if line]
+    assert lines[-1] == "data: [DONE]", lines[-3:]
+    assert json.loads(lines[-2].removeprefix("data: "))["error"]["code"] == "server_shutdown", lines[-3:]
+    assert all(line.startswith("data: {") for line in lines[:-1]), lines   # whole events only
+    log = srv.log.read_text(errors="replace")
+    assert "Traceback" not in log and "Exception in ASGI application" not in log, srv.log_tail()
+
+
+def stream_lines(url: str, headers: dict[str, str]) -> list[str]:
+    """The SSE lines of one long streaming chat completion, however it ends."""
+    body = {"messages": [{"role": "user", "content": "tell a story"}], "max_tokens": 1000, "ignore_eos": True,
+            "stream": True}
+    with httpx.stream("POST", url + "/v1/chat/completions", json=body, headers=headers, timeout=60) as resp:
+        assert resp.status_code == 200, resp.read()
+        return list(resp.iter_lines())
 
 
 def burst_results(url: str, n: int, max_tokens: int, headers: dict[str, str]) -> list[Any]:

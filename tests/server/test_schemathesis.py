@@ -55,3 +55,10 @@ def test_openapi_documents_errors(api_server: Server, path: str) -> None:
     spec = httpx.get(api_server.url + "/openapi.json").json()
     responses = spec["paths"][path]["post"]["responses"]
     assert {"200", "400", "401", "404", "429", "503"} <= set(responses)
+
+
+def test_openapi_describes_metrics_as_prometheus_text(api_server: Server) -> None:
+    spec = httpx.get(api_server.url + "/openapi.json").json()
+    content = spec["paths"]["/metrics"]["get"]["responses"]["200"]["content"]
+    assert list(content) == ["text/plain; version=0.0.4; charset=utf-8"]
+    assert httpx.get(api_server.url + "/metrics").headers["content-type"] == list(content)[0]

@@ -99,6 +99,15 @@ def test_cross_flag_checks() -> None:
     with pytest.raises(ValueError, match="--max-queue-len"):
         check_serve_args(parse(["--max-queue-len", "0"]))
     check_serve_args(parse(["--max-queue-len", "3"]))
+    for flag in ("--timeout-keep-alive", "--timeout-request-headers", "--timeout-request-body"):
+        with pytest.raises(ValueError, match=flag):
+            check_serve_args(parse([flag, "0"]))
+    with pytest.raises(ValueError, match="--max-connections"):
+        check_serve_args(parse(["--max-connections", "0"]))
+    for port in ("8000", "70000"):
+        with pytest.raises(ValueError, match="--metrics-port"):
+            check_serve_args(parse(["--metrics-port", port]))
+    check_serve_args(parse(["--metrics-port", "9090"]))
 
 
 def test_keys_yaml_json_and_lookup(tmp_path) -> None:
@@ -221,3 +230,85 @@ def test_bench_stats_and_workloads(tmp_path) -> None:
     assert [(r.prompt_len, r.output_len) for r in named] == [(1024, 128), (1024, 128)]
     with pytest.raises(ValueError, match="chat-mix"):
         load_workload("no-such-workload", 2, 0)
+
+
+def _nested(depth: int) -> object:
+    value: object = "\ud800"
+    for i in range(depth):
+        value = [value] if i % 2 else {"k": value}
+    return value
+
+
+def test_json_depth_is_measured_without_parsing() -> None:
+    from kvfleet.engine.server.jsondepth import json_depth_exceeds
+
+    for depth in (1, 3, 10, 64, 65, 200):
+        text = json.dumps(_nested(depth))
+        for encoding in ("utf-8", "utf-16", "utf-32"):
+            assert json_depth_exceeds(text.encode(encoding), 64) is (depth > 64), (depth, encoding)
+        assert json_depth_exceeds(text.encode(), depth) is False and json_depth_exceeds(text.encode(), depth - 1)
+    # Brackets inside strings (escaped quotes included) do not nest; unclosed openers do.
+    assert not json_depth_exceeds(json.dumps({"p": "[{" * 500 + '\\"[' * 100}).encode(), 2)
+    assert not json_depth_exceeds(b'{"p": "\\\\", "q": [' + b"[]," * 1000 + b"[]]}", 3)
+    assert json_depth_exceeds(b'{"p": ' + b"[" * 70, 64)
+    assert json_depth_exceeds(b'["unterminated ' + b"[" * 70, 64)   # a broken string hides nothing
+    assert not json_depth_exceeds(b"]" * 100 + b"[" * 10, 64)       # a parser stops at the first `]`
+    assert json_depth_exceeds(b"[" * 1_000_000, 64)
+
+
+def test_lone_surrogate_walk_needs_no_recursion() -> None:
+    from kvfleet.engine.server.protocol import lone_surrogate_at
+
+    assert lone_surrogate_at({"a": [1, "x", {"b": ["ok", "\ud800"]}]}) == "a[2].b[1]"
+    assert lone_surrogate_at({"m": {"\udfff": 1}}) == "m" and lone_surrogate_at({"ok": ["fine"]}) is None
+    where = lone_surrogate_at(_nested(100_000))   # far past the interpreter's recursion limit
+    assert where is not None and where.count(".k[0]") == 49_999   # the path to it, level by level
+
+
+def _tokenizer_spec(**parts: object) -> dict[str, object]:
+    spec: dict[str, object] = {"normalizer": None, "pre_tokenizer": {"type": "ByteLevel"},
+                               "model": {"type": "BPE", "unk_token": None, "fuse_unk": False}}
+    spec.update(parts)
+    return spec
+
+
+def test_chars_per_token_bound_only_for_tokenizers_that_keep_the_text() -> None:
+    from kvfleet.engine.server.textbound import chars_per_token_bound
+
+    vocab = ["a", "Ġthe", "<|im_start|>"]
+    assert chars_per_token_bound(_tokenizer_spec(), vocab) == 12
+    nfc = {"type": "Sequence", "normalizers": [{"type": "NFC"}, {"type": "Prepend", "prepend": "▁"}]}
+    assert chars_per_token_bound(_tokenizer_spec(normalizer=nfc), vocab) == 48   # composition: x4
+    spaces = {"type": "Replace", "pattern": {"String": " "}, "content": "▁"}
+    assert chars_per_token_bound(_tokenizer_spec(normalizer=spaces), vocab) == 12
+    unigram = {"type": "Unigram", "byte_fallback": True}
+    assert chars_per_token_bound(_tokenizer_spec(model=unigram, pre_tokenizer={"type": "Metaspace"}), vocab) == 12
+    for lossy in ({"normalizer": {"type": "Strip"}}, {"normalizer": {"type": "BertNormalizer"}},
+                  {"normalizer": {"type": "Replace", "pattern": {"Regex": " +"}, "content": " "}},
+                  {"normalizer": {"type": "Replace", "pattern": {"String": "x"}, "content": ""}},
+                  {"pre_tokenizer": {"type": "WhitespaceSplit"}},
+                  {"pre_tokenizer": {"type": "Sequence", "pretokenizers": [{"type": "Split", "behavior": "Removed"}]}},
+                  {"model": {"type": "WordPiece"}}, {"model": {"type": "Unigram"}},
+                  {"model": {"type": "BPE", "unk_token": "<unk>", "fuse_unk": True}}):
+        assert chars_per_token_bound(_tokenizer_spec(**lossy), vocab) is None, lossy
+
+
+def test_no_text_that_fits_is_over_the_character_bound() -> None:
+    """The bound is a real upper bound: every text has at least len(text) / bound tokens (random
+    Unicode, long runs, the longest vocabulary entries, special tokens)."""
+    import random
+
+    from kvfleet.engine.server.textbound import tokenizer_chars_per_token
+    from kvfleet.engine.testing import build_tokenizer
+
+    rng = random.Random(0)
+    tok = build_tokenizer()
+    bound = tokenizer_chars_per_token(tok)
+    assert bound == max(len(t) for t in tok.get_vocab())
+    longest = max(tok.get_vocab(), key=len)
+    texts = [" " * 5000, "#" * 5000, "\n" + " " * 4000, "<|im_start|>" * 300, longest * 50,
+             tok.convert_tokens_to_string([max((t for t in tok.get_vocab() if not t.startswith("<")), key=len)]) * 50]
+    texts += ["".join(chr(rng.choice([rng.randrange(32, 127), rng.randrange(128, 0x2FFF)]))
+                      for _ in range(rng.randrange(1, 400))) for _ in range(300)]
+    for text in texts:
+        assert len(tok.encode(text, add_special_tokens=False)) * bound >= len(text), text[:40]

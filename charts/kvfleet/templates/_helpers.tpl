@@ -46,7 +46,41 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- end }}
 {{- end }}
 
-{{/* Operator image. */}}
-{{- define "kvfleet.operatorImage" -}}
+{{/* Control-plane image (operator, gateway). */}}
+{{- define "kvfleet.controlPlaneImage" -}}
 {{- printf "%s:%s" .Values.operator.image.repository (default .Chart.AppVersion .Values.operator.image.tag) }}
+{{- end }}
+
+{{/* Gateway image (the control-plane image, as the operator's, unless set). */}}
+{{- define "kvfleet.gatewayImage" -}}
+{{- printf "%s:%s" (default .Values.operator.image.repository .Values.gateway.image.repository) (default .Chart.AppVersion .Values.gateway.image.tag) }}
+{{- end }}
+
+{{/* The same, by its former name. */}}
+{{- define "kvfleet.operatorImage" -}}
+{{- include "kvfleet.controlPlaneImage" . }}
+{{- end }}
+
+{{/* Engine image of `engine.kind: kvfleet` replicas. */}}
+{{- define "kvfleet.engineImage" -}}
+{{- printf "%s:%s" .Values.engine.image.repository (default .Chart.AppVersion .Values.engine.image.tag) }}
+{{- end }}
+
+{{/* The restricted Pod Security Standard, for every container the chart runs (the pod sets the user and seccomp). */}}
+{{- define "kvfleet.restrictedContainerSecurityContext" -}}
+allowPrivilegeEscalation: false
+readOnlyRootFilesystem: true
+runAsNonRoot: true
+capabilities:
+  drop: [ALL]
+{{- end }}
+
+{{/* The restricted Pod Security Standard at pod level: a non-root user and the runtime's seccomp profile. */}}
+{{- define "kvfleet.restrictedPodSecurityContext" -}}
+runAsNonRoot: true
+runAsUser: 1000
+runAsGroup: 1000
+fsGroup: 1000
+seccompProfile:
+  type: RuntimeDefault
 {{- end }}

@@ -7,7 +7,7 @@ import logging
 import os
 import sys
 
-from . import control, manifests
+from . import components, control, manifests
 from .layout import Layout
 
 
@@ -21,6 +21,13 @@ def main(argv: list[str] | None = None) -> int:
         help=f"fake GPU nodes as FLAVOR=COUNT,... (flavors: {', '.join(manifests.FLAVORS)}; "
         f"default {manifests.DEFAULT_NODES}, or $KVFLEET_CLUSTER_NODES)",
     )
+    up.add_argument(
+        "--engine-model",
+        default=os.environ.get(components.ENGINE_MODEL_ENV, components.DEFAULT_ENGINE_MODEL),
+        help="local model of the kvfleet engine pods that choose none: embedded (SmolLM2-135M), tiny, "
+        f"tiny-<arch> or an absolute path (default {components.DEFAULT_ENGINE_MODEL}, "
+        f"or ${components.ENGINE_MODEL_ENV})",
+    )
     up.add_argument("--timeout", type=float, default=240.0, help="seconds to wait for each component")
     sub.add_parser("down", help="stop the cluster and remove its state (safe to run twice)")
     sub.add_parser("status", help="say what runs")
@@ -29,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     layout = Layout.for_checkout()
     try:
         if args.command == "up":
-            started = control.up(layout, args.nodes, args.timeout)
+            started = control.up(layout, args.nodes, args.timeout, args.engine_model)
             layout = Layout.for_checkout()  # up may have moved to a free block of ports
             print(control.describe(layout))
             print(("cluster started. " if started else "cluster already running. ") + "To use it:")

@@ -2,13 +2,23 @@
 
 from __future__ import annotations
 
+import os
+import sys
 from pathlib import Path
 
-from .layout import Layout
+from .layout import CLUSTER_DIR, Layout
 from .procs import Component, Probe
 
 # Start order; stopping goes the other way.
-ORDER = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kwok", "kueue")
+ORDER = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kwok", "kueue", "engine-kubelet")
+# The local model engine pods get unless they or their namespace choose (see enginekubelet/models.py).
+DEFAULT_ENGINE_MODEL = "embedded"
+ENGINE_MODEL_ENV = "KVFLEET_CLUSTER_ENGINE_MODEL"
+
+
+def model_cache() -> Path:
+    """Where tiny models are built: outside the checkout, shared by checkouts (as the Go build cache is)."""
+    return Path(os.environ.get("KVFLEET_CACHE") or Path.home() / ".cache" / "kvfleet") / "models"
 
 
 def _admin_probe(layout: Layout, url: str) -> Probe:
@@ -133,9 +143,30 @@ def kueue(layout: Layout) -> Component:
     return Component("kueue", argv, Probe(f"http://127.0.0.1:{layout.port('kueue_health')}/readyz"))
 
 
-def all_components(layout: Layout) -> dict[str, Component]:
+def engine_kubelet(layout: Layout, model: str = DEFAULT_ENGINE_MODEL) -> Component:
+    """Runs a real `kvfleet serve` for every kvfleet engine pod on the fake nodes (localcluster/enginekubelet),
+    with this checkout's Python (the virtualenv that runs cluster.py)."""
+    port = layout.port("engine_kubelet")
+    pki = layout.pki
+    argv = (
+        sys.executable, "-m", "localcluster.enginekubelet",
+        f"--apiserver={layout.apiserver_url}",
+        f"--ca={pki / 'ca.crt'}", f"--cert={pki / 'engine-kubelet.crt'}", f"--key={pki / 'engine-kubelet.key'}",
+        f"--port={port}",
+        f"--records={layout.engine_records}",
+        f"--logs={layout.engine_logs}",
+        f"--volumes={layout.run / 'engine-volumes'}",
+        f"--model={model}",
+        f"--model-cache={model_cache()}",
+    )  # fmt: skip
+    return Component("engine-kubelet", argv, Probe(f"http://127.0.0.1:{port}/healthz"),
+                     env=(("PYTHONPATH", str(CLUSTER_DIR)),))
+
+
+def all_components(layout: Layout, engine_model: str = DEFAULT_ENGINE_MODEL) -> dict[str, Component]:
     """Every component by name, in start order."""
     makers = (etcd, apiserver, controller_manager, scheduler, kwok, kueue)
     components = {c.name: c for c in (make(layout) for make in makers)}
+    components["engine-kubelet"] = engine_kubelet(layout, engine_model)
     assert tuple(components) == ORDER
     return components

@@ -9,6 +9,7 @@ import shutil
 import socket
 import subprocess
 import time
+import urllib.request
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,7 +17,8 @@ import yaml
 
 from . import components as comps
 from . import kueue_setup, manifests, pki, procs
-from .layout import PORT_BASE_FILE, Layout, block_base
+from .enginekubelet import processes as engine_processes
+from .layout import LAST_PORT_OFFSET, PORT_BASE_FILE, PORT_NAMES, Layout, block_base
 from .sharing import locked
 
 log = logging.getLogger(__name__)
@@ -64,8 +66,7 @@ def missing_binaries(layout: Layout) -> list[str]:
 def busy_ports(layout: Layout) -> list[str]:
     """The cluster's ports that something else already listens on."""
     busy = []
-    for name in ("etcd_client", "etcd_peer", "apiserver", "controller_manager", "scheduler", "kwok",
-                 "kueue_health", "kueue_metrics", "kueue_webhook"):  # fmt: skip
+    for name in PORT_NAMES:
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
             s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             try:
@@ -92,7 +93,7 @@ def _write_kubeconfigs(layout: Layout) -> None:
 def _write_component_configs(layout: Layout) -> None:
     stage_dir = layout.binary("kwok-stage")
     stages = [yaml.safe_load((stage_dir / f).read_text()) for f in manifests.KWOK_STAGE_FILES]
-    (layout.run / "kwok-stages.yaml").write_text(dump_all(stages))
+    (layout.run / "kwok-stages.yaml").write_text(dump_all(manifests.kwok_stages(stages)))
     kueue_config = manifests.kueue_configuration(
         layout.port("kueue_health"), layout.port("kueue_metrics"), layout.port("kueue_webhook"),
         str(layout.run / "kueue-certs"),
@@ -110,11 +111,16 @@ def _register_nodes(layout: Layout, node_spec: str) -> list[str]:
     return [n["metadata"]["name"] for n in nodes]
 
 
-def up(layout: Layout, node_spec: str = manifests.DEFAULT_NODES, timeout: float = 240.0) -> bool:
-    """Brings the cluster up, or leaves a healthy one as it is. True when it started something."""
+def up(layout: Layout, node_spec: str = manifests.DEFAULT_NODES, timeout: float = 240.0,
+       engine_model: str | None = None) -> bool:
+    """Brings the cluster up, or leaves a healthy one as it is. True when it started something.
+
+    `engine_model` is the local model of engine pods that choose none (default: $KVFLEET_CLUSTER_ENGINE_MODEL,
+    else the embedded SmolLM2); a running engine kubelet keeps its own."""
     manifests.parse_node_spec(node_spec)  # fail on a bad spec before starting anything
+    model = engine_model or os.environ.get(comps.ENGINE_MODEL_ENV) or comps.DEFAULT_ENGINE_MODEL
     with locked(layout):
-        return _up(layout, node_spec, timeout)
+        return _up(layout, node_spec, timeout, model)
 
 
 def _free_layout(layout: Layout) -> Layout:
@@ -129,25 +135,33 @@ def _free_layout(layout: Layout) -> Layout:
     for step in range(1, 90):
         candidate = layout.with_base(block_base(first + step))
         if not busy_ports(candidate):
-            log.info("ports %d-%d are taken (%s); using %d-%d", layout.base + 1, layout.base + 9, ", ".join(busy),
-                     candidate.base + 1, candidate.base + 9)  # fmt: skip
+            log.info("ports %d-%d are taken (%s); using %d-%d", layout.base + 1, layout.base + LAST_PORT_OFFSET,
+                     ", ".join(busy), candidate.base + 1, candidate.base + LAST_PORT_OFFSET)  # fmt: skip
             (layout.root / PORT_BASE_FILE).write_text(f"{candidate.base}\n")
             return candidate
     raise RuntimeError(f"no free block of ports in 20000-28999 (first tried: {', '.join(busy)})")
 
 
-def _up(layout: Layout, node_spec: str, timeout: float) -> bool:
+def _up(layout: Layout, node_spec: str, timeout: float, engine_model: str) -> bool:
     missing = missing_binaries(layout)
     if missing:
         raise RuntimeError(f"missing binaries in {layout.bin}: {', '.join(missing)}; run `make cluster-build`")
     if is_up(layout):
         log.info("cluster already up")
         return False
+    unhealthy = [s.name for s in states(layout) if not s.healthy]
+    stages = layout.run / "kwok-stages.yaml"
+    if layout.kubeconfig.exists() and unhealthy == ["engine-kubelet"] and stages.exists() \
+            and manifests.ENGINE_POD_STAGE in stages.read_text():
+        # Only the engine kubelet is down (it crashed or was killed): it keeps no state, so restart just it.
+        log.info("the engine kubelet is down; restarting it")
+        _start_engine_kubelet(layout, engine_model, timeout)
+        return True
     # Something is missing or broken: start again from a clean slate (a throw-away test cluster).
     _down(layout)
     layout = _free_layout(layout)
     try:
-        _start_everything(layout, node_spec, timeout)
+        _start_everything(layout, node_spec, timeout, engine_model)
     except BaseException:
         # Leave nothing half-started behind (CI runs on a shared machine); the logs stay for the post-mortem.
         log.error("cluster up failed; stopping what was started (logs in %s)", layout.logs)
@@ -156,7 +170,14 @@ def _up(layout: Layout, node_spec: str, timeout: float) -> bool:
     return True
 
 
-def _start_everything(layout: Layout, node_spec: str, timeout: float) -> None:
+def _start_engine_kubelet(layout: Layout, engine_model: str, timeout: float) -> None:
+    procs.stop(layout.run, "engine-kubelet")
+    kubectl(layout, "apply", "--server-side", "--field-manager=kvfleet-cluster", "-f", "-",
+            stdin=dump_all(manifests.engine_kubelet_rbac()))  # fmt: skip
+    procs.start_and_wait(comps.engine_kubelet(layout, engine_model), layout.run, layout.logs, timeout)
+
+
+def _start_everything(layout: Layout, node_spec: str, timeout: float, engine_model: str) -> None:
     started = time.monotonic()
     for d in (layout.run, layout.logs):
         d.mkdir(parents=True, exist_ok=True)
@@ -172,6 +193,7 @@ def _start_everything(layout: Layout, node_spec: str, timeout: float) -> None:
     kubectl(layout, "wait", "--for=condition=Ready", f"--timeout={int(timeout)}s", *[f"node/{n}" for n in names])
     procs.start_and_wait(every["kueue"], layout.run, layout.logs, timeout)
     kueue_setup.check_kept_our_certificate(layout, kubectl)
+    _start_engine_kubelet(layout, engine_model, timeout)
     log.info("cluster up in %.0f s", time.monotonic() - started)
 
 
@@ -229,6 +251,10 @@ def down(layout: Layout) -> list[str]:
 
 def _down(layout: Layout) -> list[str]:
     stopped = procs.stop_all(layout.run, tuple(reversed(comps.ORDER)))
+    # The engine kubelet stops its engines; any it could not (it was killed) are stopped from their records.
+    left = engine_processes.kill_recorded(layout.engine_records)
+    if left:
+        log.info("stopped %d engine(s) left running: %s", len(left), ", ".join(f"{r.namespace}/{r.pod}" for r in left))
     for path in (layout.etcd_data, layout.run, layout.pki):
         shutil.rmtree(path, ignore_errors=True)
     layout.kubeconfig.unlink(missing_ok=True)
@@ -237,7 +263,8 @@ def _down(layout: Layout) -> list[str]:
 
 def describe(layout: Layout) -> str:
     """A human summary: each component, its pid and health, and the nodes when the apiserver answers."""
-    lines = [f"cluster of {layout.root} (ports {layout.base + 1}-{layout.base + 9}, pods {layout.pod_cidr})"]
+    lines = [f"cluster of {layout.root} (ports {layout.base + 1}-{layout.base + LAST_PORT_OFFSET}, "
+             f"pods {layout.pod_cidr})"]
     component_states = states(layout)
     for s in component_states:
         status = "healthy" if s.healthy else ("running, not ready" if s.pid else "stopped")
@@ -255,6 +282,32 @@ def describe(layout: Layout) -> str:
             "IP:.status.addresses[?(@.type=='InternalIP')].address",
         ))  # fmt: skip
         lines.append(kubectl(layout, "get", "nodes", "-o", f"custom-columns={columns}", check=False).rstrip())
+    kubelet = next(s for s in component_states if s.name == "engine-kubelet")
+    if kubelet.healthy:
+        lines.append(describe_engines(engines(layout)))
+    return "\n".join(lines)
+
+
+def engines(layout: Layout) -> list[dict[str, Any]]:
+    """The engine kubelet's engines (GET /engines): one row per engine pod."""
+    url = f"http://127.0.0.1:{layout.port('engine_kubelet')}/engines"
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # loopback: never through a proxy
+    try:
+        with opener.open(url, timeout=5) as response:
+            return list(json.loads(response.read())["engines"])
+    except (OSError, ValueError, KeyError):
+        return []
+
+
+def describe_engines(rows: list[dict[str, Any]]) -> str:
+    if not rows:
+        return "engines: none (kvfleet engine pods get one each; see e2e/README.md)"
+    lines = [f"{'ENGINE POD':<48} {'ADDRESS':<22} {'PID':>7} {'MODEL':<12} {'STATE':<20} READY RESTARTS"]
+    for r in rows:
+        state = r["state"] + (f" ({r['reason']})" if r.get("reason") else "") + (" stopping" if r["stopping"] else "")
+        lines.append(f"{r['namespace'] + '/' + r['pod']:<48} {str(r['ip']) + ':' + str(r['port']):<22} "
+                     f"{r['pid'] or '-':>7} {r['model'] or '-':<12} {state:<20} {str(r['ready']).lower():<5} "
+                     f"{r['restarts']}")  # fmt: skip
     return "\n".join(lines)
 
 
@@ -263,7 +316,7 @@ def usage(layout: Layout) -> str:
         f"export KUBECONFIG={layout.kubeconfig}\n"
         f"export PATH={layout.bin}:$PATH\n"
         "kubectl get nodes -L kvfleet.dev/gpu-flavor   # kwok GPU nodes: pods run as far as the API shows\n"
-        "make cluster-status                           # components, and each node's GPUs, CPU, memory and IP\n"
+        "make cluster-status                           # components, each node's GPUs, CPU, memory and IP, engines\n"
         f"logs: {layout.logs}/    stop: make cluster-down"
     )
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import base64
+import json
+import time
 from collections.abc import Callable
 
 import yaml
@@ -32,7 +34,24 @@ def install_api(layout: Layout, kubectl: Kubectl) -> None:
     # Server-side: the Workload CRD is too large for the last-applied annotation of client-side apply.
     kubectl(layout, "apply", "--server-side", "--field-manager=kvfleet-cluster", "-f", "-",
             stdin=yaml.safe_dump_all(crds + bootstrap, sort_keys=False))  # fmt: skip
-    kubectl(layout, "wait", "--for=condition=Established", "--timeout=60s", "crd", "--all")
+    wait_established(layout, kubectl, [c["metadata"]["name"] for c in crds])
+
+
+def wait_established(layout: Layout, kubectl: Kubectl, names: list[str], timeout: float = 60.0) -> None:
+    """Waits until every named CRD is Established. (`kubectl wait --for=condition=Established` fails at once on a
+    CRD whose status has no conditions yet, which a busy apiserver shows for a moment after the apply.)"""
+    deadline = time.monotonic() + timeout
+    while True:
+        items = json.loads(kubectl(layout, "get", "crd", "-o", "json")).get("items") or []
+        established = {c["metadata"]["name"] for c in items
+                       if any(k.get("type") == "Established" and k.get("status") == "True"
+                              for k in (c.get("status") or {}).get("conditions") or [])}  # fmt: skip
+        waiting = sorted(set(names) - established)
+        if not waiting:
+            return
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"CRDs not Established after {timeout:.0f} s: {', '.join(waiting)}")
+        time.sleep(0.5)
 
 
 def check_kept_our_certificate(layout: Layout, kubectl: Kubectl) -> None:

@@ -25,7 +25,10 @@ _PORT_OFFSETS = {
     "kueue_health": 7,
     "kueue_metrics": 8,
     "kueue_webhook": 9,
+    "engine_kubelet": 10,
 }
+PORT_NAMES = tuple(_PORT_OFFSETS)
+LAST_PORT_OFFSET = max(_PORT_OFFSETS.values())
 
 
 def parse_env_file(text: str) -> dict[str, str]:
@@ -120,6 +123,16 @@ class Layout:
     @property
     def kubeconfig(self) -> Path:
         return self.state / "kubeconfig"
+
+    @property
+    def engine_records(self) -> Path:
+        """The engine kubelet's record of each engine process it runs (pid, command), one JSON file per pod."""
+        return self.run / "engines"
+
+    @property
+    def engine_logs(self) -> Path:
+        """One log per engine pod, `<namespace>.<pod>.log` (kept after `down`, like the other logs)."""
+        return self.logs / "engines"
 
     def binary(self, name: str) -> Path:
         return self.bin / name

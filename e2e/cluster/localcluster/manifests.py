@@ -22,6 +22,68 @@ KWOK_STAGE_FILES = (
     "pod/fast/pod-delete.yaml",
 )
 
+# kvfleet's engine pods (the operator's label): kwok gives them an address and no more; the engine kubelet runs them.
+ENGINE_LABEL = "app.kubernetes.io/name"
+ENGINE_LABEL_VALUE = "kvfleet-engine"
+_ENGINE_KEY = f'.metadata.labels["{ENGINE_LABEL}"]'
+ENGINE_KUBELET_USER = "kvfleet:engine-kubelet"
+ENGINE_POD_STAGE = "kvfleet-engine-pod-address"
+
+# An engine pod scheduled on a fake node: kwok v0.8.0's pod-ready stage (its addresses), except that it stays Pending
+# and not Ready, its container waiting in ContainerCreating, until the engine kubelet has started its engine and
+# /health answers.
+ENGINE_POD_STAGE_TEMPLATE = """\
+{{ $now := Now }}
+
+conditions:
+- lastTransitionTime: {{ $now | Quote }}
+  status: "True"
+  type: PodReadyToStartContainers
+- lastTransitionTime: {{ $now | Quote }}
+  status: "True"
+  type: Initialized
+- lastTransitionTime: {{ $now | Quote }}
+  status: "False"
+  type: ContainersReady
+  reason: ContainersNotReady
+- lastTransitionTime: {{ $now | Quote }}
+  status: "False"
+  type: Ready
+  reason: ContainersNotReady
+
+containerStatuses:
+{{ range .spec.containers }}
+- image: {{ .image | Quote }}
+  name: {{ .name | Quote }}
+  ready: false
+  started: false
+  restartCount: 0
+  state:
+    waiting:
+      reason: ContainerCreating
+{{ end }}
+
+{{ $hostIPs := NodeIPsWith .spec.nodeName }}
+{{ with $hostIPs }}
+hostIP: {{ index . 0 | Quote }}
+hostIPs:
+{{ range . }}
+- ip: {{ . | Quote }}
+{{ end }}
+{{ end }}
+{{ $podIPs := PodIPsWith .spec.nodeName ( or .spec.hostNetwork false ) ( or .metadata.uid "" ) \
+( or .metadata.name "" ) ( or .metadata.namespace "" ) }}
+{{ with $podIPs }}
+podIP: {{ index . 0 | Quote }}
+podIPs:
+{{ range . }}
+- ip: {{ . | Quote }}
+{{ end }}
+{{ end }}
+phase: Pending
+startTime: {{ $now | Quote }}
+"""
+
 # The CRDs whose CA bundle Kueue's internal certificate rotator injects (sigs.k8s.io/kueue pkg/util/cert); the
 # rotator only reports ready once each has a conversion webhook clientConfig to inject into.
 KUEUE_CONVERSION_CRDS = frozenset(
@@ -109,11 +171,58 @@ def gpu_node(flavor: GpuFlavor, ordinal: int, internal_ip: str) -> dict[str, Any
 
 def gpu_nodes(spec: str, node_ip: Any) -> list[dict[str, Any]]:
     """Every node of a node spec; `node_ip(n)` gives the n-th node's address."""
-    nodes = []
+    nodes: list[dict[str, Any]] = []
     for flavor, count in parse_node_spec(spec):
         for ordinal in range(count):
             nodes.append(gpu_node(flavor, ordinal, node_ip(len(nodes))))
     return nodes
+
+
+def kwok_stages(stages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """kwok's stages with kvfleet's engine pods left to the engine kubelet: kwok's pod stages skip them, and one
+    more stage gives them their address (Pending, not Ready)."""
+    not_engine = {"key": _ENGINE_KEY, "operator": "NotIn", "values": [ENGINE_LABEL_VALUE]}
+    out = []
+    for stage in stages:
+        if stage.get("spec", {}).get("resourceRef", {}).get("kind") == "Pod":
+            stage = {**stage, "spec": {**stage["spec"], "selector": dict(stage["spec"].get("selector") or {})}}
+            selector = stage["spec"]["selector"]
+            selector["matchExpressions"] = [*(selector.get("matchExpressions") or []), not_engine]
+        out.append(stage)
+    out.append({
+        "apiVersion": "kwok.x-k8s.io/v1alpha1",
+        "kind": "Stage",
+        "metadata": {"name": ENGINE_POD_STAGE},
+        "spec": {
+            "resourceRef": {"apiGroup": "v1", "kind": "Pod"},
+            "selector": {"matchExpressions": [
+                {"key": ".metadata.deletionTimestamp", "operator": "DoesNotExist"},
+                {"key": ".status.podIP", "operator": "DoesNotExist"},
+                {"key": _ENGINE_KEY, "operator": "In", "values": [ENGINE_LABEL_VALUE]},
+            ]},
+            "next": {"statusTemplate": ENGINE_POD_STAGE_TEMPLATE},
+        },
+    })  # fmt: skip
+    return out
+
+
+def engine_kubelet_rbac() -> list[dict[str, Any]]:
+    """What the engine kubelet may do: read and watch pods, write their status, delete the pods whose engine it
+    stopped, read Secrets (for Secret volumes and env), namespaces and nodes, and record Events."""
+    name = "kvfleet:engine-kubelet"
+    rules = [
+        {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch", "delete"]},
+        {"apiGroups": [""], "resources": ["pods/status"], "verbs": ["patch", "update"]},
+        {"apiGroups": [""], "resources": ["secrets", "namespaces", "nodes"], "verbs": ["get"]},
+        {"apiGroups": [""], "resources": ["events"], "verbs": ["create", "patch"]},
+    ]
+    return [
+        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRole", "metadata": {"name": name},
+         "rules": rules},
+        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRoleBinding", "metadata": {"name": name},
+         "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": name},
+         "subjects": [{"apiGroup": "rbac.authorization.k8s.io", "kind": "User", "name": ENGINE_KUBELET_USER}]},
+    ]  # fmt: skip
 
 
 def kubeconfig(server: str, ca_pem: bytes, user: str, cert_pem: bytes, key_pem: bytes) -> dict[str, Any]:

@@ -31,7 +31,9 @@ class ClientIdentity:
 ADMIN = ClientIdentity("admin", "kubernetes-admin", ("system:masters",))
 CONTROLLER_MANAGER = ClientIdentity("controller-manager", "system:kube-controller-manager")
 SCHEDULER = ClientIdentity("scheduler", "system:kube-scheduler")
-CLIENTS = (ADMIN, CONTROLLER_MANAGER, SCHEDULER)
+# The engine kubelet: its own user, allowed by the ClusterRole in manifests.engine_kubelet_rbac().
+ENGINE_KUBELET = ClientIdentity("engine-kubelet", "kvfleet:engine-kubelet")
+CLIENTS = (ADMIN, CONTROLLER_MANAGER, SCHEDULER, ENGINE_KUBELET)
 FRONT_PROXY_CLIENT = "front-proxy-client"
 
 APISERVER_SANS = (

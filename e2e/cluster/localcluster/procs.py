@@ -53,6 +53,7 @@ class Component:
     name: str
     argv: tuple[str, ...]
     probe: Probe
+    env: tuple[tuple[str, str], ...] = ()  # added to (or replacing) this process's environment
 
 
 def _pidfile(run: Path, name: str) -> Path:
@@ -69,6 +70,15 @@ def _argv0_of(pid: int) -> str | None:
     return raw.split(b"\0", 1)[0].decode(errors="replace") if raw else None
 
 
+def _cmdline_of(pid: int) -> list[str] | None:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            raw = f.read()
+    except OSError:
+        return None
+    return [part.decode(errors="replace") for part in raw.split(b"\0")[:-1]] if raw else None
+
+
 def pid_alive(pid: int) -> bool:
     """True while process `pid` exists and has not exited (a zombie counts as exited)."""
     try:
@@ -82,16 +92,19 @@ def pid_alive(pid: int) -> bool:
 def running_pid(run: Path, name: str) -> int | None:
     """The pid of our process NAME when it is alive and still runs the program it was started as.
 
-    Compared by argv[0] (the link in .cluster/bin), not by the resolved executable, so that rebuilding or moving
-    the cached binaries does not disown running processes.
+    Compared by command line (argv[0] is the link in .cluster/bin), not by the resolved executable, so that
+    rebuilding or moving the cached binaries does not disown running processes; the whole command line, because
+    for the engine kubelet argv[0] is only the virtualenv's `python`.
     """
     try:
         record = json.loads(_pidfile(run, name).read_text())
     except (OSError, ValueError):
         return None
-    pid, argv0 = record.get("pid"), record.get("argv0")
+    pid, argv0, argv = record.get("pid"), record.get("argv0"), record.get("argv")
     if not isinstance(pid, int) or not argv0:
         return None
+    if argv:  # the whole command line: argv[0] alone is just `python` for the engine kubelet
+        return pid if _cmdline_of(pid) == list(argv) else None
     return pid if _argv0_of(pid) == argv0 else None
 
 
@@ -110,9 +123,9 @@ def start(component: Component, run: Path, logs: Path) -> int:
         out.flush()
         proc = subprocess.Popen(  # noqa: S603
             component.argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-            cwd=run, start_new_session=True,
+            cwd=run, start_new_session=True, env={**os.environ, **dict(component.env)} if component.env else None,
         )  # fmt: skip
-    record = {"pid": proc.pid, "argv0": component.argv[0], "exe": str(exe.resolve())}
+    record = {"pid": proc.pid, "argv0": component.argv[0], "exe": str(exe.resolve()), "argv": list(component.argv)}
     _pidfile(run, component.name).write_text(json.dumps(record))
     log.info("started %s (pid %d)", component.name, proc.pid)
     return proc.pid

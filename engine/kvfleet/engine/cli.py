@@ -1,7 +1,7 @@
-"""`kvfleet` command line: `serve`, `bench serve|throughput`, `operator`.
+"""`kvfleet` command line: `serve`, `bench serve|throughput`, `operator`, `gateway`.
 
 Everything heavy (torch, FastAPI, kopf) is imported only once a subcommand runs, so
-`kvfleet --help` answers at once. `bench throughput` and `operator` belong to other
+`kvfleet --help` answers at once. `bench throughput`, `operator` and `gateway` belong to other
 parts of the project; their arguments are handed over untouched.
 """
 
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
 import logging
 import os
 import sys
@@ -16,6 +17,7 @@ from typing import Callable, Sequence
 
 _PASSTHROUGH = {
     ("operator",): ("kvfleet.operator", "main"),
+    ("gateway",): ("kvfleet.gateway.main", "main"),
     ("bench", "throughput"): ("kvfleet.engine.bench.throughput", "main"),
 }
 
@@ -48,6 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench_sub.add_parser("throughput", help="offline throughput of the engine (arguments: see its --help)",
                          add_help=False)
     sub.add_parser("operator", help="run the Kubernetes operator (arguments: see its --help)", add_help=False)
+    sub.add_parser("gateway", help="run the tenant-aware OpenAI-compatible gateway (arguments: see its --help)",
+                   add_help=False)
     return parser
 
 
@@ -60,6 +64,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command == "serve":
+        if importlib.util.find_spec("torch") is None:  # e.g. the control-plane image: kvfleet[operator,gateway]
+            parser.error("serve needs the engine's dependencies (torch), which this installation lacks: "
+                         "pip install 'kvfleet[engine]', or run the kvfleet-engine image")
         from kvfleet.engine.server.args import check_serve_args
 
         try:

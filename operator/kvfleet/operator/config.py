@@ -8,6 +8,8 @@ import os
 from dataclasses import dataclass
 from typing import Mapping
 
+from .constants import POD_SECURITY_LEVELS
+
 
 def _csv(text: str) -> tuple[str, ...]:
     return tuple(part.strip() for part in text.split(",") if part.strip())
@@ -15,7 +17,7 @@ def _csv(text: str) -> tuple[str, ...]:
 
 @dataclass(frozen=True)
 class OperatorConfig:
-    kvfleet_image: str = "ghcr.io/kvfleet/kvfleet:0.1.0"
+    kvfleet_image: str = "ghcr.io/kvfleet/kvfleet-engine:0.1.0"
     vllm_image: str = "vllm/vllm-openai:v0.26.0"
     image_pull_policy: str = "IfNotPresent"
     cluster_domain: str = "cluster.local"
@@ -29,6 +31,9 @@ class OperatorConfig:
     # Node directories a `file://` model source may mount (read-only hostPath). Anything else is refused:
     # a tenant must not read the node's files (kubelet credentials, other pods' tokens).
     node_cache_roots: tuple[str, ...] = ("/var/cache/kvfleet",)
+    # The Pod Security Standard tenant namespaces enforce (their pods: the engines). restricted admits every pod
+    # the operator makes, except file:// sources (a hostPath volume), which only `privileged` admits.
+    tenant_pod_security: str = "restricted"
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> "OperatorConfig":
@@ -46,4 +51,13 @@ class OperatorConfig:
             system_namespaces=_csv(env.get("KVFLEET_SYSTEM_NAMESPACES", "")),
             node_cache_roots=_csv(env["KVFLEET_NODE_CACHE_ROOTS"]) if "KVFLEET_NODE_CACHE_ROOTS" in env
             else base.node_cache_roots,
+            tenant_pod_security=_pod_security(env.get("KVFLEET_TENANT_POD_SECURITY", base.tenant_pod_security)),
         )
+
+
+def _pod_security(level: str) -> str:
+    level = level.strip()
+    if level not in POD_SECURITY_LEVELS:
+        raise ValueError(f"KVFLEET_TENANT_POD_SECURITY must be one of restricted, baseline, privileged or empty "
+                         f"(leave tenant namespaces unlabelled), got {level!r}")
+    return level

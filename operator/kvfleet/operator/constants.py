@@ -34,6 +34,11 @@ LABEL_WORKLOAD_HASH = f"{GROUP}/workload-hash"
 # Namespaces labelled with this may reach every tenant (the operator's own, monitoring).
 LABEL_SYSTEM_NAMESPACE = f"{GROUP}/system"
 
+# Pod Security Standards (Kubernetes' PodSecurity admission) the operator may enforce on tenant namespaces; ""
+# leaves their labels alone. Only `privileged` admits hostPath volumes (file:// model sources).
+POD_SECURITY_LEVELS = ("restricted", "baseline", "privileged", "")
+POD_SECURITY_LABEL_PREFIX = "pod-security.kubernetes.io/"
+
 # Kueue's usual toleration for GPU nodes; kept on both the workload and the pods so flavor
 # matching and scheduling agree.
 GPU_TOLERATION = {"key": GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"}

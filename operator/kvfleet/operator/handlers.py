@@ -105,7 +105,8 @@ def _mdep_pass(namespace: str, name: str, *, wait: bool) -> Any:
 def _tenant_pass(name: str, *, converge: bool, wait: bool) -> Any:
     def one() -> Any:
         return _guarded("Tenant", name, lambda: reconcile_tenant(
-            kube(), name, converge=converge, system_namespaces=config().system_namespaces, refs=refs()))
+            kube(), name, converge=converge, system_namespaces=config().system_namespaces,
+            pod_security=config().tenant_pod_security, refs=refs()))
     return _passes.run(f"Tenant {name}", one, wait=wait, rank=_FULL if converge else _STATUS_ONLY)
 
 

@@ -148,7 +148,7 @@ def reconcile_model_deployment(kube: Kube, config: OperatorConfig, namespace: st
     plan: WorkloadPlan
     try:
         spec = parse_model_deployment(mdep.get("spec") or {})
-        check_node_path(spec.source, config.node_cache_roots)
+        check_node_path(spec.source, config.node_cache_roots, config.tenant_pod_security)
         desired = desired_replicas_for(spec, old_status.get("autoscaler"))
         resolved = resolve(refs or ApiRefs(kube), namespace, spec, {w.flavor for w in observed if w.flavor})
     except SpecError as exc:

@@ -41,12 +41,14 @@ def _cleanup(kube: Kube, tenant_name: str, wanted: dict[str, set[tuple[str, str]
 
 
 def reconcile_tenant(kube: Kube, name: str, converge: bool = True,
-                     system_namespaces: Sequence[str] = (), refs: Refs | None = None) -> dict[str, Any] | None:
+                     system_namespaces: Sequence[str] = (), pod_security: str = "restricted",
+                     refs: Refs | None = None) -> dict[str, Any] | None:
     """Apply what the Tenant becomes (unless `converge` is False: then only refresh its status).
 
     `system_namespaces` may reach the tenant's engines through its NetworkPolicy (the operator's own);
-    a tenant may not have one of them (Ready=False, ReservedNamespace). `refs` tells which tenant labels each
-    namespace (default: read from the apiserver)."""
+    a tenant may not have one of them (Ready=False, ReservedNamespace). `pod_security` is the Pod Security
+    Standard its namespaces enforce. `refs` tells which tenant labels each namespace (default: read from the
+    apiserver)."""
     tenant = kube.get(API_VERSION, TENANT_PLURAL, name)
     if tenant is None or tenant["metadata"].get("deletionTimestamp"):
         return None
@@ -61,7 +63,7 @@ def reconcile_tenant(kube: Kube, name: str, converge: bool = True,
         reserved = [ns for ns in spec.namespaces if ns in system_namespaces]
         skip = set(conflicts) | set(reserved)
         if converge:
-            _converge(kube, tenant, spec, skip=skip, system_namespaces=system_namespaces)
+            _converge(kube, tenant, spec, skip=skip, system_namespaces=system_namespaces, pod_security=pod_security)
         workloads = [w for ns in spec.namespaces if ns not in skip
                      for w in kube.list(KUEUE_API_VERSION, "workloads", ns)]
         status = compute_tenant_status(tenant, spec, None, workloads, now, conflicts, reserved)
@@ -84,14 +86,14 @@ def _conflicts(kube: Kube, refs: Refs, name: str, spec: TenantSpec) -> dict[str,
 
 
 def _converge(kube: Kube, tenant: dict[str, Any], spec: TenantSpec, skip: set[str],
-              system_namespaces: Sequence[str] = ()) -> None:
+              system_namespaces: Sequence[str] = (), pod_security: str = "restricted") -> None:
     name = tenant["metadata"]["name"]
     kube.apply(build_cluster_queue(tenant, spec))
     wanted: dict[str, set[tuple[str, str]]] = {}
     for ns in spec.namespaces:
         if ns in skip:
             continue
-        objs = [build_namespace(name, ns), build_local_queue(tenant, ns),
+        objs = [build_namespace(name, ns, pod_security), build_local_queue(tenant, ns),
                 build_network_policy(tenant, ns, system_namespaces),
                 *build_rbac(tenant, spec, ns)]
         for obj in objs:

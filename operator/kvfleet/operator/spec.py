@@ -80,19 +80,23 @@ def parse_model_source(uri: str) -> ModelSource:
     return ModelSource("hub", uri)
 
 
-def check_node_path(source: ModelSource, roots: Sequence[str]) -> None:
+def check_node_path(source: ModelSource, roots: Sequence[str], pod_security: str = "") -> None:
     """A `file://` source must lie under one of the node cache `roots` (the operator's configuration):
-    it becomes a hostPath volume, and a tenant may not mount the node's own files."""
+    it becomes a hostPath volume, and a tenant may not mount the node's own files. Nor may it when tenant
+    namespaces enforce a Pod Security Standard (`pod_security`) that forbids hostPath volumes: the pod would
+    never be admitted."""
     if source.kind != "file" or source.path is None:
         return
     path = posixpath.normpath(source.path)
-    for root in roots:
-        root = posixpath.normpath(root)
-        if path == root or path.startswith(root.rstrip("/") + "/"):
-            return
-    allowed = ", ".join(roots) or "none: file:// sources are off"
-    raise SpecError("spec.model.source", f"{path} is not under a node cache root ({allowed})",
-                    reason="HostPathNotAllowed")
+    if not any(path == r or path.startswith(r.rstrip("/") + "/") for r in map(posixpath.normpath, roots)):
+        allowed = ", ".join(roots) or "none: file:// sources are off"
+        raise SpecError("spec.model.source", f"{path} is not under a node cache root ({allowed})",
+                        reason="HostPathNotAllowed")
+    if pod_security not in ("", "privileged"):
+        raise SpecError("spec.model.source", f"file:// sources mount the node's {path} (a hostPath volume), which "
+                        f"the {pod_security} Pod Security Standard of tenant namespaces forbids: serve the model from "
+                        "a PersistentVolumeClaim (pvc://), or have tenant namespaces enforce privileged (chart "
+                        "value podSecurity.tenantEnforce)", reason="HostPathNotAllowed")
 
 
 def _int(value: Any, field_name: str, minimum: int = 0) -> int:
@@ -111,6 +115,11 @@ def _quantity(value: Any, field_name: str, positive: bool = False) -> str:
     if text.startswith("-") or (positive and text.rstrip("mKMGTPEi").strip("0.") == ""):
         raise SpecError(field_name, f"must be a {'positive' if positive else 'non-negative'} quantity, got {value!r}")
     return text
+
+
+def served_name(model: Mapping[str, Any]) -> str:
+    """The `model` clients send: `spec.model.servedName`, else the source's base name (shared with the gateway)."""
+    return str(model.get("servedName") or str(model.get("source", "")).rstrip("/").rsplit("/", 1)[-1])
 
 
 def parse_model_deployment(spec: Mapping[str, Any]) -> ModelDeploymentSpec:
@@ -141,7 +150,7 @@ def parse_model_deployment(spec: Mapping[str, Any]) -> ModelDeploymentSpec:
     if flavor is not None and not _DNS_LABEL.match(str(flavor)):
         raise SpecError("spec.resources.gpuFlavor", f"{flavor!r} is not a valid ResourceFlavor name")
     key_ref = spec.get("apiKeySecretRef") or {}
-    served = model.get("servedName") or source.uri.rstrip("/").rsplit("/", 1)[-1]
+    served = served_name(model)
     max_len = engine.get("maxModelLen")
     max_seqs = engine.get("maxNumSeqs")
     return ModelDeploymentSpec(
@@ -232,3 +241,9 @@ def parse_tenant(spec: Mapping[str, Any]) -> TenantSpec:
         reclaim_within_cohort=preemption.get("reclaimWithinCohort", "Never"),
         within_cluster_queue=preemption.get("withinClusterQueue", "Never"),
     )
+
+
+def tenant_key_secrets(spec: Mapping[str, Any]) -> tuple[str, ...]:
+    """Names of the Secrets holding the tenant's gateway API keys (`spec.gateway.apiKeySecrets[].name`)."""
+    refs = (spec.get("gateway") or {}).get("apiKeySecrets") or ()
+    return tuple(str(r["name"]) for r in refs if isinstance(r, Mapping) and r.get("name"))

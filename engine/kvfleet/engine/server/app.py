@@ -15,12 +15,15 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kvfleet.engine.server import protocol as P
 from kvfleet.engine.server.auth import DEFAULT_TENANT, bearer_token, tenant_for
+from kvfleet.engine.server.bodies import BoundedJSONRoute
 from kvfleet.engine.server.chat import chat_prompt_ids, create_chat_completion
 from kvfleet.engine.server.completions import create_completion
 from kvfleet.engine.server.errors import APIError, error_body, install_error_handlers
+from kvfleet.engine.server.generation import shutdown_error
 from kvfleet.engine.server.metrics import CONTENT_TYPE
 from kvfleet.engine.server.serving import check_model
 from kvfleet.engine.server.state import ServerState
+from kvfleet.engine.server.textbound import tokenizer_chars_per_token
 
 logger = logging.getLogger("kvfleet.server")
 
@@ -71,13 +74,51 @@ class Gate:
                                f"server's limit of {limit} bytes (--max-request-bytes).", "request_too_large",
                                {"Connection": "close"})
             return
-        await self.app(scope, _limited(receive, limit), send)
+        await self._run_until_shutdown(scope, _limited(receive, limit), send)
+
+    async def _run_until_shutdown(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """Run the route; if uvicorn cancels it at shutdown (still reading its body, tokenizing, ...:
+        what the cut-off of engine requests does not reach) before any answer, answer 503 instead of
+        letting uvicorn log a traceback and send a plain-text 500."""
+        started = False
+
+        async def tracked(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracked)
+        except asyncio.CancelledError:
+            if not self.state.draining or started:
+                raise
+            err = shutdown_error()
+            await self._reject(scope, receive, send, err.status, err.message, err.code or "", err.headers)
 
     @staticmethod
     async def _reject(scope: Scope, receive: Receive, send: Send, status: int, message: str, code: str,
                       headers: dict[str, str]) -> None:
         await JSONResponse(error_body(status, message, code=code), status_code=status,
                            headers=headers)(scope, receive, send)
+
+
+class MetricsPort:
+    """ASGI middleware for `--metrics-port`: /metrics is answered on that port only, and nothing else is
+    (the request metrics name tenants; the API port need not show them)."""
+
+    def __init__(self, app: ASGIApp, port: int) -> None:
+        self.app = app
+        self.port = port
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            server = scope.get("server")
+            on_metrics_port = server is not None and server[1] == self.port
+            if on_metrics_port != (scope["path"] == "/metrics"):
+                await JSONResponse(error_body(404, "Not found: no such route", code="not_found"),
+                                   status_code=404)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 def _limited(receive: Receive, limit: int) -> Receive:
@@ -99,6 +140,10 @@ def _limited(receive: Receive, limit: int) -> Receive:
     return wrapped
 
 
+class PrometheusResponse(Response):
+    media_type = CONTENT_TYPE
+
+
 def _tenant(request: Request) -> str:
     return str(request.scope.get(TENANT_KEY, DEFAULT_TENANT))
 
@@ -117,6 +162,7 @@ def build_app(state: ServerState, load_engine: Callable[[], Any] | None = None) 
                 task.cancel()
             if state.engine is not None:
                 await state.engine.shutdown()
+            state.tokenize_pool.shutdown(wait=False, cancel_futures=True)
 
     extra: dict[str, Any] = {}
     if "telemetry" in inspect.signature(FastAPI.__init__).parameters:
@@ -126,8 +172,11 @@ def build_app(state: ServerState, load_engine: Callable[[], Any] | None = None) 
                               "operation_spans": False}
     app = FastAPI(title="kvfleet", version=VERSION, lifespan=lifespan,
                   description="OpenAI-compatible API of a kvfleet engine.", **extra)
+    app.router.route_class = BoundedJSONRoute  # every route below measures its body's nesting first
     install_error_handlers(app)
     app.add_middleware(Gate, state=state)
+    if state.metrics_port is not None:
+        app.add_middleware(MetricsPort, port=state.metrics_port)
 
     @app.get("/health", responses={503: {"model": P.ErrorResponse}})
     async def health() -> Response:
@@ -140,13 +189,17 @@ def build_app(state: ServerState, load_engine: Callable[[], Any] | None = None) 
     async def version() -> dict[str, str]:
         return {"version": VERSION}
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PrometheusResponse,
+             responses={200: {"description": "Prometheus text exposition format 0.0.4.",
+                              "content": {CONTENT_TYPE: {"schema": {"type": "string"}}}}},
+             description="Prometheus metrics; on `--metrics-port` instead when the server has one.")
     async def metrics() -> Response:
-        return Response(state.metrics.render(), media_type=CONTENT_TYPE)
+        return PrometheusResponse(state.metrics.render())
 
     @app.get("/v1/models", response_model=P.ModelList, responses=ERRORS)
     async def models() -> dict[str, Any]:
-        card = P.ModelCard(id=state.model_name, root=state.model_path, max_model_len=state.max_model_len)
+        # `root` names the model as clients know it (as vLLM's does), never a path on this machine.
+        card = P.ModelCard(id=state.model_name, root=state.model_name, max_model_len=state.max_model_len)
         return P.dump(P.ModelList(data=[card]))
 
     @app.post("/v1/completions", response_model=P.CompletionResponse, responses=ERRORS)
@@ -169,27 +222,39 @@ def build_app(state: ServerState, load_engine: Callable[[], Any] | None = None) 
     @app.post("/detokenize", response_model=P.DetokenizeResponse, responses=ERRORS)
     async def detokenize(req: P.DetokenizeRequest) -> dict[str, Any]:
         check_model(state, req.model)
-        bad = next((t for t in req.tokens if t >= state.vocab_size), None)
-        if bad is not None:
-            raise APIError(400, f"tokens: token id {bad} is outside the vocabulary [0, {state.vocab_size})",
-                           "tokens", "invalid_value")
-        if state.tokenizer is None:
-            raise APIError(400, "tokens: this model has no tokenizer", "tokens", "no_tokenizer")
-        return {"prompt": state.decode(req.tokens)}
+        if len(req.tokens) < DECODE_INLINE_TOKENS:
+            return {"prompt": _detokenize(state, req.tokens)}
+        return {"prompt": await state.off_loop(_detokenize, state, req.tokens)}
 
     return app
+
+
+DECODE_INLINE_TOKENS = 4096   # longer lists are checked and decoded on the tokenizer threads
+
+
+def _detokenize(state: ServerState, tokens: list[int]) -> str:
+    bad = next((t for t in tokens if t >= state.vocab_size), None)
+    if bad is not None:
+        raise APIError(400, f"tokens: token id {bad} is outside the vocabulary [0, {state.vocab_size})",
+                       "tokens", "invalid_value")
+    if state.tokenizer is None:
+        raise APIError(400, "tokens: this model has no tokenizer", "tokens", "no_tokenizer")
+    return state.decode(tokens)
 
 
 async def _load(state: ServerState, load_engine: Callable[[], Any]) -> None:
     try:
         state.engine = await asyncio.to_thread(load_engine)
+        if state.engine.tokenizer is not None:
+            state.chars_per_token = tokenizer_chars_per_token(state.engine.tokenizer)
         await _warm_up(state)
     except Exception as exc:
         state.load_error = f"{exc.__class__.__name__}: {exc}"
         logger.exception("model load failed")
         return
     state.ready = True
-    logger.info("model ready", extra={"model": state.model_name, "max_model_len": state.max_model_len})
+    logger.info("model ready", extra={"model": state.model_name, "max_model_len": state.max_model_len,
+                                      "max_prompt_chars": state.max_prompt_chars})
 
 
 async def _warm_up(state: ServerState) -> None:

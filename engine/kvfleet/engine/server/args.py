@@ -81,6 +81,17 @@ SERVE_FLAGS: tuple[Flag, ...] = (
          "Retry-After (default: no limit).", type=int, metavar="N"),
     Flag("--max-request-bytes", "Largest request body accepted; larger ones get 413 without being read.",
          type=int, default=32 * 2**20, metavar="BYTES"),
+    Flag("--metrics-port", "Serve /metrics on this port (of --host) instead of --port, which then answers 404 "
+         "for it: the request metrics name tenants, and a port of its own can be kept from clients "
+         "(default: /metrics on --port, open to anyone who reaches it).", type=int, metavar="PORT"),
+    Flag("--max-connections", "Most connections open at once; past it, a new connection's request gets 503 "
+         "with Retry-After and the connection is closed.", type=int, default=4096, metavar="N"),
+    Flag("--timeout-keep-alive", "Seconds a connection may stay idle (before its first request or between two) "
+         "before it is closed.", type=float, default=5.0, metavar="SECONDS"),
+    Flag("--timeout-request-headers", "Seconds a request's line and headers may take to arrive, from their first "
+         "byte; then 408 and the connection is closed.", type=float, default=10.0, metavar="SECONDS"),
+    Flag("--timeout-request-body", "Seconds a request's body may take to arrive after its headers; then 408 and "
+         "the connection is closed.", type=float, default=60.0, metavar="SECONDS"),
     Flag("--shutdown-grace-period", "Seconds running requests may take to finish after SIGTERM (new ones "
          "get 503).", type=float, default=30.0, metavar="SECONDS"),
     Flag("--log-level", "Log level of kvfleet and uvicorn.", default="info",
@@ -128,7 +139,7 @@ def check_serve_args(args: argparse.Namespace) -> None:
     """Cross-flag rules argparse cannot express; raises ValueError naming the flag."""
     if args.api_key and args.api_keys_file:
         raise ValueError("--api-key and --api-keys-file are exclusive")
-    for name in ("port", "tensor_parallel_size", "block_size", "max_request_bytes"):
+    for name in ("port", "tensor_parallel_size", "block_size", "max_request_bytes", "max_connections"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
     for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "max_queue_len",
@@ -138,6 +149,13 @@ def check_serve_args(args: argparse.Namespace) -> None:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
     if not 0 < args.gpu_memory_utilization <= 1:
         raise ValueError("--gpu-memory-utilization must be in (0, 1]")
+    if args.metrics_port is not None and not 1 <= args.metrics_port <= 65535:
+        raise ValueError("--metrics-port must be in [1, 65535]")
+    if args.metrics_port is not None and args.metrics_port == args.port:
+        raise ValueError("--metrics-port must differ from --port")
+    for name in ("timeout_keep_alive", "timeout_request_headers", "timeout_request_body"):
+        if not getattr(args, name) > 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be > 0")
     if args.shutdown_grace_period < 0:
         raise ValueError("--shutdown-grace-period must be >= 0")
 

@@ -22,14 +22,18 @@ from kvfleet.engine.server.serving import (
     take_tickets,
     usage,
 )
-from kvfleet.engine.server.state import ServerState, logger
+from kvfleet.engine.server.state import ENCODE_INLINE_CHARS, ServerState, logger
 
 
 async def chat_prompt_ids(state: ServerState, messages: list[ChatMessage], add_generation_prompt: bool) -> list[int]:
     """Render the chat template and tokenize it (the template already holds any BOS token)."""
     conversation = [{"role": m.role, "content": m.text()} for m in messages]
+    size = sum(len(m["content"]) for m in conversation)
     try:
-        text = state.render_chat(conversation, add_generation_prompt)
+        if size < ENCODE_INLINE_CHARS:
+            text = state.render_chat(conversation, add_generation_prompt)
+        else:   # a template copies long contents around: off the event loop too
+            text = await state.off_loop(state.render_chat, conversation, add_generation_prompt)
     except APIError:
         raise
     except Exception as exc:  # a template may raise for conversations it does not support

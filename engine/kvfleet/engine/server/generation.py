@@ -36,6 +36,29 @@ def new_request_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
+def shutdown_error() -> APIError:
+    return APIError(503, "The server shut down before this request finished (its --shutdown-grace-period ran "
+                         "out); retry on another replica.", code="server_shutdown",
+                    headers={"Retry-After": "1", "Connection": "close"})
+
+
+def cut_short(out: Any) -> bool:
+    """Did this output end (or go on) for another reason than the model finishing every choice?"""
+    return not out.finished or any(o.finish_reason in (None, "abort") for o in out.outputs)
+
+
+async def cut_off_requests(state: ServerState) -> int:
+    """The grace period is over: end every running engine request now. Each one's next output (the
+    abort's, for one still waiting) makes its handler answer 503 instead of a result."""
+    state.cut_off = True
+    ids = list(state.live_requests)
+    results = await asyncio.gather(*(state.engine.abort(rid) for rid in ids), return_exceptions=True)
+    for rid, result in zip(ids, results, strict=True):
+        if isinstance(result, BaseException):
+            logger.error("abort at the cut-off failed", extra={"request_id": rid, "error": repr(result)})
+    return len(ids)
+
+
 def finish_reason_of(out: Any) -> str:
     reasons = [o.finish_reason for o in out.outputs if o.finish_reason]
     return reasons[0] if reasons else "abort"
@@ -51,10 +74,16 @@ async def stream_request(state: ServerState, ticket: Ticket, prompt_ids: list[in
     finished, rejected = False, False
     last: Any = None
     prev_tokens, last_time = 0, None
+    if state.cut_off:
+        ticket.release()
+        raise shutdown_error()
+    state.live_requests.add(request_id)
     try:
         try:
             async for out in engine.generate({"prompt": prompt_text, "prompt_token_ids": prompt_ids}, params,
                                              request_id, cache_salt=salt):
+                if state.cut_off and cut_short(out):
+                    raise shutdown_error()
                 now = time.monotonic()
                 ticket.started()
                 tokens = max((len(o.token_ids) for o in out.outputs), default=0)
@@ -73,6 +102,7 @@ async def stream_request(state: ServerState, ticket: Ticket, prompt_ids: list[in
             param = value_error_param(message, REQUEST_FIELDS)
             raise APIError(400, message, "prompt" if param == "prompt_token_ids" else param, "invalid_value") from None
     finally:
+        state.live_requests.discard(request_id)
         ticket.release()
         if not rejected:
             if not finished:

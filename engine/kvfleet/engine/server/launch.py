@@ -1,15 +1,17 @@
 """`kvfleet serve`: build the state and app, run uvicorn, drain on SIGTERM.
 
 SIGTERM (what Kubernetes sends) starts a drain: /health and new requests answer 503,
-running requests may finish for `--shutdown-grace-period` seconds, then uvicorn shuts
-down (cancelling what is left, which aborts it in the engine) and the process exits 0.
-A second signal stops at once.
+running requests may finish for `--shutdown-grace-period` seconds. Then those still running
+are aborted in the engine and answered properly (a 503, or an error event and `[DONE]` in a
+stream), uvicorn shuts down and the process exits 0. A second signal stops at once.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
+import resource
 import signal
 import sys
 import time
@@ -22,33 +24,17 @@ import uvicorn
 from kvfleet.engine.server.app import build_app
 from kvfleet.engine.server.args import engine_kwargs
 from kvfleet.engine.server.auth import KeyFileError, load_keys
+from kvfleet.engine.server.connections import ConnectionLimits, bounded_protocol
+from kvfleet.engine.server.generation import cut_off_requests
+from kvfleet.engine.server.logging_setup import setup_logging
 from kvfleet.engine.server.state import ServerState
 
 logger = logging.getLogger("kvfleet.server")
 
-_STD_ATTRS = set(vars(logging.LogRecord("", 0, "", 0, "", (), None))) | {"message", "asctime"}
 
-
-class KeyValueFormatter(logging.Formatter):
-    """`time level logger message key=value ...`: one line per event, extras kept as fields."""
-
-    def format(self, record: logging.LogRecord) -> str:
-        line = f"{self.formatTime(record)} {record.levelname} {record.name} {record.getMessage()}"
-        extras = {k: v for k, v in vars(record).items() if k not in _STD_ATTRS}
-        if extras:
-            line += " " + " ".join(f"{k}={v}" for k, v in extras.items())
-        if record.exc_info:
-            line += "\n" + self.formatException(record.exc_info)
-        return line
-
-
-def setup_logging(level: str) -> None:
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(KeyValueFormatter())
-    root = logging.getLogger("kvfleet")
-    root.handlers[:] = [handler]
-    root.setLevel(level.upper())
-    root.propagate = False
+# After the grace period, running requests are ended (503, or an error event and [DONE] in a stream);
+# this long at most is given to their answers before uvicorn closes what is left.
+CUT_OFF_WAIT_S = 5.0
 
 
 class DrainingServer(uvicorn.Server):
@@ -57,6 +43,8 @@ class DrainingServer(uvicorn.Server):
         self.state = state
         self.grace_s = grace_s
         self.deadline: float | None = None
+        self.cut_off_at: float | None = None
+        self._cut_off: asyncio.Task[int] | None = None
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         if sig == signal.SIGTERM and not self.state.draining:
@@ -74,10 +62,36 @@ class DrainingServer(uvicorn.Server):
         if self.state.load_error:
             return True
         if self.state.draining and self.deadline is not None:
-            if self.state.admission.inflight == 0 or time.monotonic() >= self.deadline:
-                logger.info("drain finished", extra={"inflight": self.state.admission.inflight})
+            inflight = self.state.admission.inflight
+            if inflight == 0:
+                logger.info("drain finished", extra={"inflight": 0})
+                return True
+            now = time.monotonic()
+            if self.cut_off_at is None and now >= self.deadline:
+                logger.info("shutdown grace period over: ending the requests still running",
+                            extra={"inflight": inflight, "grace_s": self.grace_s})
+                self.cut_off_at = now
+                self._cut_off = asyncio.create_task(cut_off_requests(self.state))
+            elif self.cut_off_at is not None and now >= self.cut_off_at + CUT_OFF_WAIT_S:
+                logger.warning("requests still running after the cut-off; closing their connections",
+                               extra={"inflight": inflight})
                 return True
         return False
+
+
+FILES_BESIDES_CONNECTIONS = 1024   # weights, tokenizer, the engine's pipes and threads, logs
+
+
+def raise_open_files_limit(wanted: int) -> None:
+    """Raise the soft limit of open files toward `wanted` (as vLLM does): the connection cap should be
+    what refuses connections, not a failing accept()."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
+    if soft != resource.RLIM_INFINITY and soft < target:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+    if target < wanted:
+        logger.warning("open files limit below what --max-connections needs", extra={"hard_limit": hard,
+                                                                                      "wanted": wanted})
 
 
 def default_model() -> str:
@@ -98,7 +112,8 @@ def run_server(args: argparse.Namespace) -> int:
     name = args.served_model_name or (args.model if args.model else Path(model).stem.split(".")[0])
     state = ServerState(model_name=name, model_path=model, keys=keys, max_queue_len=args.max_queue_len,
                         chat_template=template, log_requests=not args.disable_log_requests,
-                        block_size=args.block_size, max_request_bytes=args.max_request_bytes)
+                        block_size=args.block_size, max_request_bytes=args.max_request_bytes,
+                        metrics_port=args.metrics_port)
     kwargs = engine_kwargs(args)
 
     def load_engine() -> Any:
@@ -107,12 +122,19 @@ def run_server(args: argparse.Namespace) -> int:
         return AsyncLLM(model, **kwargs)
 
     app = build_app(state, load_engine)
+    limits = ConnectionLimits(keep_alive_s=args.timeout_keep_alive, headers_s=args.timeout_request_headers,
+                              body_s=args.timeout_request_body, max_connections=args.max_connections)
+    raise_open_files_limit(args.max_connections + FILES_BESIDES_CONNECTIONS)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
-                            timeout_graceful_shutdown=1, lifespan="on")
+                            timeout_graceful_shutdown=1, lifespan="on", http=bounded_protocol(limits), ws="none")
     server = DrainingServer(config, state, args.shutdown_grace_period)
     logger.info("serving", extra={"model": model, "served_model_name": name, "host": args.host, "port": args.port,
                                   "auth": "on" if keys else "off", "tenants": len(set(keys.values())) if keys else 0})
-    server.run()
+    if args.metrics_port is None:
+        server.run()
+    else:   # one server, two listening sockets; the app tells them apart by the local port
+        metrics = uvicorn.Config(app, host=args.host, port=args.metrics_port, log_level=args.log_level)
+        server.run(sockets=[config.bind_socket(), metrics.bind_socket()])
     if state.load_error:
         print(f"kvfleet serve: error: model load failed: {state.load_error}", file=sys.stderr)
         return 1

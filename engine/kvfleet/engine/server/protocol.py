@@ -22,23 +22,27 @@ StopField = Union[str, Annotated[list[str], Field(max_length=16)], None]
 
 def lone_surrogate_at(value: Any, where: str = "") -> str | None:
     """Where a string in `value` holds a lone UTF-16 surrogate ("\\ud800" is valid JSON but no Unicode
-    text: tokenizers and UTF-8 encoders raise on it), as `field[0].sub`; None if nowhere."""
-    if isinstance(value, str):
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError:
-            return where or "body"
-    elif isinstance(value, dict):
-        for key, item in value.items():
-            found = lone_surrogate_at(key, where or "body") or lone_surrogate_at(
-                item, f"{where}.{key}" if where else str(key))
-            if found:
-                return found
-    elif isinstance(value, list):
-        for i, item in enumerate(value):
-            found = lone_surrogate_at(item, f"{where}[{i}]")
-            if found:
-                return found
+    text: tokenizers and UTF-8 encoders raise on it), as `field[0].sub`; None if nowhere.
+
+    A walk with its own stack, not recursion: however deep `value` nests, this never meets Python's
+    recursion limit."""
+    pending: list[tuple[Any, str]] = [(value, where)]
+    while pending:
+        item, at = pending.pop()
+        if isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError:
+                return at or "body"
+        elif isinstance(item, dict):
+            children: list[tuple[Any, str]] = []
+            for key, sub in item.items():
+                children.append((key, at or "body"))
+                children.append((sub, f"{at}.{key}" if at else str(key)))
+            pending.extend(reversed(children))  # depth first, in document order, as reported before
+        elif isinstance(item, list):
+            pending.extend(reversed([(sub, f"{at}[{i}]") for i, sub in enumerate(item)
+                                     if isinstance(sub, (str, dict, list))]))
     return None
 
 
@@ -97,7 +101,8 @@ class SamplingFields(StrictModel):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: Union[Annotated[str, Field(max_length=1_000_000)], TokenIds,
+    # No fixed length cap on text: the server refuses what cannot fit its context before tokenizing it.
+    prompt: Union[str, TokenIds,
                   Annotated[list[str], Field(min_length=1, max_length=64)],
                   Annotated[list[TokenIds], Field(min_length=1, max_length=64)]]
     max_tokens: int | None = Field(16, ge=1, le=2**31 - 1)

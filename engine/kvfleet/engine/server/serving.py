@@ -43,9 +43,10 @@ def build_params(state: ServerState, req: SamplingFields, prompt_ids: list[int],
                  prompt_logprobs: int | None = None) -> SamplingParams:
     """Validated SamplingParams for one prompt; any problem is a 400 naming the field."""
     try:
-        check_prompt_ids(prompt_ids, state.vocab_size, prompt_field)
+        # Length first: an over-long list of token ids is refused before each id is looked at.
         max_tokens = resolve_max_tokens(requested_max, len(prompt_ids), state.max_model_len, prompt_field,
                                         max_field, state.kv_capacity_tokens)
+        check_prompt_ids(prompt_ids, state.vocab_size, prompt_field)
         kwargs = sampling_kwargs(req, max_tokens, logprobs, prompt_logprobs)
         params = SamplingParams(**kwargs).validate(state.vocab_size)
     except RequestError as exc:

@@ -4,9 +4,12 @@ readiness / draining flags that /health and the middleware read."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
+import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping, TypeVar
 
 from kvfleet.engine.server.errors import APIError
 from kvfleet.engine.server.limits import Admission
@@ -15,6 +18,9 @@ from kvfleet.engine.server.metrics import ServerMetrics
 logger = logging.getLogger("kvfleet.server")
 
 ENCODE_INLINE_CHARS = 8192  # shorter texts tokenize in well under a millisecond: no thread hop
+TOKENIZE_THREADS = min(4, os.cpu_count() or 1)   # the tokenizer releases the GIL: long texts run in parallel
+
+T = TypeVar("T")
 
 # Used when the tokenizer has none: ChatML, the format of SmolLM2 and Qwen.
 FALLBACK_CHAT_TEMPLATE = (
@@ -33,12 +39,22 @@ class ServerState:
     log_requests: bool = True
     block_size: int = 16
     max_request_bytes: int = 32 * 2**20   # larger bodies get 413 before they are read
+    metrics_port: int | None = None       # /metrics only there (and only /metrics there)
     engine: Any = None            # AsyncLLM once loaded
     ready: bool = False           # loaded and one step has run
     load_error: str | None = None
     draining: bool = False
+    # Engine requests running now (ids), and whether the shutdown grace period ran out: then each of
+    # them, and any that would still start, ends with a 503 (an error event in a stream).
+    live_requests: set[str] = field(default_factory=set)
+    cut_off: bool = False
     admission: Admission = field(default_factory=Admission)
     metrics: ServerMetrics = field(init=False)
+    # Most characters one token stands for (textbound.py), set once the model is loaded; None: no bound.
+    chars_per_token: int | None = None
+    # Long texts are rendered and tokenized here, off the event loop and apart from other blocking work.
+    tokenize_pool: ThreadPoolExecutor = field(
+        default_factory=lambda: ThreadPoolExecutor(TOKENIZE_THREADS, thread_name_prefix="kvfleet-tokenize"))
 
     def __post_init__(self) -> None:
         self.metrics = ServerMetrics(self.model_name, self.engine_stats)
@@ -64,17 +80,36 @@ class ServerState:
     def vocab_size(self) -> int:
         return int(self.engine.model_config.vocab_size)
 
+    @property
+    def max_prompt_chars(self) -> int | None:
+        """Longest text that could fit the context; longer ones are refused without tokenizing them."""
+        return self.max_model_len * self.chars_per_token if self.chars_per_token else None
+
+    def check_text_fits(self, text: str, field: str) -> None:
+        limit = self.max_prompt_chars
+        if limit is not None and len(text) > limit:
+            raise APIError(400, f"{field}: this model's maximum context length is {self.max_model_len} tokens, "
+                                f"which hold at most {limit} characters with its tokenizer (at most "
+                                f"{self.chars_per_token} a token), but the text has {len(text)} characters",
+                           field, "invalid_value")
+
     def encode(self, text: str, field: str, add_special_tokens: bool = True) -> list[int]:
         if self.tokenizer is None:  # e.g. a config-only folder with --load-format dummy
             raise APIError(400, f"{field}: this model has no tokenizer; send token ids", field, "no_tokenizer")
         return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
     async def encode_async(self, text: str, field: str, add_special_tokens: bool = True) -> list[int]:
-        """`encode` off the event loop for long texts: a megabyte of prompt takes ~0.6 s to tokenize,
-        which would otherwise stall every other request, /health and /metrics meanwhile."""
+        """`encode`, after refusing a text too long to fit, and off the event loop for long texts: a
+        megabyte of prompt takes ~0.6 s to tokenize, which would otherwise stall every other request,
+        /health and /metrics meanwhile."""
+        self.check_text_fits(text, field)
         if len(text) < ENCODE_INLINE_CHARS:
             return self.encode(text, field, add_special_tokens)
-        return await asyncio.to_thread(self.encode, text, field, add_special_tokens)
+        return await self.off_loop(self.encode, text, field, add_special_tokens)
+
+    async def off_loop(self, fn: Callable[..., T], *args: Any) -> T:
+        """`fn(*args)` on the tokenizer threads."""
+        return await asyncio.get_running_loop().run_in_executor(self.tokenize_pool, functools.partial(fn, *args))
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids) if self.tokenizer is not None else ""

@@ -6,9 +6,13 @@ from typing import Any, Mapping, Sequence
 from ..config import OperatorConfig
 from ..constants import ENGINE_PORT, GPU_RESOURCE, GPU_TOLERATION
 from ..spec import ModelDeploymentSpec, check_node_path
+from .grace import GRACE_FLAG, engine_grace_seconds, termination_grace_seconds
 from .meta import mdep_labels
 
 API_KEYS_DIR = "/etc/kvfleet/api-keys"
+# The root file system is read-only: what the engine writes goes to emptyDirs. HOME holds every cache (Triton's
+# kernels, torch's, the CUDA driver's, vLLM's); /tmp what Python and Triton put in temporary files.
+ENGINE_HOME = "/home/kvfleet"
 
 
 def engine_image(spec: ModelDeploymentSpec, config: OperatorConfig) -> str:
@@ -45,6 +49,8 @@ def build_engine_args(spec: ModelDeploymentSpec, config: OperatorConfig) -> tupl
     if spec.api_key_secret and spec.engine_kind == "kvfleet":
         # kvfleet maps keys to tenants from a file; vllm takes one key from VLLM_API_KEY (see env).
         args += ["--api-keys-file", f"{API_KEYS_DIR}/{spec.api_key_secret_key}"]
+    if spec.engine_kind == "kvfleet":   # explicit: the pod's terminationGracePeriodSeconds is derived from it
+        args += [GRACE_FLAG, f"{engine_grace_seconds(spec.extra_args, spec.env):g}"]
     return command, args + list(spec.extra_args)
 
 
@@ -55,6 +61,10 @@ def _env(mdep_name: str, spec: ModelDeploymentSpec) -> list[dict[str, Any]]:
         {"name": "KVFLEET_POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
         {"name": "KVFLEET_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
         {"name": "HF_HOME", "value": "/models/hf-cache"},
+        # Whatever the image says (vLLM's runs as root with HOME=/root): caches land on the writable emptyDir.
+        {"name": "HOME", "value": ENGINE_HOME},
+        {"name": "XDG_CACHE_HOME", "value": f"{ENGINE_HOME}/.cache"},
+        {"name": "TRITON_CACHE_DIR", "value": f"{ENGINE_HOME}/.cache/triton"},
     ]
     if spec.api_key_secret and spec.engine_kind == "vllm":
         env.append({"name": "VLLM_API_KEY", "valueFrom": {"secretKeyRef": {
@@ -67,17 +77,21 @@ def _volumes(spec: ModelDeploymentSpec, config: OperatorConfig) -> tuple[list[di
         # NCCL and the engine's workers share tensors through /dev/shm; the default 64Mi is too small.
         {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": spec.shm_size}},
         {"name": "hf-cache", "emptyDir": {}},
+        {"name": "home", "emptyDir": {}},
+        {"name": "tmp", "emptyDir": {}},
     ]
     mounts: list[dict[str, Any]] = [
         {"name": "dshm", "mountPath": "/dev/shm"},
         {"name": "hf-cache", "mountPath": "/models/hf-cache"},
+        {"name": "home", "mountPath": ENGINE_HOME},
+        {"name": "tmp", "mountPath": "/tmp"},
     ]
     src = spec.source
     if src.kind == "pvc":
         volumes.append({"name": "model", "persistentVolumeClaim": {"claimName": src.claim, "readOnly": True}})
         mounts.append({"name": "model", "mountPath": f"{config.model_cache_path}/{src.claim}", "readOnly": True})
     elif src.kind == "file":
-        check_node_path(src, config.node_cache_roots)  # never a hostPath outside the node cache
+        check_node_path(src, config.node_cache_roots, config.tenant_pod_security)  # never one PodSecurity refuses
         volumes.append({"name": "model", "hostPath": {"path": src.path, "type": ""}})
         mounts.append({"name": "model", "mountPath": src.path, "readOnly": True})
     if spec.api_key_secret:
@@ -133,6 +147,7 @@ def build_pod_template(
             "allowPrivilegeEscalation": False,
             "privileged": False,
             "runAsNonRoot": True,
+            "readOnlyRootFilesystem": True,
             "capabilities": {"drop": ["ALL"]},
         },
         **_probes(config),
@@ -144,7 +159,7 @@ def build_pod_template(
         "tolerations": tols,
         "automountServiceAccountToken": False,
         "enableServiceLinks": False,
-        "terminationGracePeriodSeconds": 60,
+        "terminationGracePeriodSeconds": termination_grace_seconds(engine_grace_seconds(spec.extra_args, spec.env)),
         "securityContext": {
             "runAsNonRoot": True,
             "runAsUser": config.run_as_user,

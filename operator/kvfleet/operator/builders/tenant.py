@@ -13,6 +13,7 @@ from ..constants import (
     LABEL_TENANT,
     MANAGED_BY_VALUE,
     MDEP_PLURAL,
+    POD_SECURITY_LABEL_PREFIX,
 )
 from ..spec import FlavorQuota, TenantSpec
 from .meta import owner_reference
@@ -30,13 +31,24 @@ def local_queue_name(tenant_name: str) -> str:
     return tenant_name
 
 
-def build_namespace(tenant_name: str, namespace: str) -> dict[str, Any]:
-    """The namespace with the tenant label (the ClusterQueue and NetworkPolicy select on it).
+def pod_security_labels(level: str) -> dict[str, str]:
+    """PodSecurity admission enforces `level` on the namespace's pods (and warns and audits at it); "" sets none."""
+    if not level:
+        return {}
+    labels = {f"{POD_SECURITY_LABEL_PREFIX}{mode}": level for mode in ("enforce", "warn", "audit")}
+    return {**labels, **{f"{POD_SECURITY_LABEL_PREFIX}{mode}-version": "latest" for mode in ("enforce", "warn",
+                                                                                           "audit")}}
+
+
+def build_namespace(tenant_name: str, namespace: str, pod_security: str = "restricted") -> dict[str, Any]:
+    """The namespace with the tenant label (the ClusterQueue and NetworkPolicy select on it) and the Pod Security
+    Standard its pods must meet.
 
     No owner reference: deleting a Tenant must not delete its teams' namespaces and data.
     """
     return {"apiVersion": "v1", "kind": "Namespace",
-            "metadata": {"name": namespace, "labels": tenant_labels(tenant_name)}}
+            "metadata": {"name": namespace, "labels": {**tenant_labels(tenant_name),
+                                                       **pod_security_labels(pod_security)}}}
 
 
 def _flavor_quotas(q: FlavorQuota) -> dict[str, Any]:

@@ -1,0 +1,74 @@
+"""The demo's gateway act: one OpenAI endpoint for every tenant, the key deciding what it reaches.
+
+Keys are Secrets in the gateway's namespace (kvfleet-system) that the sample Tenants name
+(`spec.gateway.apiKeySecrets`); the gateway runs as a local process against the cluster (loopback only), as the
+operator does. team-a's key gets a chat answered by a pod of team-a's ModelDeployment; team-b's key is refused it.
+"""
+from __future__ import annotations
+
+import json
+import secrets
+from pathlib import Path
+from typing import Any, Callable
+
+import httpx
+import openai
+from openai import OpenAI
+
+from kvfleet.gateway.testing import GatewayProcess
+from kvfleet.operator.testing import wait_for
+
+KEYS_NAMESPACE = "kvfleet-system"
+
+
+def create_keys(kubectl: Callable[..., str], note: Callable[..., None]) -> dict[str, str]:
+    keys = {}
+    for tenant in ("team-a", "team-b"):
+        keys[tenant] = f"sk-{tenant}-{secrets.token_hex(16)}"
+        manifest = kubectl("create", "secret", "generic", f"{tenant}-keys", "--namespace", KEYS_NAMESPACE,
+                           f"--from-literal=key1={keys[tenant]}", "--dry-run=client", "-o", "json")
+        kubectl("apply", "-f", "-", stdin=manifest)
+        note(f"kubectl -n {KEYS_NAMESPACE} create secret generic {tenant}-keys --from-literal=key1=sk-{tenant}-...  "
+             f"(named by Tenant {tenant}: spec.gateway.apiKeySecrets)")
+    return keys
+
+
+def gateway_act(kubeconfig: str, logs: Path, kubectl: Callable[..., str], say: Callable[[str], None],
+                note: Callable[..., Any], green: str, yellow: str, dim: str) -> None:
+    say("The gateway: one OpenAI endpoint for every tenant; the API key names the tenant")
+    keys = create_keys(kubectl, note)
+    gateway = GatewayProcess(logs / "gateway-demo.log", kubeconfig=kubeconfig,
+                             args=["--keys-namespace", KEYS_NAMESPACE]).start()
+    try:
+        note(f"kvfleet gateway --keys-namespace {KEYS_NAMESPACE}  ->  {gateway.url}/v1  "
+             f"(log: {gateway.log_path})", dim)
+        wait_for("the gateway sees team-a's replicas", lambda: gateway.metric(
+            "kvfleet_gateway_ready_replicas", namespace="team-a", model="smollm2") >= 1, timeout=60)
+        http = httpx.Client(trust_env=False)
+        team_a = OpenAI(base_url=gateway.url + "/v1", api_key=keys["team-a"], http_client=http, max_retries=0)
+        team_b = OpenAI(base_url=gateway.url + "/v1", api_key=keys["team-b"], http_client=http, max_retries=0)
+        note(f"team-a's key sees: {', '.join(m.id for m in team_a.models.list().data)}")
+        note(f"team-b's key sees: {', '.join(m.id for m in team_b.models.list().data)}")
+        question = "In one sentence, what is a GPU?"
+        note(f"team-a asks smollm2: {question}")
+        raw = team_a.chat.completions.with_raw_response.create(
+            model="smollm2", messages=[{"role": "user", "content": question}], max_tokens=48, temperature=0)
+        reply = raw.parse()
+        note(f"assistant: {(reply.choices[0].message.content or '').strip()}", green)
+        note(f"answered by pod {raw.headers.get('x-kvfleet-replica')} (team-a's ModelDeployment chat); usage "
+             f"{json.dumps(reply.usage.model_dump() if reply.usage else {})}", dim)
+        try:
+            team_b.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": question}],
+                                           max_tokens=8)
+            raise RuntimeError("team-b's key reached team-a's model")
+        except openai.NotFoundError as err:
+            note(f"team-b asks smollm2: {err.status_code} {err.body.get('message')}", yellow)
+        try:
+            OpenAI(base_url=gateway.url + "/v1", api_key="sk-not-a-key-000000000000", http_client=http,
+                   max_retries=0).models.list()
+        except openai.AuthenticationError as err:
+            note(f"a wrong key: {err.status_code} {err.body.get('message')}", yellow)
+        tokens = gateway.metric("kvfleet_gateway_completion_tokens_total", tenant="team-a")
+        note(f"kvfleet_gateway_completion_tokens_total{{tenant=\"team-a\"}} = {tokens:.0f} (chargeback)", dim)
+    finally:
+        gateway.stop()

@@ -1,0 +1,64 @@
+"""The snapshot from the API server, kept current by watches (I/O at the edge, `cluster_view` decides).
+
+Four list+watch streams: Tenants, ModelDeployments (all namespaces), engine Pods (all namespaces,
+labelled with their ModelDeployment) and Secrets of the key namespace only. Each change marks the
+snapshot dirty; one task rebuilds it after a short pause, so a burst of pod updates is one rebuild.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Callable
+
+from kvfleet.gateway.cluster_view import build_snapshot
+from kvfleet.gateway.kube import Informer, KubeClient
+from kvfleet.gateway.replicas import LABEL_MDEP
+from kvfleet.gateway.snapshot import Snapshot
+
+log = logging.getLogger("kvfleet.gateway.discovery")
+
+API = "/apis/serving.kvfleet.dev/v1alpha1"
+
+
+class KubeSource:
+    def __init__(self, client: KubeClient, keys_namespace: str, on_snapshot: Callable[[Snapshot], None],
+                 debounce_s: float = 0.05) -> None:
+        self.client = client
+        self.keys_namespace = keys_namespace
+        self.on_snapshot = on_snapshot
+        self.debounce_s = debounce_s
+        self.snapshot = Snapshot()
+        self._dirty = asyncio.Event()
+        self._problems: tuple[str, ...] = ()
+        mark = self._dirty.set
+        self.tenants = Informer(client, f"{API}/tenants", mark)
+        self.mdeps = Informer(client, f"{API}/modeldeployments", mark)
+        self.pods = Informer(client, "/api/v1/pods", mark, {"labelSelector": LABEL_MDEP})
+        self.secrets = Informer(client, f"/api/v1/namespaces/{keys_namespace}/secrets", mark)
+        self._informers = (self.tenants, self.mdeps, self.pods, self.secrets)
+
+    @property
+    def synced(self) -> bool:
+        return all(i.synced.is_set() for i in self._informers)
+
+    async def run(self) -> None:
+        await asyncio.gather(*(i.run() for i in self._informers), self._rebuild_loop())
+
+    async def close(self) -> None:
+        await self.client.close()
+
+    async def _rebuild_loop(self) -> None:
+        while True:
+            await self._dirty.wait()
+            await asyncio.sleep(self.debounce_s)
+            self._dirty.clear()
+            if not self.synced:
+                continue
+            snap = build_snapshot(self.tenants.items.values(), self.mdeps.items.values(), self.pods.items.values(),
+                                  self.secrets.items.values(), self.keys_namespace)
+            for problem in sorted(set(snap.problems) - set(self._problems)):
+                log.warning("api keys: %s", problem)
+            self._problems = snap.problems
+            self.snapshot = snap
+            self.on_snapshot(snap)

@@ -1,0 +1,96 @@
+"""What the gateway knows of each replica's load and health (state, no I/O).
+
+- `inflight`: this gateway's requests there now (exact, live).
+- the engine's last scrape: waiting, running, KV-cache use, and this gateway's in-flight count at that
+  moment, so `others` = what the engine had beyond our own requests.
+- `draining`: it answered 503 (its engine shuts down): no new requests for as long as it lives.
+- `ejected_until`: it failed to answer (connect error, died): skipped for a short while.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable, Iterable
+
+from kvfleet.gateway.routing import ReplicaLoad
+
+
+@dataclass(frozen=True)
+class EngineLoad:
+    """What one scrape of an engine's /metrics says."""
+
+    waiting: float
+    running: float
+    kv_usage: float | None = None
+
+
+@dataclass
+class ReplicaHealth:
+    inflight: int = 0
+    scraped: EngineLoad | None = None
+    inflight_at_scrape: int = 0
+    draining: bool = False
+    ejected_until: float = 0.0
+
+
+class LoadBoard:
+    def __init__(self, eject_seconds: float = 5.0, clock: Callable[[], float] = time.monotonic) -> None:
+        self.eject_seconds = eject_seconds
+        self.clock = clock
+        self._replicas: dict[str, ReplicaHealth] = {}
+
+    def _get(self, name: str) -> ReplicaHealth:
+        state = self._replicas.get(name)
+        if state is None:
+            state = self._replicas[name] = ReplicaHealth()
+        return state
+
+    def started(self, name: str) -> None:
+        self._get(name).inflight += 1
+
+    def finished(self, name: str) -> None:
+        state = self._get(name)
+        state.inflight = max(0, state.inflight - 1)
+
+    def scraped(self, name: str, load: EngineLoad, inflight_when_asked: int | None = None) -> None:
+        """`load` read from the engine; `inflight_when_asked`: ours when the scrape was sent. The engine counted
+        its requests in between: of ours, the larger count, so a request that ended meanwhile is no phantom."""
+        state = self._get(name)
+        state.scraped = load
+        state.inflight_at_scrape = max(state.inflight, inflight_when_asked or 0)
+        state.ejected_until = 0.0  # it answers again
+
+    def scrape_failed(self, name: str) -> None:
+        self._get(name).scraped = None
+
+    def mark_draining(self, name: str) -> None:
+        self._get(name).draining = True
+
+    def eject(self, name: str) -> None:
+        self._get(name).ejected_until = self.clock() + self.eject_seconds
+
+    def usable(self, name: str) -> bool:
+        state = self._replicas.get(name)
+        return state is None or (not state.draining and state.ejected_until <= self.clock())
+
+    def inflight(self, name: str) -> int:
+        state = self._replicas.get(name)
+        return state.inflight if state else 0
+
+    def view(self, name: str) -> ReplicaLoad:
+        state = self._replicas.get(name)
+        if state is None:
+            return ReplicaLoad(name)
+        others = 0.0
+        kv = None
+        if state.scraped is not None:
+            others = max(0.0, state.scraped.waiting + state.scraped.running - state.inflight_at_scrape)
+            kv = state.scraped.kv_usage
+        return ReplicaLoad(name, state.inflight, others, kv)
+
+    def keep_only(self, names: Iterable[str]) -> None:
+        """Forget replicas that are gone; those with requests in flight stay until they finish."""
+        live = set(names)
+        for name in [n for n, s in self._replicas.items() if n not in live and s.inflight == 0]:
+            del self._replicas[name]

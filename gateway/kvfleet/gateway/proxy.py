@@ -1,0 +1,248 @@
+"""Forwarding one request to a replica, and its answer back (I/O).
+
+- Nothing goes to the client before the replica's first body byte, so a replica that fails before it
+  (refused connection, died, 5xx, 503 while draining) is retried once on another; a draining one gets no
+  new requests, one that does not answer is skipped for a few seconds.
+- A stream passes through event by event as it arrives (`sse.StreamTap`), never buffered whole.
+- The client leaving cancels the handler: the upstream connection is closed, so the engine aborts the
+  request and frees its KV blocks.
+- A replica dying mid-stream ends the client's stream with an error event and `[DONE]`, not a hang; a
+  replica silent for `read_timeout` counts as dead.
+- The client's API key never goes upstream; the answer says which replica served it (`X-Kvfleet-Replica`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import aiohttp
+from aiohttp import web
+
+from kvfleet.engine.server.error_shapes import error_body
+from kvfleet.gateway.catalog import ModelRef
+from kvfleet.gateway.dispatch import Dispatcher, Lease, NoReplica, RouteRequest
+from kvfleet.gateway.load import LoadBoard
+from kvfleet.gateway.metrics import GatewayMetrics, ModelSeries
+from kvfleet.gateway.requests import ClientRequest
+from kvfleet.gateway.snapshot import Snapshot
+from kvfleet.gateway.sse import StreamTap, Usage
+
+log = logging.getLogger("kvfleet.gateway")
+
+RETRY_STATUSES = (500, 502, 503, 504)
+UPSTREAM_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError, OSError)
+PASS_HEADERS = ("Content-Type", "Retry-After", "X-Request-Id")
+REPLICA_HEADER = "X-Kvfleet-Replica"  # which replica answered (`namespace/pod`): the tenant's own pod, for debugging
+
+
+@dataclass(frozen=True)
+class ProxyConfig:
+    connect_timeout: float = 5.0
+    read_timeout: float = 600.0  # the longest a replica may stay silent (a non-streamed answer is one silence)
+    retries: int = 1
+
+
+def json_error(status: int, message: str, code: str, param: str | None = None,
+               headers: dict[str, str] | None = None) -> web.Response:
+    body = json.dumps(error_body(status, message, param, code), ensure_ascii=True, separators=(",", ":"))
+    return web.Response(status=status, text=body, content_type="application/json", headers=headers)
+
+
+def sse_error(message: str, code: str) -> bytes:
+    body = {"error": {"message": message, "type": "server_error", "param": None, "code": code}}
+    return b"data: " + json.dumps(body).encode() + b"\n\ndata: [DONE]\n\n"
+
+
+@dataclass(frozen=True)
+class _Failed:
+    """A replica's failure before the first byte: what to answer if no retry succeeds."""
+
+    status: int
+    message: str
+    code: str
+    body: bytes | None = None
+    headers: dict[str, str] | None = None
+
+
+class Proxy:
+    def __init__(self, dispatcher: Dispatcher, board: LoadBoard, metrics: GatewayMetrics, cfg: ProxyConfig,
+                 allow_host: Callable[[str], bool]) -> None:
+        self.dispatcher = dispatcher
+        self.board = board
+        self.metrics = metrics
+        self.cfg = cfg
+        self.allow_host = allow_host
+        self.session: aiohttp.ClientSession | None = None
+
+    async def start(self) -> None:
+        # no pool limit (the dispatch step is where admission belongs); trust_env off: never an env proxy
+        connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=30)
+        timeout = aiohttp.ClientTimeout(total=None, connect=self.cfg.connect_timeout,
+                                        sock_read=self.cfg.read_timeout)
+        self.session = aiohttp.ClientSession(connector=connector, timeout=timeout, auto_decompress=False,
+                                             skip_auto_headers=("User-Agent",), trust_env=False)
+
+    async def close(self) -> None:
+        if self.session is not None:
+            await self.session.close()
+
+    async def forward(self, request: web.Request, snapshot: Snapshot, tenant: str, model: ModelRef,
+                      req: ClientRequest, body: bytes, hashes: tuple[int, ...]) -> web.StreamResponse:
+        series = self.metrics.series(tenant, model.namespace, model.served_name)
+        tried: set[str] = set()
+        failed: _Failed | None = None
+        for attempt in range(1 + self.cfg.retries):
+            try:
+                lease = await self.dispatcher.acquire(snapshot, RouteRequest(tenant, model, hashes, frozenset(tried)))
+            except NoReplica as exc:
+                if failed is None:
+                    series.failed("no_replica")
+                    series.answered(503)
+                    return json_error(503, str(exc), "no_replica", "model", {"Retry-After": "5"})
+                break
+            if attempt:
+                series.retried(failed.code if failed else "")
+            series.routed(lease.choice.rule)
+            series.inflight.inc()
+            try:
+                outcome = await self._attempt(request, lease, req, body, series)
+            finally:
+                series.inflight.dec()
+                lease.release()
+            if isinstance(outcome, _Failed):
+                tried.add(lease.replica.name)
+                failed = outcome
+                continue
+            return outcome
+        assert failed is not None
+        series.answered(failed.status)
+        series.failed("upstream_unavailable" if failed.body is None else "upstream_error")
+        if failed.body is not None:
+            return web.Response(status=failed.status, body=failed.body, headers=failed.headers)
+        return json_error(failed.status, failed.message, failed.code)
+
+    async def _attempt(self, request: web.Request, lease: Lease, req: ClientRequest, body: bytes,
+                       series: ModelSeries) -> web.StreamResponse | _Failed:
+        replica = lease.replica
+        assert self.session is not None
+        if not self.allow_host(replica.host):  # the dispatcher filters these; never send one anyway
+            return _Failed(502, "replica address not allowed", "upstream_unavailable")
+        headers = {"Content-Type": "application/json"}
+        if "X-Request-Id" in request.headers:
+            headers["X-Request-Id"] = request.headers["X-Request-Id"]
+        start = time.perf_counter()
+        resp: aiohttp.ClientResponse | None = None
+        try:
+            try:  # up to the first byte: a failure here is the replica's, and may be retried elsewhere
+                resp = await self.session.post(replica.url + req.path, data=body, headers=headers)
+                if resp.status in RETRY_STATUSES:
+                    return await self._refused(replica.name, resp)
+                streaming = req.stream and resp.status == 200
+                data = await (resp.content.readany() if streaming else resp.read())
+                if streaming and not data:
+                    raise aiohttp.ServerDisconnectedError("closed before the first byte")
+            except asyncio.CancelledError:  # the client left while the replica worked: closing aborts it there
+                series.failed("client_disconnected")
+                raise
+            except UPSTREAM_ERRORS as exc:
+                self.board.eject(replica.name)
+                log.warning("replica failed before the first byte",
+                            extra={"replica": replica.name, "error": exc.__class__.__name__})
+                return _Failed(502, f"The replica {replica.name} did not answer ({exc.__class__.__name__}).",
+                               "upstream_unavailable")
+            series.first_byte.observe(time.perf_counter() - start)
+            if streaming:
+                out: web.StreamResponse = await self._stream(request, resp, data, req, replica.name, series)
+            else:
+                out = self._reply(resp, data, replica.name, series)
+            series.upstream_latency.observe(time.perf_counter() - start)
+            return out
+        finally:
+            if resp is not None:
+                resp.close()  # a finished body leaves the connection in the pool; anything else closes it
+
+    async def _refused(self, name: str, resp: aiohttp.ClientResponse) -> _Failed:
+        data = await resp.read()
+        code = ""
+        try:
+            code = str((json.loads(data).get("error") or {}).get("code") or "")
+        except (ValueError, AttributeError):
+            pass
+        if resp.status == 503 and code == "draining":
+            self.board.mark_draining(name)
+        else:
+            self.board.eject(name)
+        headers = {k: resp.headers[k] for k in PASS_HEADERS if k in resp.headers}
+        return _Failed(resp.status, f"replica {name} answered {resp.status}", code or "upstream_error", data, headers)
+
+    def _reply(self, resp: aiohttp.ClientResponse, data: bytes, replica: str, series: ModelSeries) -> web.Response:
+        headers = {k: resp.headers[k] for k in PASS_HEADERS if k in resp.headers}
+        headers[REPLICA_HEADER] = replica
+        status = resp.status
+        if status in (401, 403):  # the engine wants its own key (apiKeySecretRef): not the client's fault
+            series.answered(502)
+            series.failed("upstream_error")
+            return json_error(502, f"The replica {replica} refused the gateway: its ModelDeployment sets "
+                                   "spec.apiKeySecretRef, and the gateway does not send engines' keys.",
+                              "upstream_auth_required")
+        series.answered(status)
+        if status == 200:
+            usage = _usage_of(data)
+            if usage is not None:
+                series.usage(usage.prompt_tokens, usage.completion_tokens)
+        else:
+            series.failed("invalid_request" if status == 400 else "upstream_error")
+        return web.Response(status=status, body=data, headers=headers)
+
+    async def _stream(self, request: web.Request, resp: aiohttp.ClientResponse, first: bytes, req: ClientRequest,
+                      replica: str, series: ModelSeries) -> web.StreamResponse:
+        tap = StreamTap(strip_usage=not req.wants_usage)
+        out = web.StreamResponse(status=200, headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                                      "X-Accel-Buffering": "no", REPLICA_HEADER: replica})
+        series.answered(200)
+        outcome = "client_disconnected"  # until the loop ends by itself: a client gone raises out of `write`
+        try:
+            await out.prepare(request)
+            data = first
+            while data:
+                piece = tap.feed(data)
+                if piece:
+                    await out.write(piece)
+                try:
+                    data = await resp.content.readany()
+                except UPSTREAM_ERRORS:
+                    break
+            outcome = "ok" if tap.done else "upstream_disconnected"
+            if outcome != "ok":  # died, or closed without [DONE]: say so in-band, then end the stream
+                self.board.eject(replica)
+                log.warning("replica failed mid-stream", extra={"replica": replica})
+                rest = tap.flush()
+                await out.write((rest + b"\n\n" if rest.strip() else b"") + sse_error(
+                    "The replica serving this stream failed before it ended; the answer is incomplete.",
+                    "upstream_disconnected"))
+            await out.write_eof()
+        finally:
+            if outcome == "client_disconnected" and tap.done:
+                outcome = "ok"  # it left after [DONE] (clients close at once): the answer was whole
+            if outcome != "ok":
+                series.failed(outcome)
+            elif tap.error is not None:
+                series.failed("stream_error")
+            usage = tap.final_usage()
+            series.usage(usage.prompt_tokens, usage.completion_tokens)
+        return out
+
+
+def _usage_of(data: bytes) -> Usage | None:
+    try:
+        usage: Any = json.loads(data).get("usage")
+    except (ValueError, AttributeError):
+        return None
+    if not isinstance(usage, dict):
+        return None
+    return Usage(int(usage.get("prompt_tokens") or 0), int(usage.get("completion_tokens") or 0))

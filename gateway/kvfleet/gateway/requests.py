@@ -1,0 +1,78 @@
+"""A request body, checked with the engine's own shapes before any upstream call (pure).
+
+The gateway validates with the engine's pydantic models (`kvfleet.engine.server.protocol`) and
+answers with its error shapes (`error_shapes`), so a client sees the same 400 naming the field
+whether the gateway or an engine refused it. What needs the model (prompt length against the
+context, token ids against the vocabulary) is the engine's to check; its 400 passes through.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any, Union
+
+from pydantic import ValidationError
+
+from kvfleet.engine.server.error_shapes import APIError, describe_validation_errors
+from kvfleet.engine.server.protocol import ChatCompletionRequest, CompletionRequest
+
+Parsed = Union[ChatCompletionRequest, CompletionRequest]
+ROUTES: dict[str, type[ChatCompletionRequest] | type[CompletionRequest]] = {
+    "/v1/chat/completions": ChatCompletionRequest,
+    "/v1/completions": CompletionRequest,
+}
+
+
+@dataclass(frozen=True)
+class ClientRequest:
+    path: str
+    body: dict[str, Any]  # as the client sent it
+    parsed: Parsed
+    model: str
+
+    @property
+    def stream(self) -> bool:
+        return self.parsed.stream
+
+    @property
+    def wants_usage(self) -> bool:
+        """Whether the client asked for the final usage chunk of a stream."""
+        opts = self.parsed.stream_options
+        return bool(opts and opts.include_usage)
+
+
+def parse_request(path: str, raw: bytes) -> ClientRequest:
+    """The body of a POST to `path` (one of ROUTES), or APIError(400)."""
+    if not raw.strip():
+        raise APIError(400, "Request body is required (a JSON object)", code="missing_body")
+    try:
+        body = json.loads(raw)
+    except UnicodeDecodeError:
+        raise APIError(400, "Malformed request body (not UTF-8): send UTF-8 JSON", code="invalid_json") from None
+    except json.JSONDecodeError as exc:
+        raise APIError(400, f"Malformed JSON body: {exc.msg} at line {exc.lineno} column {exc.colno}",
+                       code="invalid_json") from None
+    try:
+        parsed = ROUTES[path].model_validate(body)
+    except ValidationError as exc:
+        message, param, code = describe_validation_errors(exc.errors())
+        raise APIError(400, message, param, code) from None
+    if not parsed.model:
+        raise APIError(400, "Missing required field 'model' (the gateway serves several models: "
+                            "GET /v1/models lists yours)", "model", "missing_field")
+    return ClientRequest(path, body, parsed, parsed.model)
+
+
+def upstream_body(req: ClientRequest, served_name: str, raw: bytes) -> bytes:
+    """What the replica gets: the client's body, with the engine's model name, and for a stream the final
+    usage chunk asked for (the token counts behind chargeback; dropped again if the client did not ask)."""
+    rename = req.model != served_name
+    add_usage = req.stream and not req.wants_usage
+    if not rename and not add_usage:
+        return raw
+    body = dict(req.body)
+    body["model"] = served_name
+    if add_usage:
+        body["stream_options"] = {**(body.get("stream_options") or {}), "include_usage": True}
+    return json.dumps(body, ensure_ascii=True, separators=(",", ":")).encode()

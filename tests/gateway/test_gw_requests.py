@@ -1,0 +1,56 @@
+"""Bodies checked with the engine's shapes before any upstream call; the upstream body."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvfleet.engine.server.error_shapes import APIError
+from kvfleet.gateway.requests import parse_request, upstream_body
+
+CHAT = "/v1/chat/completions"
+
+
+def refused(path: str, raw: bytes) -> APIError:
+    with pytest.raises(APIError) as info:
+        parse_request(path, raw)
+    assert info.value.status == 400
+    return info.value
+
+
+def test_errors_name_the_field_like_the_engine() -> None:
+    err = refused(CHAT, b'{"model": "m", "messages": [], "temperature": 3}')
+    assert (err.param, err.code) == ("messages", "invalid_value")
+    err = refused(CHAT, b'{"model": "m", "messages": [{"role": "user", "content": "x"}], "temprature": 1}')
+    assert (err.param, err.code, err.message) == ("temprature", "unknown_field", "Unknown field 'temprature'")
+    err = refused("/v1/completions", b'{"model": "m", "prompt": "x", "max_tokens": "5"}')
+    assert err.param == "max_tokens"
+    err = refused(CHAT, b'{"model": "m", "messages": [{"role": "user", "content": "x"}], "stream_options": {}}')
+    assert err.param == "stream_options"
+
+
+def test_body_problems() -> None:
+    assert refused(CHAT, b"").code == "missing_body"
+    assert refused(CHAT, b"{not json").code == "invalid_json"
+    assert refused(CHAT, b"\xff\xfe{}").code == "invalid_json"
+    assert refused(CHAT, b"[1, 2]").message == "The request body must be a JSON object (Content-Type: application/json)"
+    err = refused(CHAT, b'{"messages": [{"role": "user", "content": "x"}]}')
+    assert (err.param, err.code) == ("model", "missing_field")
+    assert refused(CHAT, b'{"model": "m", "messages": [{"role": "user", "content": "\\ud800"}]}').param == "messages"
+
+
+def test_upstream_body_renames_and_asks_a_stream_for_usage() -> None:
+    raw = b'{"model": "team-a/chat", "messages": [{"role": "user", "content": "x"}], "stream": true}'
+    req = parse_request(CHAT, raw)
+    assert req.stream and not req.wants_usage
+    body = json.loads(upstream_body(req, "smollm2", raw))
+    assert body["model"] == "smollm2" and body["stream_options"] == {"include_usage": True}
+
+
+def test_upstream_body_is_the_clients_when_nothing_changes() -> None:
+    raw = b'{"model": "m", "prompt": "x", "stream": true, "stream_options": {"include_usage": true}}'
+    req = parse_request("/v1/completions", raw)
+    assert req.wants_usage and upstream_body(req, "m", raw) is raw
+    raw = b'{"model": "m", "prompt": "x"}'
+    assert upstream_body(parse_request("/v1/completions", raw), "m", raw) is raw
