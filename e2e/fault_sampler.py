@@ -188,8 +188,8 @@ def convergence_problems(expect: Expect, mdep: Mapping[str, Any] | None, workloa
                          deployments: Sequence[Mapping[str, Any]], replicasets: Sequence[Mapping[str, Any]],
                          pods: Sequence[Mapping[str, Any]]) -> list[str]:
     """What still differs from `expect` (empty: converged): the status, one workload per ordinal below desired,
-    Deployments asking for exactly the admitted replicas, and every pod owned by a live ReplicaSet of a live
-    Deployment (no orphan), as many as admitted, all Ready."""
+    one Deployment (owned by the ModelDeployment) asking for exactly the admitted replicas, and every pod owned by a
+    live ReplicaSet of a live Deployment (no orphan), as many as admitted, all Ready."""
     problems = []
     if mdep is None:
         return ["the ModelDeployment is gone"]
@@ -208,6 +208,11 @@ def convergence_problems(expect: Expect, mdep: Mapping[str, Any] | None, workloa
         problems.append(f"workloads {names}, want {want}")
     if sum(1 for w in live if is_admitted(w)) != expect.admitted:
         problems.append(f"{sum(1 for w in live if is_admitted(w))} workloads admitted, want {expect.admitted}")
+    # One flavor and one workload shape: one Deployment, owned by the live ModelDeployment (none left over).
+    mdep_uid = mdep["metadata"].get("uid")
+    if len(deployments) != 1 or not all(
+            any(o.get("uid") == mdep_uid for o in d["metadata"].get("ownerReferences") or ()) for d in deployments):
+        problems.append(f"Deployments {[d['metadata']['name'] for d in deployments]}, want one owned by {name}")
     asked = sum(int((d.get("spec") or {}).get("replicas") or 0) for d in deployments)
     if asked != expect.admitted:
         problems.append(f"Deployments ask for {asked} pods, want {expect.admitted}")
