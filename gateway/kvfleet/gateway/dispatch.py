@@ -136,7 +136,8 @@ class GatewayDispatcher:
     def __init__(self, board: LoadBoard, cfg: RoutingConfig, index_capacity: int = 16384,
                  allow_host: Callable[[str], bool] = lambda host: True, dispatch: DispatchConfig = DispatchConfig(),
                  metrics: GatewayMetrics | None = None, ledger: UsageLedger | None = None,
-                 peers: PeerView | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+                 peers: PeerView | None = None, clock: Callable[[], float] = time.monotonic,
+                 on_demand: Callable[[str, str, int], None] = lambda namespace, deployment, waiting: None) -> None:
         self.board = board
         self.cfg = cfg
         self.index_capacity = index_capacity
@@ -146,6 +147,7 @@ class GatewayDispatcher:
         self.clock = clock
         self.ledger = ledger or UsageLedger(clock)
         self.peers = peers or PeerView(clock=clock)
+        self.on_demand = on_demand  # (namespace, ModelDeployment, requests waiting): the autoscaler's signal
         self._lines: dict[str, _ModelLine] = {}
         self._snapshot = Snapshot()
 
@@ -380,6 +382,7 @@ class GatewayDispatcher:
     def _queue_changed(self, line: _ModelLine, tenant: str) -> None:
         self._series(line, tenant).queued.set(line.queue.depth(tenant))
         self.metrics.model_waiting.labels(line.model.namespace, line.model.deployment).set(len(line.queue))
+        self.on_demand(line.model.namespace, line.model.deployment, len(line.queue))
 
     def waiting(self) -> dict[str, int]:
         """Requests waiting per model key (tests, logs)."""

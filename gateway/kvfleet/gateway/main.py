@@ -19,6 +19,7 @@ from aiohttp import web
 from kvfleet.engine.server.logging_setup import setup_logging
 from kvfleet.gateway.app import GatewayApp, GatewayState, Source
 from kvfleet.gateway.config import GatewayConfig, parse_config
+from kvfleet.gateway.demand import DemandWriter
 from kvfleet.gateway.dispatch import GatewayDispatcher
 from kvfleet.gateway.limits import UsageLedger
 from kvfleet.gateway.load import LoadBoard
@@ -41,9 +42,11 @@ class Gateway:
         self.metrics = GatewayMetrics()
         self.board = LoadBoard(eject_seconds=cfg.eject_seconds)
         self.ledger = UsageLedger()
+        self.demand: DemandWriter | None = None
         self.peer_view = PeerView(stale_after=max(2.0, 4 * cfg.peer_sync_interval))
         self.dispatcher = GatewayDispatcher(self.board, cfg.routing, cfg.prefix_index_blocks, self.allow_host,
-                                            cfg.dispatch, self.metrics, self.ledger, self.peer_view)
+                                            cfg.dispatch, self.metrics, self.ledger, self.peer_view,
+                                            on_demand=self._demand)
         self.proxy = Proxy(self.dispatcher, self.board, self.metrics, cfg.proxy, self.allow_host)
         self.source = self._source()
         self.state = GatewayState(self.source, self.proxy, self.metrics, cfg.prefix, cfg.max_request_bytes,
@@ -66,8 +69,13 @@ class Gateway:
 
         peers = PeerWatch(self.cfg.namespace, self.cfg.peer_selector, self.cfg.pod_name) \
             if self.cfg.peer_selector else None
-        return KubeSource(KubeClient(load_auth(self.cfg.kubeconfig)), self.cfg.keys_namespace, self.on_snapshot,
-                          peers=peers)
+        client = KubeClient(load_auth(self.cfg.kubeconfig))
+        self.demand = DemandWriter(client)
+        return KubeSource(client, self.cfg.keys_namespace, self.on_snapshot, peers=peers)
+
+    def _demand(self, namespace: str, deployment: str, waiting: int) -> None:
+        if self.demand is not None:
+            self.demand.note(namespace, deployment, waiting)
 
     def _peers(self) -> list[str]:
         return sorted(set(self.cfg.peers) | set(self.source.snapshot.peers))
@@ -99,6 +107,8 @@ class Gateway:
         self._tasks = [asyncio.create_task(self.source.run(), name="source"),
                        asyncio.create_task(self.scraper.run(), name="scraper"),
                        asyncio.create_task(self.peer_sync.run(), name="peers")]
+        if self.demand is not None:
+            self._tasks.append(asyncio.create_task(self.demand.run(), name="demand"))
         log.info("gateway listening", extra={"host": self.cfg.host, "port": self.cfg.port,
                                              "routing": self.cfg.routing.policy,
                                              "source": self.cfg.static_config or "cluster",
