@@ -21,7 +21,7 @@ from kvfleet.gateway.app import GatewayApp, GatewayState, Source
 from kvfleet.gateway.config import GatewayConfig, parse_config
 from kvfleet.gateway.demand import DemandWriter
 from kvfleet.gateway.dispatch import GatewayDispatcher
-from kvfleet.gateway.limits import UsageLedger
+from kvfleet.gateway.limits import WINDOW_S, UsageLedger
 from kvfleet.gateway.load import LoadBoard
 from kvfleet.gateway.metrics import GatewayMetrics
 from kvfleet.gateway.peers import PeerSync, PeerView
@@ -120,10 +120,20 @@ class Gateway:
         return web.Response(body=self.metrics.render(), content_type="text/plain", charset="utf-8",
                             headers={"X-Content-Type-Options": "nosniff"})
 
-    async def _usage(self, _: web.Request) -> web.Response:
-        """This replica's usage per tenant, for the other replicas' limits (peers.py); on the metrics port."""
-        report = {tenant: usage.as_json() for tenant, usage in self.ledger.report().items()}
-        return web.json_response({"tenants": report})
+    async def _usage(self, request: web.Request) -> web.Response:
+        """This replica's usage per tenant, for the other replicas' limits (peers.py); on the metrics port.
+        `?view=all`: what this replica counts against each tenant's limits (its own usage plus its peers')."""
+        report = self.ledger.report()
+        if request.query.get("view") != "all":
+            return web.json_response({"tenants": {t: u.as_json() for t, u in report.items()}})
+        tenants = set(report) | {t for t in self.source.snapshot.policies}
+        out = {}
+        for tenant in sorted(tenants):
+            usages = [self.ledger.usage(tenant), *self.peer_view.usages(tenant)]
+            out[tenant] = {"concurrent": sum(u.concurrent for u in usages),
+                           "requests": sum(n for u in usages for age, n in u.requests if age < WINDOW_S),
+                           "tokens": sum(n for u in usages for age, n in u.tokens if age < WINDOW_S)}
+        return web.json_response({"tenants": out, "peers": self.peer_view.fresh()})
 
     async def stop(self) -> None:
         self.state.draining = True
