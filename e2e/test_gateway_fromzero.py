@@ -21,6 +21,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -48,25 +49,34 @@ def operator(crds: None, kubeconfig: str, cluster: Any, request: pytest.FixtureR
     proc.stop()
 
 
+@dataclass(frozen=True)
+class KeyNamespace:
+    """The gateway's key namespace; `write` puts a fresh key in a Secret there and returns it."""
+
+    name: str
+    kubectl: Callable[..., Any]
+
+    def write(self, secret_name: str) -> str:
+        key = f"{secret_name}-{uuid.uuid4().hex}"
+        secret = {"apiVersion": "v1", "kind": "Secret", "type": "Opaque",
+                  "metadata": {"name": secret_name, "namespace": self.name},
+                  "data": {"k": base64.b64encode(key.encode()).decode()}}
+        self.kubectl("apply", "-f", "-", stdin=json.dumps(secret))
+        return key
+
+
 @pytest.fixture
-def keys_ns(kube: Kube) -> Iterator[str]:
+def keys_ns(kube: Kube, kubectl: Callable[..., Any]) -> Iterator[KeyNamespace]:
     ns = f"fz-keys-{uuid.uuid4().hex[:5]}"
     kube.create({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns}})
-    yield ns
+    yield KeyNamespace(ns, kubectl)
     kube.delete("v1", "namespaces", ns)
 
 
-def write_key(kube: Kube, ns: str, name: str) -> str:
-    key = f"{name}-{uuid.uuid4().hex}"
-    kube.apply({"apiVersion": "v1", "kind": "Secret", "metadata": {"name": name, "namespace": ns}, "type": "Opaque",
-                "data": {"k": base64.b64encode(key.encode()).decode()}})
-    return key
-
-
-def start_gateway(cluster: Any, kubeconfig: str, keys_ns: str, name: str, *extra: str) -> GatewayProcess:
+def start_gateway(cluster: Any, kubeconfig: str, keys_ns: KeyNamespace, name: str, *extra: str) -> GatewayProcess:
     log = Path(cluster.logs) / f"gateway-{name}.log"
-    return GatewayProcess(log, kubeconfig=kubeconfig, args=["--keys-namespace", keys_ns, "--scrape-interval", "0.5",
-                                                            "--admission-timeout", "90", *extra]).start()
+    args = ["--keys-namespace", keys_ns.name, "--scrape-interval", "0.5", "--admission-timeout", "90", *extra]
+    return GatewayProcess(log, kubeconfig=kubeconfig, args=args).start()
 
 
 def chat(gw: GatewayProcess, key: str, model: str = "chat", timeout: float = 300, **extra: Any) -> httpx.Response:
@@ -87,8 +97,8 @@ def autoscaled(ns: str, flavor: str, **engine: Any) -> dict[str, Any]:
 
 
 def test_wakes_from_zero_and_goes_back(kube: Kube, tenants: Any, flavors: dict[str, str], cluster: Any,
-                                       kubeconfig: str, keys_ns: str) -> None:
-    key = write_key(kube, keys_ns, "fz-keys")
+                                       kubeconfig: str, keys_ns: KeyNamespace) -> None:
+    key = keys_ns.write("fz-keys")
     _, ns = tenants.create("fz-wake", [{"flavor": flavors["h200"], "nominal": 1}],
                            gateway={"apiKeySecrets": [{"name": "fz-keys"}]})
     kube.apply(autoscaled(ns, flavors["h200"]))
@@ -131,8 +141,8 @@ def test_wakes_from_zero_and_goes_back(kube: Kube, tenants: Any, flavors: dict[s
 
 
 def test_quota_refusal_from_zero(kube: Kube, tenants: Any, flavors: dict[str, str], cluster: Any, kubeconfig: str,
-                                 keys_ns: str) -> None:
-    key = write_key(kube, keys_ns, "fz-nokeys")
+                                 keys_ns: KeyNamespace) -> None:
+    key = keys_ns.write("fz-nokeys")
     _, ns = tenants.create("fz-noq", [{"flavor": flavors["h200"], "nominal": 0}],
                            gateway={"apiKeySecrets": [{"name": "fz-nokeys"}]})
     kube.apply(autoscaled(ns, flavors["h200"]))
@@ -160,8 +170,8 @@ def test_quota_refusal_from_zero(kube: Kube, tenants: Any, flavors: dict[str, st
 
 
 def test_limits_refuse_at_the_declared_numbers(kube: Kube, tenants: Any, flavors: dict[str, str], cluster: Any,
-                                               kubeconfig: str, keys_ns: str) -> None:
-    keys = {n: write_key(kube, keys_ns, f"fz-{n}") for n in ("rpm", "tpm", "conc")}
+                                               kubeconfig: str, keys_ns: KeyNamespace) -> None:
+    keys = {n: keys_ns.write(f"fz-{n}") for n in ("rpm", "tpm", "conc")}
     limits = {"rpm": {"requestsPerMinute": 3}, "tpm": {"tokensPerMinute": 40}, "conc": {"maxConcurrentRequests": 1}}
     names = {}
     quota = [{"flavor": flavors["h200"], "nominal": 1}]
@@ -218,14 +228,14 @@ def test_limits_refuse_at_the_declared_numbers(kube: Kube, tenants: Any, flavors
 
 
 def test_limits_hold_across_two_gateway_replicas(kube: Kube, tenants: Any, flavors: dict[str, str], cluster: Any,
-                                                 kubeconfig: str, keys_ns: str) -> None:
-    key = write_key(kube, keys_ns, "fz-two")
+                                                 kubeconfig: str, keys_ns: KeyNamespace) -> None:
+    key = keys_ns.write("fz-two")
     tenant, ns = tenants.create("fz-two", [{"flavor": flavors["h200"], "nominal": 1}],
                                 gateway={"apiKeySecrets": [{"name": "fz-two"}], "limits": {"requestsPerMinute": 4}})
     kube.apply(model_deployment("chat", ns, flavors["h200"], replicas=1))
     wait_for("chat ready", lambda: mdep_status(kube, ns, "chat").get("readyReplicas") == 1, timeout=300)
     one, two = (GatewayProcess(Path(cluster.logs) / f"gateway-two-{i}.log", kubeconfig=kubeconfig,
-                               args=["--keys-namespace", keys_ns, "--scrape-interval", "0.5"]) for i in (1, 2))
+                               args=["--keys-namespace", keys_ns.name, "--scrape-interval", "0.5"]) for i in (1, 2))
     one.argv += ["--peers", f"http://127.0.0.1:{two.metrics_port}"]  # each reads the other's usage
     two.argv += ["--peers", f"http://127.0.0.1:{one.metrics_port}"]
     one.start()
