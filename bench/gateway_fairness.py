@@ -1,0 +1,159 @@
+"""Fairness at the gateway: a quiet tenant's time to first token while another tenant floods the same model.
+
+One real `kvfleet serve` engine (CPU, a tiny random-weight model, `--max-num-seqs` slots) serves one model that two
+tenants share (`sharedWith`); the gateway knows the model's slots (`maxNumSeqs` in its static config), so once they
+are all taken requests wait at the gateway in per-tenant queues. Phases, each with a fresh gateway on the same
+engine:
+
+- `solo`: the quiet tenant alone: `--quiet-requests` streaming requests one after another (a pause between);
+- `fifo`: the same quiet requests while the flood tenant keeps `--flood-concurrency` long requests in flight
+  (more than the engine's slots), the gateway serving waiting requests in arrival order (the baseline);
+- `vtc`: the same with the virtual token counter (`--fairness vtc`, the default).
+
+Reported: the quiet tenant's TTFT p50/p90 per phase and the ratios to solo (goal: vtc within 1.5x), the flood's
+completed requests and tokens. Noisy on a shared 2-core machine: ratios are measured side by side in one run.
+
+    .venv/bin/python bench/gateway_fairness.py --label v1   # -> bench/results/gateway/fairness-v1.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import yaml
+
+from kvfleet.gateway.testing import Engine, GatewayProcess, start_engines
+
+QUIET_KEY, FLOOD_KEY = "quiet-key-0123456789abcdef", "flood-key-0123456789abcdef"
+RESULTS = Path(__file__).resolve().parent / "results" / "gateway"
+
+
+async def stream_once(client: httpx.AsyncClient, url: str, key: str, prompt: str, max_tokens: int) -> float | None:
+    """One streaming completion; seconds to its first token, None if it failed."""
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "stream": True, "min_tokens": max_tokens,
+            "ignore_eos": True}
+    start = time.perf_counter()
+    first = None
+    async with client.stream("POST", f"{url}/v1/completions", json=body,
+                             headers={"Authorization": f"Bearer {key}"}) as resp:
+        if resp.status_code != 200:
+            await resp.aread()
+            return None
+        async for line in resp.aiter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]" and first is None:
+                if json.loads(line[6:])["choices"][0].get("text"):
+                    first = time.perf_counter() - start
+    return first
+
+
+async def phase(url: str, args: argparse.Namespace, flood: bool) -> dict[str, Any]:
+    limits = httpx.Limits(max_connections=args.flood_concurrency + 8)
+    async with httpx.AsyncClient(timeout=600, trust_env=False, limits=limits) as client:
+        done = asyncio.Event()
+        flood_stats = {"completed": 0, "failed": 0}
+
+        async def flooder(i: int) -> None:
+            n = 0
+            while not done.is_set():
+                got = await stream_once(client, url, FLOOD_KEY, f"flood {i}.{n} " + "lorem ipsum " * 20,
+                                        args.flood_tokens)
+                flood_stats["completed" if got is not None else "failed"] += 1
+                n += 1
+
+        workers = [asyncio.create_task(flooder(i)) for i in range(args.flood_concurrency)] if flood else []
+        if flood:  # let the flood fill the engine's slots and the gateway's queue first
+            await asyncio.sleep(args.warmup_s)
+        ttfts: list[float] = []
+        failed = 0
+        for i in range(args.quiet_requests):
+            got = await stream_once(client, url, QUIET_KEY, f"quiet question {i}: what is a cache?",
+                                    args.quiet_tokens)
+            if got is None:
+                failed += 1
+            else:
+                ttfts.append(got * 1000)
+            await asyncio.sleep(args.quiet_gap_s)
+        done.set()
+        await asyncio.gather(*workers)
+    ttfts.sort()
+    return {"quiet_ttft_ms": {"p50": statistics.median(ttfts), "p90": ttfts[int(0.9 * (len(ttfts) - 1))],
+                              "mean": statistics.fmean(ttfts), "n": len(ttfts)},
+            "quiet_failed": failed, "flood": flood_stats}
+
+
+def run_phase(name: str, engine: Engine, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
+    config = tmp / f"{name}.yaml"
+    config.write_text(yaml.safe_dump({"tenants": {
+        "flood": {"keys": [FLOOD_KEY], "models": {"tiny": {"replicas": [engine.url], "maxNumSeqs": args.max_num_seqs,
+                                                           "sharedWith": ["quiet"]}}},
+        "quiet": {"keys": [QUIET_KEY]}}}))
+    fairness = "fifo" if name == "fifo" else "vtc"
+    gw = GatewayProcess(tmp / f"gateway-{name}.log", config=config,
+                        args=["--fairness", fairness, "--log-level", "warning", "--scrape-interval", "0.5"])
+    try:
+        gw.start()
+        out = asyncio.run(phase(gw.url, args, flood=name != "solo"))
+        out["gateway_queue_wait_s"] = {t: gw.metric("kvfleet_gateway_queue_wait_seconds_sum", tenant=t)
+                                       for t in ("flood", "quiet")}
+        out["gateway_waits"] = {t: gw.metric("kvfleet_gateway_queue_wait_seconds_count", tenant=t)
+                                for t in ("flood", "quiet")}
+    finally:
+        gw.stop()
+    out["phase"] = name
+    return out
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--label", default="local")
+    parser.add_argument("--max-num-seqs", type=int, default=4)
+    parser.add_argument("--flood-concurrency", type=int, default=16)
+    parser.add_argument("--flood-tokens", type=int, default=64)
+    parser.add_argument("--quiet-requests", type=int, default=30)
+    parser.add_argument("--quiet-tokens", type=int, default=8)
+    parser.add_argument("--quiet-gap-s", type=float, default=0.3)
+    parser.add_argument("--warmup-s", type=float, default=3.0)
+    parser.add_argument("--phases", default="solo,fifo,vtc")
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    tmp = Path(tempfile.mkdtemp(prefix="gw-fair-"))
+    from kvfleet.engine.testing import make_tiny_model
+
+    model = make_tiny_model("llama", tmp / "models", max_position_embeddings=1024)
+    engines = start_engines(Path(model), tmp, 1, "--max-model-len", "1024", "--max-num-seqs", str(args.max_num_seqs),
+                            timeout=600)
+    phases: dict[str, dict[str, Any]] = {}
+    try:
+        for name in args.phases.split(","):
+            phases[name] = run_phase(name, engines[0], args, tmp)
+            q = phases[name]["quiet_ttft_ms"]
+            print(f"{name}: quiet TTFT p50 {q['p50']:.1f} ms p90 {q['p90']:.1f} ms ({q['n']} ok), "
+                  f"flood {phases[name]['flood']}", flush=True)
+    finally:
+        for e in engines:
+            e.stop()
+    solo = phases.get("solo", {}).get("quiet_ttft_ms", {}).get("p50")
+    ratios = {n: p["quiet_ttft_ms"]["p50"] / solo for n, p in phases.items() if solo and n != "solo"}
+    result = {"label": args.label, "args": {k: str(v) for k, v in vars(args).items()}, "phases": phases,
+              "quiet_ttft_p50_ratio_to_solo": ratios, "goal": "vtc ratio <= 1.5",
+              "host": {"platform": platform.platform(), "cpus": os.cpu_count(),
+                       "note": "shared 2-core CPU machine, tiny random-weight model: absolute times are noisy"}}
+    out = args.out or RESULTS / f"fairness-{args.label}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"ratios to solo (quiet TTFT p50): {ratios} -> {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
