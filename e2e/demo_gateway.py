@@ -116,7 +116,13 @@ def wake_act(kubeconfig: str, logs: Path, kube: Kube, kubectl: Callable[..., str
         note(f"pods of sleepy: {len(_pods(kube, 'sleepy'))} (Kueue admitted nothing: quota is never bypassed)")
         kubectl("delete", "mdep/summarizer", "--namespace", "team-b", "--wait=false")
         note("kubectl delete mdep/summarizer -n team-b   (its 2 borrowed GPUs go back to the cohort)")
-        note("team-a asks sleepy again (streaming): held at the gateway until the new replica is Ready")
+        wait_for("sleepy within quota", lambda: not any(
+            c["type"] == "QuotaExceeded" and c["status"] == "True" for c in _status(kube, "sleepy").get("conditions")
+            or ()), timeout=120)
+        note(f"Kueue: sleepy within quota again ({_status(kube, 'sleepy').get('admittedReplicas', 0)} admitted, "
+             f"{_status(kube, 'sleepy').get('readyReplicas', 0)} Ready)")
+        note("team-a asks sleepy again (streaming): held at the gateway until a replica is Ready")
+        ready_before = _status(kube, "sleepy").get("readyReplicas", 0)
         start = time.monotonic()
         first = None
         text = ""
@@ -128,8 +134,8 @@ def wake_act(kubeconfig: str, logs: Path, kube: Kube, kubectl: Callable[..., str
             text += delta or ""
         note(f"assistant: {text.strip()}", green)
         st = _status(kube, "sleepy")
-        note(f"first token {first:.1f}s after the request, from zero replicas (Kueue admission, pod start, engine "
-             f"load on CPU); sleepy now {st.get('readyReplicas')} Ready", green)
+        note(f"first token {first:.1f}s after the request, asked with {ready_before} Ready replicas (Kueue "
+             f"admission, pod start, engine load on CPU); sleepy now {st.get('readyReplicas')} Ready", green)
         note("waiting for sleepy to go back to zero (20 s without requests, then the autoscaler's next tick) ...",
              dim)
         start = time.monotonic()
