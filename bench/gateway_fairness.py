@@ -6,7 +6,7 @@ are all taken requests wait at the gateway in per-tenant queues. Phases, each wi
 engine:
 
 - `solo`: the quiet tenant alone: `--quiet-requests` streaming requests one after another (a pause between);
-- `fifo`: the same quiet requests while the flood tenant keeps `--flood-concurrency` long requests in flight
+- `fifo`: the same quiet requests while the flood tenant (its own client process) keeps `--flood-concurrency` long requests in flight
   (more than the engine's slots), the gateway serving waiting requests in arrival order (the baseline);
 - `vtc`: the same with the virtual token counter (`--fairness vtc`, the default).
 
@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import multiprocessing
 import os
 import platform
 import statistics
@@ -56,25 +57,29 @@ async def stream_once(client: httpx.AsyncClient, url: str, key: str, prompt: str
     return first
 
 
-async def phase(url: str, args: argparse.Namespace, flood: bool) -> dict[str, Any]:
-    limits = httpx.Limits(max_connections=args.flood_concurrency + 8)
+async def flood_loop(url: str, concurrency: int, tokens: int, stop: Any, counts: Any) -> None:
+    """The flooding tenant: `concurrency` streams back to back until `stop` is set (its own process)."""
+    limits = httpx.Limits(max_connections=concurrency + 4)
     async with httpx.AsyncClient(timeout=600, trust_env=False, limits=limits) as client:
-        done = asyncio.Event()
-        flood_stats = {"completed": 0, "failed": 0}
-
-        async def flooder(i: int) -> None:
+        async def worker(i: int) -> None:
             n = 0
-            while not done.is_set():
-                got = await stream_once(client, url, FLOOD_KEY, f"flood {i}.{n} " + "lorem ipsum " * 20,
-                                        args.flood_tokens)
-                flood_stats["completed" if got is not None else "failed"] += 1
+            while not stop.is_set():
+                got = await stream_once(client, url, FLOOD_KEY, f"flood {i}.{n} " + "lorem ipsum " * 20, tokens)
+                with counts.get_lock():
+                    counts[0 if got is not None else 1] += 1
                 n += 1
 
-        workers = [asyncio.create_task(flooder(i)) for i in range(args.flood_concurrency)] if flood else []
-        if flood:  # let the flood fill the engine's slots and the gateway's queue first
-            await asyncio.sleep(args.warmup_s)
-        ttfts: list[float] = []
-        failed = 0
+        await asyncio.gather(*(worker(i) for i in range(concurrency)))
+
+
+def flood_process(url: str, concurrency: int, tokens: int, stop: Any, counts: Any) -> None:
+    asyncio.run(flood_loop(url, concurrency, tokens, stop, counts))
+
+
+async def quiet_loop(url: str, args: argparse.Namespace) -> tuple[list[float], int]:
+    ttfts: list[float] = []
+    failed = 0
+    async with httpx.AsyncClient(timeout=600, trust_env=False) as client:
         for i in range(args.quiet_requests):
             got = await stream_once(client, url, QUIET_KEY, f"quiet question {i}: what is a cache?",
                                     args.quiet_tokens)
@@ -83,12 +88,27 @@ async def phase(url: str, args: argparse.Namespace, flood: bool) -> dict[str, An
             else:
                 ttfts.append(got * 1000)
             await asyncio.sleep(args.quiet_gap_s)
-        done.set()
-        await asyncio.gather(*workers)
+    return ttfts, failed
+
+
+def phase(url: str, args: argparse.Namespace, flood: bool) -> dict[str, Any]:
+    """The quiet tenant's requests, with the flood (a separate process, as a separate client is) or alone."""
+    ctx = multiprocessing.get_context("spawn")
+    stop, counts = ctx.Event(), ctx.Array("i", 2)
+    proc = ctx.Process(target=flood_process, args=(url, args.flood_concurrency, args.flood_tokens, stop, counts))
+    if flood:
+        proc.start()
+        time.sleep(args.warmup_s)  # let the flood fill the engine's slots and the gateway's queue first
+    try:
+        ttfts, failed = asyncio.run(quiet_loop(url, args))
+    finally:
+        stop.set()
+        if flood:
+            proc.join(300)
     ttfts.sort()
     return {"quiet_ttft_ms": {"p50": statistics.median(ttfts), "p90": ttfts[int(0.9 * (len(ttfts) - 1))],
                               "mean": statistics.fmean(ttfts), "n": len(ttfts)},
-            "quiet_failed": failed, "flood": flood_stats}
+            "quiet_failed": failed, "flood": {"completed": counts[0], "failed": counts[1]}}
 
 
 def run_phase(name: str, engine: Engine, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
@@ -102,7 +122,7 @@ def run_phase(name: str, engine: Engine, args: argparse.Namespace, tmp: Path) ->
                         args=["--fairness", fairness, "--log-level", "warning", "--scrape-interval", "0.5"])
     try:
         gw.start()
-        out = asyncio.run(phase(gw.url, args, flood=name != "solo"))
+        out = phase(gw.url, args, flood=name != "solo")
         out["gateway_queue_wait_s"] = {t: gw.metric("kvfleet_gateway_queue_wait_seconds_sum", tenant=t)
                                        for t in ("flood", "quiet")}
         out["gateway_waits"] = {t: gw.metric("kvfleet_gateway_queue_wait_seconds_count", tenant=t)
