@@ -6,8 +6,9 @@ are all taken requests wait at the gateway in per-tenant queues. Phases, each wi
 engine:
 
 - `solo`: the quiet tenant alone: `--quiet-requests` streaming requests one after another (a pause between);
-- `fifo`: the same quiet requests while the flood tenant (its own client process) keeps `--flood-concurrency` long requests in flight
-  (more than the engine's slots), the gateway serving waiting requests in arrival order (the baseline);
+- `fifo`: the same quiet requests while the flood tenant (its own client process) keeps `--flood-concurrency`
+  long requests in flight (more than the engine's slots), the gateway serving waiting requests in arrival
+  order (the baseline);
 - `vtc`: the same with the virtual token counter (`--fairness vtc`, the default).
 
 Reported: the quiet tenant's TTFT p50/p90 per phase and the ratios to solo (goal: vtc within 1.5x), the flood's
