@@ -92,3 +92,16 @@ def test_slots_and_the_slot_kept_for_an_idle_active_tenant() -> None:
     # fifo keeps nothing; never more than half the slots are kept
     assert may_dispatch("fifo", "flood", 1, ["flood", "quiet"], {"flood": 7}, {"flood"}, 8)
     assert reserved_for_others("x", ["a", "b", "c", "d", "x"], {}, set(), 4) == 2
+
+
+def test_a_returning_tenant_wins_the_tie_against_a_tenant_holding_the_slots() -> None:
+    queue = FairQueue("vtc")
+    for _ in range(3):
+        queue.push("flood", 188.0, 0.0)
+    queue.charge("flood", 188.0 * 3, dispatched=True)
+    queue.push("quiet", 20.0, 1.0)  # lifted to the flood's counter: a tie
+    assert queue.counters["quiet"] == queue.counters["flood"]
+    head = queue.pick(in_flight={"flood": 3})
+    assert head is not None and head.tenant == "quiet"
+    head = queue.pick()  # without knowing who holds slots, the older request goes first
+    assert head is not None and head.tenant == "flood"

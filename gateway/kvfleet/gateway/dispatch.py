@@ -357,7 +357,8 @@ class GatewayDispatcher:
                 for waiter in line.queue.waiters():
                     self._answer(line, waiter, Refused.of(verdict))
             return
-        while (head := line.queue.pick(lambda tenant: self._may_go(line, usable, tenant, scale))) is not None:
+        while (head := line.queue.pick(lambda tenant: self._may_go(line, usable, tenant, scale),
+                                       line.busy)) is not None:
             future, request = head.handle
             if future.done():
                 self._answer(line, head, None)

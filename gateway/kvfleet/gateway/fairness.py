@@ -99,14 +99,20 @@ class FairQueue:
             del self._queues[waiter.tenant]
         return True
 
-    def pick(self, eligible: Callable[[str], bool] = lambda tenant: True) -> Waiter | None:
-        """The request to dispatch next among tenants that may take a slot now (not removed)."""
+    def pick(self, eligible: Callable[[str], bool] = lambda tenant: True,
+             in_flight: Mapping[str, int] | None = None) -> Waiter | None:
+        """The request to dispatch next among tenants that may take a slot now (not removed).
+
+        Ties of counters go to the tenant with fewer requests in flight, then to the oldest request: a tenant
+        that returns from idle is lifted exactly to the backlogged ones' counter, and must not lose the tie to a
+        flood that already holds the model's slots."""
         heads = [q[0] for t, q in self._queues.items() if q and eligible(t)]
         if not heads:
             return None
         if self.policy == "fifo":
             return min(heads, key=lambda w: w.seq)
-        return min(heads, key=lambda w: (self.counters.get(w.tenant, 0.0), w.seq))
+        busy = in_flight or {}
+        return min(heads, key=lambda w: (self.counters.get(w.tenant, 0.0), busy.get(w.tenant, 0), w.seq))
 
     def charge(self, tenant: str, tokens: float, weight: float = 1.0, dispatched: bool = False) -> None:
         """Count `tokens` (a cost, or a correction, which may be negative) against `tenant`."""
