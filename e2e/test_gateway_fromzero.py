@@ -108,7 +108,21 @@ def test_wakes_from_zero_and_goes_back(kube: Kube, tenants: Any, flavors: dict[s
         wait_for("the gateway lists the model", lambda: httpx.get(
             f"{gw.url}/v1/models", headers={"Authorization": f"Bearer {key}"}, trust_env=False).json().get("data"),
             timeout=60)
+        marks: dict[str, float] = {}
+        stop = threading.Event()
+
+        def watch_status() -> None:  # when each step of the wake happened, for the report
+            while not stop.is_set() and len(marks) < 3:
+                status = mdep_status(kube, ns, "chat")
+                for key, field in (("desired", "desiredReplicas"), ("admitted", "admittedReplicas"),
+                                   ("ready", "readyReplicas")):
+                    if key not in marks and (status.get(field) or 0) >= 1:
+                        marks[key] = round(time.monotonic() - start, 2)
+                stop.wait(0.2)
+
         start = time.monotonic()
+        watcher = threading.Thread(target=watch_status, daemon=True)
+        watcher.start()
         first_token = None
         text = ""
         with httpx.stream("POST", f"{gw.url}/v1/chat/completions", headers={"Authorization": f"Bearer {key}"},
@@ -123,14 +137,17 @@ def test_wakes_from_zero_and_goes_back(kube: Kube, tenants: Any, flavors: dict[s
                     first_token = time.monotonic() - start
                 text += delta
         assert first_token is not None and text
+        stop.set()
+        watcher.join(5)
         status = mdep_status(kube, ns, "chat")
         assert status["readyReplicas"] == 1 and status["admittedReplicas"] == 1
         ann = kube.get(API, "modeldeployments", "chat", ns)["metadata"]["annotations"]
         assert "serving.kvfleet.dev/gateway-demand" in ann
         assert gw.metric("kvfleet_gateway_queue_outcomes_total", namespace=ns, outcome="dispatched") == 1
-        report = {"first_token_from_zero_s": round(first_token, 2), "note": "2 shared CPU cores, tiny model; noisy"}
+        report = {"first_token_from_zero_s": round(first_token, 2), "seconds_after_the_request": marks,
+                  "note": "2 shared CPU cores, tiny model; noisy"}
         (Path(cluster.logs) / "fromzero-wake.json").write_text(json.dumps(report))
-        print(f"\nfirst token from zero: {first_token:.2f}s")
+        print(f"\nfirst token from zero: {first_token:.2f}s; status reached 1 replica at {marks}")
         # warm now: a second request goes straight through
         assert chat(gw, key).status_code == 200
         # back to zero after the delay without demand
@@ -162,6 +179,7 @@ def test_quota_refusal_from_zero(kube: Kube, tenants: Any, flavors: dict[str, st
         quota = next(c for c in mdep_status(kube, ns, "chat")["conditions"] if c["type"] == "QuotaExceeded")
         assert quota["status"] == "True" and quota["message"] in error["message"], (quota, error)
         assert "quota" in error["message"].lower()
+        print(f"\n429 after {waited:.1f}s, Retry-After {resp.headers['Retry-After']}: {error['message']}")
         assert waited < 90  # answered on Kueue's verdict, not at the admission timeout
         assert not engine_pods(kube, ns, "chat")  # never a bypass of quota
         assert mdep_status(kube, ns, "chat").get("admittedReplicas", 0) == 0

@@ -180,7 +180,9 @@ async def autoscale(namespace: str | None, name: str, **_: Any) -> None:
                when=_enabled, id="autoscaler-gateway-demand")
 async def gateway_demand(namespace: str | None, name: str, new: Any, **_: Any) -> None:
     """Requests started waiting at the gateway: decide now (a model at zero wakes without waiting for the timer)."""
-    if gateway_waiting({GATEWAY_DEMAND_ANNOTATION: new}, time.time()) > 0:
+    waiting = gateway_waiting({GATEWAY_DEMAND_ANNOTATION: new}, time.time())
+    if waiting > 0:
+        log.info("gateway demand", extra={"mdep": f"{namespace}/{name}", "waiting": waiting})
         await _tick(namespace, name)
 
 
