@@ -146,6 +146,32 @@ class AsyncLLM:
         self._commands.put(run)
         await done
 
+    async def warm_up(self) -> Any:
+        """`LLMEngine.warm_up` on the loop thread (between steps; the engine must have no request yet)."""
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future = loop.create_future()
+
+        def run() -> None:
+            try:
+                report = self.engine.warm_up()
+            except BaseException as e:   # noqa: BLE001 - handed to the caller
+                err = e   # `e` is unbound once the except block ends, before the callback runs
+
+                def fail() -> None:
+                    if not done.done():
+                        done.set_exception(err)
+
+                loop.call_soon_threadsafe(fail)
+            else:
+                def succeed() -> None:
+                    if not done.done():
+                        done.set_result(report)
+
+                loop.call_soon_threadsafe(succeed)
+
+        self._commands.put(run)
+        return await done
+
     async def shutdown(self) -> None:
         self._stop.set()
         self._commands.put(lambda: None)

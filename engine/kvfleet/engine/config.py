@@ -15,6 +15,7 @@ logger = logging.getLogger(__name__)
 _DTYPES = ("auto", "float32", "float16", "bfloat16", "half", "float", "fp16", "bf16", "fp32")
 _DEVICES = ("auto", "cpu", "cuda")
 _LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
+QUANTIZATIONS = ("fp8",)
 # On CPU the KV pool is sized from this many bytes unless `num_kv_blocks` or
 # `kv_cache_memory_bytes` says otherwise: enough for tests and the demo, small
 # enough to never bother a laptop.
@@ -52,6 +53,10 @@ class EngineConfig:
     # on for CUDA (measured on an H200: +3-50 % throughput, bench/NOTES.md), off on CPU, where the
     # forward runs on the host thread and there is nothing to overlap.
     async_scheduling: Optional[bool] = None
+    # "fp8": bf16/fp16 weights quantized at load to float8_e4m3fn with a scale per output channel; activations
+    # quantized per token at run time (kvfleet.engine.models.fp8; vLLM's `quantization="fp8"`). GPUs of compute
+    # capability >= 8.9 only.
+    quantization: Optional[str] = None
 
     def validate(self) -> "EngineConfig":
         _require(isinstance(self.model, (str, os.PathLike)) and str(self.model) != "",
@@ -79,6 +84,8 @@ class EngineConfig:
                  "tensor_parallel_size", f"must be an int >= 1, got {self.tensor_parallel_size!r}")
         _require(self.async_scheduling is None or isinstance(self.async_scheduling, bool), "async_scheduling",
                  f"must be a bool or None (auto), got {self.async_scheduling!r}")
+        _require(self.quantization is None or self.quantization in QUANTIZATIONS, "quantization",
+                 f"must be one of {QUANTIZATIONS} or None, got {self.quantization!r}")
         return self
 
     def resolve_batched_tokens(self, max_model_len: int, on_gpu: bool = False) -> int:

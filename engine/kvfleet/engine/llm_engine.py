@@ -98,7 +98,20 @@ class LLMEngine:
             self.tokenizer = None
         max_len = self.model_config.max_model_len
         budget = config.resolve_batched_tokens(max_len, on_gpu=self.device.type == "cuda")
+        if config.quantization == "fp8":
+            from kvfleet.engine.models.fp8 import check_fp8_supported
+
+            check_fp8_supported(self.device)   # before loading: a clear error, not a failing matmul later
+            if config.tensor_parallel_size > 1:
+                raise ValueError("quantization: fp8 runs with tensor_parallel_size 1 only (for now)")
         self.runner = ModelRunner(self.model_config, config, self.device, budget)
+        if config.quantization == "fp8":
+            # After the weights are loaded, before the KV cache is sized and graphs captured: the memory the
+            # bf16 weights free goes to the KV cache, and the graphs capture the FP8 matmuls.
+            from kvfleet.engine.models.fp8 import quantize_model_fp8
+
+            n = quantize_model_fp8(self.runner.model)
+            logger.info("fp8: %d linear layers quantized (per-channel weight scales, dynamic per-token activations)", n)
         num_blocks = self.runner.determine_num_blocks()
         self.runner.init_kv_cache(num_blocks)
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
@@ -206,6 +219,13 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.groups)
+
+    def warm_up(self) -> Any:
+        """Run every step shape and sampler path once (kvfleet.engine.warmup), leaving nothing behind:
+        the server calls it before /health says ready, so no request pays a first-use compile."""
+        from kvfleet.engine.warmup import run_warmup
+
+        return run_warmup(self)
 
     # --- the step ------------------------------------------------------------------
     def step(self, final_only: bool = False) -> list[RequestOutput]:

@@ -10,10 +10,12 @@ lists, so it can be captured in a CUDA graph.
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 
 from kvfleet.engine.attention import register_attention_backend
+from kvfleet.engine.attention.flash_prefill import flash_prefill, plan_for, prefill_impl
 from kvfleet.engine.attention.metadata import AttentionMetadata
 from kvfleet.engine.kernels.paged_decode import choose_num_splits, paged_decode_attention
 from kvfleet.engine.kernels.prefill_attention import default_block_m, prefill_attention, prefill_work
@@ -27,15 +29,38 @@ def _num_sms(device: torch.device) -> int:
     return 4  # interpreter: keep the split count small
 
 
-def _prefill_plan(md: AttentionMetadata, dtype: torch.dtype, device: torch.device) -> tuple[bool, int, torch.Tensor]:
-    """(has single-token rows, block_m, work list) of a step with prefill: computed once per step
-    (the first layer) and kept on the metadata object for the other layers."""
+@functools.lru_cache(maxsize=4)
+def prefill_tile(raw: str) -> tuple[int, int, int, int] | None:
+    """KVFLEET_PREFILL_TILE="BLOCK_M,BLOCK_N,num_warps,num_stages" for query chunks over 16 tokens (the A/B
+    of issue 16's long-prompt rows); unset: the kernel's defaults (64, 64, 4, 2: the v1 sweep's best at 8 x 1024)."""
+    if not raw.strip():
+        return None
+    try:
+        bm, bn, warps, stages = (int(x) for x in raw.split(","))
+    except ValueError as e:
+        raise ValueError(f"KVFLEET_PREFILL_TILE: expected 'BLOCK_M,BLOCK_N,num_warps,num_stages', got {raw!r}") from e
+    if not (bm in (16, 32, 64, 128, 256) and bn in (16, 32, 64, 128, 256) and warps in (1, 2, 4, 8, 16)
+            and 1 <= stages <= 6):
+        raise ValueError(f"KVFLEET_PREFILL_TILE: unsupported tile {raw!r}")
+    return bm, bn, warps, stages
+
+
+def _prefill_plan(md: AttentionMetadata, dtype: torch.dtype,
+                  device: torch.device) -> tuple[bool, str, tuple[int, int, int, int], torch.Tensor | None]:
+    """(has single-token rows, "triton" or "flash", Triton tile, work list) of a step with prefill: computed
+    once per step (the first layer) and kept on the metadata object for the other layers."""
     plan = getattr(md, "_kvfleet_prefill_plan", None)
     if plan is None:
         qsl = md.query_start_loc_cpu
         mixed = any(qsl[i + 1] - qsl[i] == 1 for i in range(len(qsl) - 1))
+        impl = prefill_impl() if device.type == "cuda" else "triton"
         block_m = default_block_m(md.max_query_len, dtype)
-        plan = (mixed, block_m, prefill_work(qsl, block_m, mixed, device))
+        tile = (block_m, 64, 4, 2)
+        custom = prefill_tile(os.environ.get("KVFLEET_PREFILL_TILE", ""))
+        if custom is not None and md.max_query_len > 16:
+            tile = custom
+        work = prefill_work(qsl, tile[0], mixed, device) if impl == "triton" else None
+        plan = (mixed, impl, tile, work)
         md._kvfleet_prefill_plan = plan  # type: ignore[attr-defined]
     return plan
 
@@ -61,9 +86,15 @@ def triton_paged_attention(
         splits = choose_num_splits(batch, kv_cache.shape[3], md.max_seq_len, _num_sms(q.device))
         return paged_decode_attention(q, kv_cache, md.block_tables, md.seq_lens, md.query_start_loc,
                                       scale, out, num_splits=splits)
-    mixed, block_m, work = _prefill_plan(md, q.dtype, q.device)
-    prefill_attention(q, kv_cache, md.block_tables, md.seq_lens, md.query_start_loc, md.max_query_len,
-                      scale, out, skip_decode=mixed, block_m=block_m, work=work)
+    mixed, impl, (block_m, block_n, warps, stages), work = _prefill_plan(md, q.dtype, q.device)
+    if impl == "flash":
+        plan = plan_for(md, kv_cache.shape[2], q.device)
+        if plan is not None:
+            flash_prefill(q, k, v, kv_cache, plan, scale, out)
+    else:
+        prefill_attention(q, kv_cache, md.block_tables, md.seq_lens, md.query_start_loc, md.max_query_len,
+                          scale, out, skip_decode=mixed, block_m=block_m, block_n=block_n, work=work,
+                          num_warps=warps, num_stages=stages)
     if mixed:
         # decode rows of a mixed step: enough programs already come from the batch, no split
         paged_decode_attention(q, kv_cache, md.block_tables, md.seq_lens, md.query_start_loc, scale, out)

@@ -51,6 +51,10 @@ class StepTimers:
             return wrapper
 
         orig_schedule = sched.schedule
+        self._originals = [(sched, "schedule", sched.schedule), (sched, "update_from_output", sched.update_from_output),
+                           (runner, "execute", runner.execute), (runner, "launch", runner.launch),
+                           (runner, "collect", runner.collect), (runner, "_forward", runner._forward),
+                           (runner, "sampler", runner.sampler)]
 
         def schedule(*a: Any, **kw: Any) -> Any:
             t = time.perf_counter()
@@ -71,6 +75,11 @@ class StepTimers:
         runner.sampler = _TimedCallable(runner.sampler, self._cur, sync if sync_forward else (lambda: None))
         sched.update_from_output = timed("update", sched.update_from_output)
         self.batch = 0
+
+    def restore(self) -> None:
+        """Put the engine's own methods back (the next workload's timers wrap them afresh)."""
+        for obj, name, orig in self._originals:
+            setattr(obj, name, orig)
 
     def end_step(self, step_s: float) -> None:
         if not self._cur:
@@ -112,10 +121,10 @@ class _TimedCallable:
         return res
 
 
-def _params(n: int) -> Any:
+def _params(r: BenchRequest) -> Any:
     from kvfleet.engine.sampling_params import SamplingParams
 
-    return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+    return SamplingParams(max_tokens=r.max_tokens, n=r.n, temperature=r.temperature, ignore_eos=True)
 
 
 def _write_profile(prof: Any, path: str) -> None:
@@ -141,99 +150,123 @@ def _drain(engine: Any, on_step: Callable[[list[Any], float], None] | None = Non
     return done
 
 
+class KvfleetBench:
+    """One engine for several workloads (its start, graph capture and warm-up paid once)."""
+
+    def __init__(self, args: argparse.Namespace, max_model_len: int, warm: list[BenchRequest]) -> None:
+        from kvfleet.engine.config import EngineConfig
+        from kvfleet.engine.llm_engine import LLMEngine
+
+        self.args = args
+        self.max_model_len = max_model_len
+        cfg = EngineConfig(model=str(args.model), dtype=args.dtype, device=args.device, load_format=args.load_format,
+                           max_model_len=max_model_len, max_num_seqs=args.max_num_seqs,
+                           max_num_batched_tokens=args.max_num_batched_tokens,
+                           gpu_memory_utilization=args.gpu_memory_utilization, num_kv_blocks=args.num_kv_blocks,
+                           enable_prefix_caching=not args.no_prefix_caching, enforce_eager=args.enforce_eager,
+                           tensor_parallel_size=args.tensor_parallel_size,
+                           async_scheduling=getattr(args, "async_scheduling", None),
+                           quantization=getattr(args, "quantization", None))
+        t = time.monotonic()
+        self.engine = engine = LLMEngine(cfg)
+        self.init_s = time.monotonic() - t
+        self.cuda = engine.device.type == "cuda"
+        for i, r in enumerate(warm):
+            engine.add_request(f"warm{i}", {"prompt_token_ids": r.prompt_token_ids}, _params(r))
+        _drain(engine)
+        self.engine.kv.reset_prefix_cache()   # the timed runs find nothing cached by the warm-up
+
+    def run(self, reqs: list[BenchRequest]) -> dict[str, Any]:
+        import torch
+
+        engine, args, cuda = self.engine, self.args, self.cuda
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        before = engine.stats()
+        # With async scheduling the forward is not synchronised (that would undo the overlap): its
+        # timer is then launch time only, and "outputs" is the host time not hidden behind the device.
+        timers = StepTimers(engine, cuda, sync_forward=not engine.config.async_scheduling)
+        block_size = engine.config.block_size
+        peak: dict[str, Any] = {"kv_blocks_used": -1}
+
+        def on_step(outs: list[Any], dt: float) -> None:
+            timers.end_step(dt)
+            st = engine.stats()
+            if st["kv_blocks_used"] > peak["kv_blocks_used"]:
+                running = engine.scheduler.running
+                tokens = sum(r.num_computed_tokens for r in running)
+                peak.update(kv_blocks_used=st["kv_blocks_used"], kv_cache_usage=st["kv_cache_usage"],
+                            num_running=len(running), tokens_in_kv=tokens,
+                            **kv_fragmentation(st["kv_blocks_used"], block_size, tokens, len(running)))
+
+        t0 = time.monotonic()
+        for i, r in enumerate(reqs):
+            engine.add_request(f"r{i}", {"prompt_token_ids": r.prompt_token_ids}, _params(r), arrival_time=t0)
+        prof_path = getattr(args, "profile_host", None)
+        try:
+            if prof_path:  # where the host's time goes on the real machine (slows the run: not for reported figures)
+                import cProfile
+
+                prof = cProfile.Profile()
+                done = prof.runcall(_drain, engine, on_step)
+            else:
+                done = _drain(engine, on_step)
+            if cuda:
+                torch.cuda.synchronize()
+            wall = time.monotonic() - t0
+        finally:
+            timers.restore()
+        if prof_path:
+            _write_profile(prof, prof_path)
+        by_id = {o.request_id: o for o in done}
+        ttft, tpot, short = [], [], 0
+        for i, r in enumerate(reqs):
+            o = by_id.get(f"r{i}")
+            if o is None:
+                raise RuntimeError(f"request r{i} did not finish")
+            lens = [len(c.token_ids) for c in o.outputs]
+            short += int(len(lens) != r.n or any(n != r.max_tokens for n in lens))
+            m = o.metrics
+            a, b = request_latencies(m.arrival_time, m.first_token_time, m.finished_time, lens[0] if lens else 0)
+            ttft.append(a)
+            tpot.append(b)
+        stats = engine.stats()
+        res: dict[str, Any] = {
+            "wall_s": wall, "init_s": self.init_s, "max_model_len": self.max_model_len,
+            "requests_with_wrong_length": short,
+            "ttft_ms": _ms(percentiles(ttft)), "tpot_ms": _ms(percentiles(tpot)),
+            "kv_blocks_total": stats["kv_blocks_total"], "kv_block_size": block_size,
+            "kv_peak": peak, "num_preemptions": stats["num_preemptions"] - before["num_preemptions"],
+            "prefix_cache_hits": stats["prefix_cache_hits"] - before["prefix_cache_hits"],
+            "step_breakdown_ms": timers.report(),
+            "cuda_graphs": getattr(engine.runner, "graph_runner", None) is not None,
+        }
+        if cuda:
+            res["peak_gpu_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
+            res["peak_gpu_reserved_gib"] = torch.cuda.max_memory_reserved() / 2**30
+            free, total = torch.cuda.mem_get_info()
+            res["gpu_mem_used_gib"] = (total - free) / 2**30
+        if cuda and getattr(args, "decode_probe", None):
+            from kvfleet.engine.bench.decode_probe import probe_decode_step
+
+            b, ctx = (int(x) for x in args.decode_probe.lower().split("x"))
+            res["decode_probe"] = probe_decode_step(engine, b, ctx)
+        res["tensor_parallel_size"] = args.tensor_parallel_size
+        res["async_scheduling"] = bool(engine.config.async_scheduling)
+        engine.kv.reset_prefix_cache()   # the next workload starts from an empty prefix cache
+        return res
+
+    def close(self) -> None:
+        self.engine.shutdown()  # stops tensor-parallel workers
+
+
 def run_kvfleet(args: argparse.Namespace, reqs: list[BenchRequest], warm: list[BenchRequest]) -> dict[str, Any]:
-    import torch
-
-    from kvfleet.engine.config import EngineConfig
-    from kvfleet.engine.llm_engine import LLMEngine
-
-    max_len = args.max_model_len or default_max_model_len(reqs)
-    cfg = EngineConfig(model=str(args.model), dtype=args.dtype, device=args.device, load_format=args.load_format,
-                       max_model_len=max_len, max_num_seqs=args.max_num_seqs,
-                       max_num_batched_tokens=args.max_num_batched_tokens,
-                       gpu_memory_utilization=args.gpu_memory_utilization, num_kv_blocks=args.num_kv_blocks,
-                       enable_prefix_caching=not args.no_prefix_caching, enforce_eager=args.enforce_eager,
-                       tensor_parallel_size=args.tensor_parallel_size,
-                       async_scheduling=getattr(args, "async_scheduling", None))
-    t = time.monotonic()
-    engine = LLMEngine(cfg)
-    init_s = time.monotonic() - t
-    cuda = engine.device.type == "cuda"
-    for i, r in enumerate(warm):
-        engine.add_request(f"warm{i}", {"prompt_token_ids": r.prompt_token_ids}, _params(r.max_tokens))
-    _drain(engine)
-    if cuda:
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-    # With async scheduling the forward is not synchronised (that would undo the overlap): its
-    # timer is then launch time only, and "outputs" is the host time not hidden behind the device.
-    timers = StepTimers(engine, cuda, sync_forward=not engine.config.async_scheduling)
-    block_size = cfg.block_size
-    peak: dict[str, Any] = {"kv_blocks_used": -1}
-
-    def on_step(outs: list[Any], dt: float) -> None:
-        timers.end_step(dt)
-        st = engine.stats()
-        if st["kv_blocks_used"] > peak["kv_blocks_used"]:
-            running = engine.scheduler.running
-            tokens = sum(r.num_computed_tokens for r in running)
-            peak.update(kv_blocks_used=st["kv_blocks_used"], kv_cache_usage=st["kv_cache_usage"],
-                        num_running=len(running), tokens_in_kv=tokens,
-                        **kv_fragmentation(st["kv_blocks_used"], block_size, tokens, len(running)))
-
-    t0 = time.monotonic()
-    for i, r in enumerate(reqs):
-        engine.add_request(f"r{i}", {"prompt_token_ids": r.prompt_token_ids}, _params(r.max_tokens), arrival_time=t0)
-    prof_path = getattr(args, "profile_host", None)
-    if prof_path:  # where the host's time goes on the real machine (slows the run: not for reported figures)
-        import cProfile
-
-        prof = cProfile.Profile()
-        done = prof.runcall(_drain, engine, on_step)
-    else:
-        done = _drain(engine, on_step)
-    if cuda:
-        torch.cuda.synchronize()
-    wall = time.monotonic() - t0
-    if prof_path:
-        _write_profile(prof, prof_path)
-    by_id = {o.request_id: o for o in done}
-    ttft, tpot, short = [], [], 0
-    for i, r in enumerate(reqs):
-        o = by_id.get(f"r{i}")
-        if o is None:
-            raise RuntimeError(f"request r{i} did not finish")
-        n = len(o.outputs[0].token_ids)
-        short += int(n != r.max_tokens)
-        m = o.metrics
-        a, b = request_latencies(m.arrival_time, m.first_token_time, m.finished_time, n)
-        ttft.append(a)
-        tpot.append(b)
-    stats = engine.stats()
-    res: dict[str, Any] = {
-        "wall_s": wall, "init_s": init_s, "max_model_len": max_len,
-        "requests_with_wrong_length": short,
-        "ttft_ms": _ms(percentiles(ttft)), "tpot_ms": _ms(percentiles(tpot)),
-        "kv_blocks_total": stats["kv_blocks_total"], "kv_block_size": block_size,
-        "kv_peak": peak, "num_preemptions": stats["num_preemptions"],
-        "prefix_cache_hits": stats["prefix_cache_hits"],
-        "step_breakdown_ms": timers.report(),
-        "cuda_graphs": getattr(engine.runner, "graph_runner", None) is not None,
-    }
-    if cuda:
-        res["peak_gpu_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
-        res["peak_gpu_reserved_gib"] = torch.cuda.max_memory_reserved() / 2**30
-        free, total = torch.cuda.mem_get_info()
-        res["gpu_mem_used_gib"] = (total - free) / 2**30
-    if cuda and getattr(args, "decode_probe", None):
-        from kvfleet.engine.bench.decode_probe import probe_decode_step
-
-        b, ctx = (int(x) for x in args.decode_probe.lower().split("x"))
-        res["decode_probe"] = probe_decode_step(engine, b, ctx)
-    res["tensor_parallel_size"] = args.tensor_parallel_size
-    res["async_scheduling"] = bool(engine.config.async_scheduling)
-    engine.shutdown()  # stops tensor-parallel workers
-    return res
+    bench = KvfleetBench(args, args.max_model_len or default_max_model_len(reqs), warm)
+    try:
+        return bench.run(reqs)
+    finally:
+        bench.close()
 
 
 def _ms(p: dict[str, float] | None) -> dict[str, float] | None:

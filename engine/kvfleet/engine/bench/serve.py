@@ -80,17 +80,13 @@ def load_jsonl(path: Path) -> list[BenchRequest]:
 
 
 def _from_workloads_module(name: str, seed: int) -> list[BenchRequest]:
-    """A named workload of `kvfleet.engine.bench.workloads` (token-id prompts), as `bench throughput` uses it."""
+    """A named workload of `kvfleet.engine.bench.workloads` (token-id prompts), as `bench throughput` uses it;
+    `n` is not sent (every request asks for one completion)."""
     from kvfleet.engine.bench import workloads
 
     if name not in workloads.NAMES:
         raise ValueError(f"not 'tiny', a file, or one of {', '.join(workloads.NAMES)}")
-    if seed == 0:
-        items = workloads.load_workload(name)
-    elif name == "chat-mix":
-        items = workloads.chat_mix_workload(seed=seed)
-    else:
-        items = workloads.random_workload(seed=seed)
+    items = workloads.named_workload(name, seed)
     return [BenchRequest(list(it.prompt_token_ids), int(it.max_tokens), len(it.prompt_token_ids)) for it in items]
 
 
@@ -234,7 +230,8 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--api-key", help="Bearer key, if the server needs one")
     parser.add_argument("--workload", default="tiny",
                         help="tiny (built in, text prompts), a name from kvfleet.engine.bench.workloads "
-                             "(random-1024-128, chat-mix), or a JSONL file of {prompt, output_len} (default: tiny)")
+                             "(random-1024-128, chat-mix, long-prompt, shared-prefix, ...), or a JSONL file of "
+                             "{prompt, output_len} (default: tiny)")
     parser.add_argument("--num-prompts", type=_positive, help="Requests to send (default: the workload's)")
     parser.add_argument("--request-rate", type=_rate, default=math.inf, help="Poisson arrival rate, req/s, or inf")
     parser.add_argument("--max-concurrency", type=_positive, help="Most requests in flight at once")

@@ -1,10 +1,13 @@
 """Offline throughput benchmark: ``kvfleet bench throughput``.
 
-Runs a seeded workload (``bench/workloads``) through the kvfleet engine or, as the
-naive baseline it replaces, transformers' ``generate`` in static left-padded
-batches, and writes one JSON of throughput, latency percentiles, memory and KV
-statistics. Every request is greedy with ``ignore_eos``; a few warm-up requests
-run before the clock starts; the time is the wall time of the whole workload.
+Runs seeded workloads (``bench/workloads``) through the kvfleet engine, vLLM (``--backend vllm``,
+on the GPU machine where it is installed: ``bench/compare_vllm.sh``) or, as the naive baseline,
+transformers' ``generate`` in static left-padded batches, and writes one JSON per workload of
+throughput, latency percentiles, memory and KV statistics. Every request has ``ignore_eos`` and
+is greedy unless it asks for ``n > 1`` samples; a few warm-up requests run before the clock
+starts; the time is the wall time of the whole workload. With ``--workloads A B ...`` one engine
+(started once) runs each in turn, its prefix cache emptied between them, one JSON each in
+``--out-dir``.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from kvfleet.engine.bench.workloads import BenchRequest, load_workload, summary
+from kvfleet.engine.bench.workloads import NAMES, BenchRequest, load_workload, summary
 
 logger = logging.getLogger(__name__)
 
@@ -27,10 +30,15 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="kvfleet bench throughput", description=__doc__.splitlines()[0])
     ap.add_argument("--model", required=True, help="model folder (config.json; weights unless --load-format dummy)")
     ap.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "gguf", "dummy"])
-    ap.add_argument("--workload", required=True, help="random-1024-128, chat-mix, or a JSONL file")
-    ap.add_argument("--backend", default="kvfleet", choices=["kvfleet", "hf"])
+    ap.add_argument("--workload", default=None, help=f"one of {', '.join(NAMES)}, or a JSONL file")
+    ap.add_argument("--workloads", nargs="+", default=None, metavar="WORKLOAD",
+                    help="several workloads through one engine (with --out-dir)")
+    ap.add_argument("--backend", default="kvfleet", choices=["kvfleet", "hf", "vllm"])
     ap.add_argument("--num-prompts", type=int, default=None, help="use only the first N requests")
-    ap.add_argument("--out", required=True, help="JSON file to write")
+    ap.add_argument("--out", default=None, help="JSON file to write (one workload)")
+    ap.add_argument("--out-dir", default=None, help="folder for BACKEND-MODEL-WORKLOAD[-LABEL].json (--workloads)")
+    ap.add_argument("--quantization", default=None, choices=["fp8"],
+                    help="fp8: weights quantized to FP8 at load, per-token activation scales (CUDA, sm >= 8.9)")
     ap.add_argument("--tensor-parallel-size", type=int, default=1)
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--device", default="auto")
@@ -56,12 +64,20 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _check_args(args: argparse.Namespace) -> None:
+    if (args.workload is None) == (args.workloads is None):
+        raise ValueError("workload: give --workload (with --out) or --workloads (with --out-dir)")
+    if args.workload is not None and not args.out:
+        raise ValueError("out: --workload needs --out FILE")
+    if args.workloads is not None and not args.out_dir:
+        raise ValueError("out_dir: --workloads needs --out-dir DIR")
     if args.num_prompts is not None and args.num_prompts < 1:
         raise ValueError("num_prompts: must be >= 1")
     if args.tensor_parallel_size < 1:
         raise ValueError("tensor_parallel_size: must be >= 1")
     if args.tensor_parallel_size != 1 and args.backend == "hf":
         raise ValueError("tensor_parallel_size: the hf baseline runs on one device only")
+    if args.quantization and args.backend == "hf":
+        raise ValueError("quantization: the hf baseline runs unquantized")
     if args.hf_batch_size < 1:
         raise ValueError("hf_batch_size: must be >= 1")
     if not Path(args.model, "config.json").is_file() and not str(args.model).endswith(".gguf"):
@@ -106,47 +122,116 @@ def warmup_requests(n: int, vocab_high: int = 100) -> list[BenchRequest]:
     return [BenchRequest(rng.integers(0, vocab_high, size=64).tolist(), 8) for _ in range(n)]
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
-    _check_args(args)
-    reqs = load_workload(args.workload)
-    if args.num_prompts is not None:
-        reqs = reqs[: args.num_prompts]
-    if args.backend == "kvfleet":
-        from kvfleet.engine.bench.kvfleet_backend import run_kvfleet
+class _HfBench:
+    """The hf baseline loads its model per workload (it is only ever run on one)."""
 
-        result = run_kvfleet(args, reqs, warmup_requests(args.warmup_requests))
-    else:
+    def __init__(self, args: argparse.Namespace, max_model_len: int, warm: list[BenchRequest]) -> None:
+        self.args, self.warm = args, warm
+
+    def run(self, reqs: list[BenchRequest]) -> dict[str, Any]:
         from kvfleet.engine.bench.hf_backend import run_hf
 
-        result = run_hf(args, reqs, warmup_requests(args.warmup_requests))
+        if any(r.n != 1 for r in reqs):
+            raise ValueError("workload: the hf baseline samples one sequence per prompt (n > 1 requested)")
+        return run_hf(self.args, reqs, self.warm)
+
+    def close(self) -> None:
+        pass
+
+
+def open_backend(args: argparse.Namespace, max_model_len: int, warm: list[BenchRequest]) -> Any:
+    """An object with run(reqs) -> dict and close()."""
+    if args.backend == "kvfleet":
+        from kvfleet.engine.bench.kvfleet_backend import KvfleetBench
+
+        return KvfleetBench(args, max_model_len, warm)
+    if args.backend == "vllm":
+        from kvfleet.engine.bench.vllm_backend import VllmBench
+
+        return VllmBench(args, max_model_len, warm)
+    return _HfBench(args, max_model_len, warm)
+
+
+def workload_requests(args: argparse.Namespace) -> dict[str, list[BenchRequest]]:
+    names = args.workloads if args.workloads is not None else [args.workload]
+    out = {}
+    for name in names:
+        reqs = load_workload(name)
+        out[Path(name).stem if name.endswith(".jsonl") else name] = reqs[: args.num_prompts] if args.num_prompts \
+            else reqs
+    return out
+
+
+def record(args: argparse.Namespace, workload: str, reqs: list[BenchRequest], result: dict[str, Any]
+           ) -> dict[str, Any]:
     prompt_tokens = sum(len(r.prompt_token_ids) for r in reqs)
-    output_tokens = sum(r.max_tokens for r in reqs)
+    output_tokens = sum(r.output_tokens for r in reqs)
     wall = result["wall_s"]
-    out = {
-        "backend": args.backend, "model": Path(args.model).name, "workload": Path(args.workload).stem,
-        "label": args.label, "num_requests": len(reqs), "workload_summary": summary(reqs),
-        "prompt_tokens": prompt_tokens, "output_tokens": output_tokens,
+    return {
+        "backend": args.backend, "model": Path(args.model).name, "workload": workload,
+        "label": args.label, "quantization": args.quantization, "num_requests": len(reqs),
+        "workload_summary": summary(reqs), "prompt_tokens": prompt_tokens, "output_tokens": output_tokens,
         "requests_per_s": len(reqs) / wall, "output_tokens_per_s": output_tokens / wall,
         "total_tokens_per_s": (prompt_tokens + output_tokens) / wall,
         **result, "environment": environment(),
         "args": {k: v for k, v in vars(args).items()},
     }
-    return out
+
+
+def write_record(args: argparse.Namespace, rec: dict[str, Any]) -> Path:
+    path = Path(args.out) if args.out else Path(args.out_dir) / out_name(rec)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(rec, indent=2, default=str) + "\n")
+    return path
+
+
+def run_all(args: argparse.Namespace, write: bool = False) -> list[dict[str, Any]]:
+    """Every workload through one engine; one record each (each written as soon as it is done if `write`:
+    a later workload that fails or runs out of time loses only itself)."""
+    _check_args(args)
+    workloads = workload_requests(args)
+    everything = [r for reqs in workloads.values() for r in reqs]
+    from kvfleet.engine.bench.kvfleet_backend import default_max_model_len
+
+    max_len = args.max_model_len or default_max_model_len(everything)
+    backend = open_backend(args, max_len, warmup_requests(args.warmup_requests))
+    records = []
+    try:
+        for name, reqs in workloads.items():
+            records.append(record(args, name, reqs, backend.run(reqs)))
+            _print_line(records[-1])
+            if write:
+                write_record(args, records[-1])
+    finally:
+        backend.close()
+    return records
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    """One workload (``--workload``)."""
+    return run_all(args)[0]
+
+
+def out_name(rec: dict[str, Any]) -> str:
+    quant = f"-{rec['quantization']}" if rec.get("quantization") else ""
+    label = f"-{rec['label']}" if rec.get("label") else ""
+    return f"{rec['backend']}-{rec['model']}-{rec['workload']}{quant}{label}.json"
+
+
+def _print_line(out: dict[str, Any]) -> None:
+    print(f"{out['backend']} {out['model']} {out['workload']}: {out['num_requests']} req in {out['wall_s']:.1f}s, "
+          f"{out['requests_per_s']:.2f} req/s, {out['output_tokens_per_s']:.0f} out tok/s, "
+          f"{out['total_tokens_per_s']:.0f} total tok/s", flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        out = run(args)
+        run_all(args, write=True)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(out, indent=2, default=str) + "\n")
-    print(f"{out['backend']} {out['model']} {out['workload']}: {out['num_requests']} req in {out['wall_s']:.1f}s, "
-          f"{out['requests_per_s']:.2f} req/s, {out['output_tokens_per_s']:.0f} out tok/s, "
-          f"{out['total_tokens_per_s']:.0f} total tok/s")
     return 0
 
 

@@ -43,7 +43,9 @@ def _tile_from_env() -> tuple[int, int, int]:
 DEFAULT_BLOCK_N, DEFAULT_NUM_WARPS, DEFAULT_NUM_STAGES = _tile_from_env()
 
 
-@triton.jit
+# The block-table width changes from step to step: specializing on it (== 1, multiple of 16) would compile
+# new variants on live requests' time (issue 16's TTFT p99); nothing in the kernel gains from it.
+@triton.jit(do_not_specialize=["stride_bt"])
 def _decode_kernel(
     q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, qsl_ptr,
     out_ptr, part_out_ptr, part_lse_ptr,

@@ -19,7 +19,9 @@ from ._common import check_paged_attention_args, check_tensor, dot_precision, fa
 LOG2E = 1.4426950408889634
 
 
-@triton.jit
+# The block-table width changes from step to step: specializing on it (== 1, multiple of 16) would compile
+# new variants on live requests' time (issue 16's TTFT p99); nothing in the kernel gains from it.
+@triton.jit(do_not_specialize=["stride_bt"])
 def _prefill_kernel(
     q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, qsl_ptr, out_ptr, work_ptr,
     scale_log2,

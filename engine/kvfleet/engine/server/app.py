@@ -258,9 +258,16 @@ async def _load(state: ServerState, load_engine: Callable[[], Any]) -> None:
 
 
 async def _warm_up(state: ServerState) -> None:
-    """Run one real step (one token) so /health is 200 only when the engine can serve."""
+    """/health is 200 only once the engine has run every step shape and sampler path it will meet
+    (kvfleet.engine.warmup: nothing is compiled or loaded on a request's time), or with KVFLEET_WARMUP=0
+    one real one-token step."""
     from kvfleet.engine.sampling_params import SamplingParams
+    from kvfleet.engine.warmup import TRITON_COMPILES, warmup_enabled
 
+    if warmup_enabled():
+        await state.engine.warm_up()
+        TRITON_COMPILES.serving()
+        return
     params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     async for _ in state.engine.generate({"prompt_token_ids": [0]}, params, "warmup"):
         pass

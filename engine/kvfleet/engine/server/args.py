@@ -70,6 +70,8 @@ SERVE_FLAGS: tuple[Flag, ...] = (
     Flag("--async-scheduling", "Schedule and process outputs while the step before runs on the device "
          "(default: on for CUDA, off on CPU).", boolean=True, default=None),
     Flag("--seed", "Engine random seed.", type=int, default=0, metavar="N"),
+    Flag("--quantization", "fp8: quantize the bf16/fp16 weights to FP8 (E4M3, a scale per output channel) at load "
+         "and the activations per token at run time (GPUs of compute capability >= 8.9).", choices=("fp8",)),
     Flag("--load-format", "auto: read the weights (safetensors or GGUF); dummy: random weights of the right "
          "shapes (benchmarks).", default="auto", choices=("auto", "safetensors", "gguf", "dummy")),
     Flag("--chat-template", "Jinja chat template file overriding the tokenizer's.", metavar="FILE"),
@@ -163,7 +165,7 @@ def check_serve_args(args: argparse.Namespace) -> None:
 _ENGINE_KWARGS = ("tokenizer", "device", "dtype", "tensor_parallel_size", "max_model_len",
                   "gpu_memory_utilization", "max_num_seqs", "max_num_batched_tokens", "block_size",
                   "enable_prefix_caching", "enable_chunked_prefill", "enforce_eager", "seed", "load_format",
-                  "kv_cache_memory_bytes", "async_scheduling")
+                  "kv_cache_memory_bytes", "async_scheduling", "quantization")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:

@@ -1,0 +1,122 @@
+#!/usr/bin/env bash
+# Issue 16: kvfleet against vLLM 0.26.0 in one lease on the H200, in stages that fit separate `run` calls
+# (each <= 10 min; results accumulate in $RUNS while the machine stays warm, and every call returns all of
+# them so far as $OUT/results.tgz, plus log.txt and summary.md).
+#
+#   bash bench/compare_vllm.sh STAGE ...
+#
+# stages (minutes are estimates from bench/results/v3 and vLLM's start times in the issue):
+#   wheels            copy the carried .whl-parts/partN to /tmp/whl; once all are there, install vLLM into
+#                     /tmp/site (bench/vllm_wheels.sh install, ~1 min); never fails the call
+#   profile           bench/gpu_profile_issue16.py: prefill attention at long contexts (our kernel's tiles
+#                     against torch's flash SDPA), decode step at batch 1 against its floor, one long-prompt
+#                     step and one batch-1 decode step under torch.profiler, Triton compiles after warm-up (~1.5)
+#   kv-llama          kvfleet offline, Llama-3.1-8B: the 2 public workloads + the 3 classes, one engine (~2.5)
+#   vllm-llama        vLLM offline, same (~3.5; vLLM starts in ~1 min)
+#   kv-qwen vllm-qwen the same for Qwen3-0.6B, public workloads only (~1 / ~2)
+#   kv-online         kvfleet serve: start to healthy, then 0.5, 4, 12 req/s and 300 at once (~2.5)
+#   vllm-online       vllm serve, same (~4.5: ~2 min to healthy)
+#   kv-fp8 vllm-fp8   --quantization fp8, Llama-3.1-8B chat-mix and random-1024-128 (~2 / ~3)
+#   ab-nowarmup       kvfleet serve without the warm-up before /health (KVFLEET_WARMUP=0), 0.5 req/s only (~1)
+#   ab-prefill        kvfleet long-prompt + shared-prefix once per setting in PREFILL_AB (~1.2 each): the flash
+#                     prefill path and other Triton tiles, each result labelled by its setting
+#   summary           the comparison table of everything in $RUNS (also printed after every call)
+#
+# Knobs: BUDGET_S (default 570: stop starting stages that would not end inside it), KV_ENV (extra environment
+# for kvfleet, e.g. "KVFLEET_PREFILL_TILE=128,64,8,3"), LABEL (tags kvfleet results of a non-default
+# setting), WORKLOADS_LLAMA, WORKLOADS_QWEN, WORKLOADS_FP8, WORKLOADS_AB, LOADS (name:rate:requests,...),
+# ONLINE_ARGS (more flags for the online stage), PREFILL_AB (space-separated settings, each
+# VAR=VALUE[,VAR=VALUE...] for one run), LLAMA/QWEN (model folders: a dry run on CPU takes tiny ones).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/kvfleet-out}
+RUNS=${RUNS:-/tmp/kvfleet-compare}
+mkdir -p "$OUT" "$RUNS"
+export PYTHONPATH="$PWD/engine:$PWD/operator:/tmp/site${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false VLLM_USE_FLASHINFER_SAMPLER=0
+export VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1
+PY=${PY:-python3}
+BUDGET_S=${BUDGET_S:-570}
+START=$(date +%s)
+LOG="$OUT/log.txt"
+LLAMA=${LLAMA:-bench/models/llama-3.1-8b}   # (overridable for a dry run on CPU with tiny models)
+QWEN=${QWEN:-bench/models/qwen3-0.6b}
+WORKLOADS_LLAMA=${WORKLOADS_LLAMA:-chat-mix random-1024-128 long-prompt shared-prefix parallel-sampling}
+WORKLOADS_QWEN=${WORKLOADS_QWEN:-chat-mix random-1024-128}
+WORKLOADS_FP8=${WORKLOADS_FP8:-chat-mix random-1024-128}
+WORKLOADS_AB=${WORKLOADS_AB:-long-prompt shared-prefix}
+PREFILL_AB=${PREFILL_AB:-KVFLEET_PREFILL_ATTENTION=flash KVFLEET_PREFILL_TILE=128,64,8,3}
+KV_ENV=${KV_ENV:-}
+LABEL=${LABEL:-}
+c=$(git rev-parse HEAD 2>/dev/null) && echo "$c" > bench/.commit
+
+left() { echo $(( BUDGET_S - ($(date +%s) - START) )); }
+step() {  # step NAME MAX_SECONDS CMD...: run if it can finish inside the budget, log everything
+  local name=$1 max=$2; shift 2
+  local rem; rem=$(left)
+  if (( rem < max / 2 || rem < 30 )); then echo "SKIP $name (needs ~${max}s, ${rem}s left)" | tee -a "$LOG"; return 124; fi
+  (( max > rem - 10 )) && max=$(( rem - 10 ))
+  echo "=== $name (limit ${max}s, t+$(( $(date +%s) - START ))s)" | tee -a "$LOG"
+  local from; from=$(wc -l < "$LOG")
+  timeout -k 10 "$max" "$@" >>"$LOG" 2>&1
+  local rc=$?
+  echo "=== $name rc=$rc t+$(( $(date +%s) - START ))s" | tee -a "$LOG"
+  tail -n +"$((from + 1))" "$LOG" | grep -E "out tok/s|healthy|TTFT|error|Error|Traceback|KV cache:|captured|warm-up" \
+    | tail -n 8
+  return $rc
+}
+offline() {  # offline BACKEND MODEL MAX_S WORKLOADS... (extra flags in XARGS)
+  local backend=$1 model=$2 max=$3; shift 3
+  local envs=""; [[ $backend == kvfleet ]] && envs=$KV_ENV
+  local label=(); [[ $backend == kvfleet && -n $LABEL ]] && label=(--label "$LABEL")
+  step "$backend $(basename "$model") $*${XARGS:+ $XARGS}" "$max" env $envs $PY -m kvfleet.engine.bench.throughput \
+    --backend "$backend" --model "$model" --load-format dummy --dtype bfloat16 --workloads "$@" \
+    --out-dir "$RUNS" "${label[@]}" ${XARGS:-}
+}
+online() {  # online ENGINE MAX_S [flags]
+  local engine=$1 max=$2; shift 2
+  local envs=""; [[ $engine == kvfleet ]] && envs=$KV_ENV
+  step "online $engine $*" "$max" env $envs $PY -m kvfleet.engine.bench.compare online --engine "$engine" \
+    --model "$LLAMA" --out-dir "$RUNS" ${LOADS:+--loads "$LOADS"} ${ONLINE_ARGS:-} "$@"
+}
+need_vllm() {
+  if PYTHONPATH=/tmp/site $PY -c "import vllm" 2>/dev/null; then return 0; fi
+  echo "SKIP $1: vLLM is not installed yet (carry the remaining .whl-parts and run the wheels stage)" | tee -a "$LOG"
+  return 1
+}
+
+{ nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv
+  $PY -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+  echo "commit ${c:-unknown}; stages: $*; KV_ENV='${KV_ENV}' LABEL='${LABEL}'"
+} 2>&1 | tee -a "$LOG"
+
+for s in "$@"; do case $s in
+wheels)
+  bash bench/vllm_wheels.sh install 2>&1 | tee -a "$LOG" ;;
+profile)
+  step profile 180 env $KV_ENV $PY bench/gpu_profile_issue16.py "$RUNS/profile"
+  cp "$RUNS/profile/profile.txt" "$OUT/" 2>/dev/null ;;
+kv-llama) offline kvfleet "$LLAMA" 240 $WORKLOADS_LLAMA ;;
+vllm-llama) need_vllm "$s" && offline vllm "$LLAMA" 330 $WORKLOADS_LLAMA ;;
+kv-qwen) offline kvfleet "$QWEN" 120 $WORKLOADS_QWEN ;;
+vllm-qwen) need_vllm "$s" && offline vllm "$QWEN" 180 $WORKLOADS_QWEN ;;
+kv-online) online kvfleet 240 ${LABEL:+--label "$LABEL"} ;;
+vllm-online) need_vllm "$s" && online vllm 400 --health-limit-s 300 ;;
+kv-fp8) XARGS="--quantization fp8" offline kvfleet "$LLAMA" 200 $WORKLOADS_FP8 ;;
+vllm-fp8) need_vllm "$s" && XARGS="--quantization fp8" offline vllm "$LLAMA" 260 $WORKLOADS_FP8 ;;
+ab-nowarmup)
+  KV_ENV="$KV_ENV KVFLEET_WARMUP=0" LOADS=low:0.5:16 online kvfleet 120 --label nowarmup ;;
+ab-prefill)
+  for setting in $PREFILL_AB; do
+    label=$(echo "${setting//KVFLEET_/}" | tr 'A-Z' 'a-z' | tr '_=,' '-.-')
+    KV_ENV="$KV_ENV ${setting//,KVFLEET_/ KVFLEET_}" LABEL="$label" \
+      offline kvfleet "$LLAMA" 150 $WORKLOADS_AB
+  done ;;
+summary) ;;
+*) echo "unknown stage $s" | tee -a "$LOG" ;;
+esac; done
+
+echo "=== summary (t+$(( $(date +%s) - START ))s)"
+$PY -m kvfleet.engine.bench.compare summary "$RUNS" --out "$OUT/summary.md" 2>&1 | tail -n 60
+tar czf "$OUT/results.tgz" -C "$RUNS" . 2>/dev/null
+ls -la "$OUT"

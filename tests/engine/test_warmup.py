@@ -1,0 +1,230 @@
+"""The warm-up before /health (issue 16's TTFT p99): it covers every Triton kernel variant a varied workload
+launches, leaves nothing behind, and the server answers 503 until it has run.
+
+Kernel variants are what Triton compiles one by one on CUDA: each launch's key is computed here exactly as
+Triton's JIT computes it (its own `native_specialize_impl` on every argument, constexprs by value, the launch
+options), while the kernels run in the CPU interpreter inside a real engine. Decode-only steps are left
+out: on CUDA they replay CUDA graphs whose kernels were compiled while capturing at start-up.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import time
+from typing import Any
+
+import numpy as np
+import pytest
+
+from kvfleet.engine.config import EngineConfig
+from kvfleet.engine.llm_engine import LLMEngine
+from kvfleet.engine.sampling_params import SamplingParams
+from kvfleet.engine.warmup import WARMUP_SALT, run_warmup, warmup_enabled, warmup_plan
+
+
+class VariantRecorder:
+    """Records (kernel, specialization key) of every Triton launch outside decode-only steps."""
+
+    def __init__(self) -> None:
+        self.keys: set[tuple[Any, ...]] = set()
+
+    def key(self, jit_fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
+        from triton._C.libtriton import native_specialize_impl
+        from triton.backends.compiler import BaseBackend
+
+        params = list(inspect.signature(jit_fn.fn).parameters.values())
+        dns = set(jit_fn.kwargs.get("do_not_specialize") or ())
+        bound = dict(zip([p.name for p in params], args, strict=False))   # the rest come as keywords
+        bound.update({k: v for k, v in kwargs.items() if k in {p.name for p in params}})
+        spec = []
+        for p in params:
+            v = bound[p.name]
+            if "constexpr" in str(p.annotation):
+                spec.append((p.name, "constexpr", v))
+            else:
+                spec.append((p.name, *native_specialize_impl(BaseBackend, v, False, p.name not in dns, True)))
+        opts = tuple(sorted((k, v) for k, v in kwargs.items() if k in ("num_warps", "num_stages")))
+        return (jit_fn.fn.__name__, tuple(spec), opts)
+
+    def install(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        from triton.runtime.interpreter import InterpretedFunction
+
+        original = InterpretedFunction.run
+        recorder = self
+
+        def run(self: Any, *args: Any, grid: Any, warmup: bool, **kwargs: Any) -> Any:
+            recorder.keys.add(recorder.key(self, args, kwargs))
+            return original(self, *args, grid=grid, warmup=warmup, **kwargs)
+
+        monkeypatch.setattr(InterpretedFunction, "run", run)
+
+
+@pytest.fixture
+def triton_engine(monkeypatch: pytest.MonkeyPatch, tiny_model_factory: Any) -> Any:
+    """make(**cfg) -> an engine whose attention runs the Triton kernels (interpreted on CPU) and a recorder."""
+    from kvfleet.engine.kernels._common import interpret_mode
+
+    if not interpret_mode():
+        pytest.skip("needs TRITON_INTERPRET=1 (set by the tests' conftest without a GPU)")
+    from kvfleet.engine.attention import register_attention_backend, torch_paged_attention
+    from kvfleet.engine.attention.triton_backend import triton_paged_attention
+
+    def attention(q: Any, k: Any, v: Any, kv_cache: Any, md: Any, scale: float) -> Any:
+        if md.max_query_len <= 1:   # decode-only: CUDA graphs on a GPU (compiled at capture); torch here, faster
+            return torch_paged_attention(q, k, v, kv_cache, md, scale)
+        return triton_paged_attention(q, k, v, kv_cache, md, scale)
+
+    register_attention_backend("test-triton-recording", attention, device_types=("cpu",), priority=-100)
+    monkeypatch.setenv("KVFLEET_ATTENTION_BACKEND", "test-triton-recording")
+    recorder = VariantRecorder()
+    recorder.install(monkeypatch)
+
+    def make(**kw: Any) -> LLMEngine:
+        cfg = dict(model=str(tiny_model_factory("llama")), dtype="float32", device="cpu", num_kv_blocks=256,
+                   max_model_len=192, max_num_seqs=16, max_num_batched_tokens=96)
+        cfg.update(kw)
+        return LLMEngine(EngineConfig(**cfg))
+
+    return make, recorder
+
+
+def _varied_workload(engine: LLMEngine, seed: int) -> None:
+    """Staggered requests of many prompt lengths (1..80: chunked when over the 96-token budget with others),
+    greedy and sampled, some sharing prefixes, n=2 and logprobs among them."""
+    rng = np.random.default_rng(seed)
+    vocab = engine.model_config.vocab_size
+    shared = rng.integers(0, vocab, size=40).tolist()
+    samplings = [dict(temperature=0.0), dict(temperature=1.0, top_p=0.8, seed=3), dict(temperature=0.5, top_k=5),
+                 dict(temperature=0.0, logprobs=3), dict(temperature=0.9, n=2), dict(temperature=0.0,
+                                                                                      presence_penalty=0.5)]
+    n = 0
+    for _wave in range(4):
+        for _ in range(int(rng.integers(1, 5))):
+            plen = int(rng.integers(1, 81))
+            ids = (shared[:plen // 2] if rng.random() < 0.4 else []) + rng.integers(0, vocab, size=plen).tolist()
+            params = SamplingParams(max_tokens=int(rng.integers(1, 8)), ignore_eos=True,
+                                    **samplings[int(rng.integers(0, len(samplings)))])
+            engine.add_request(f"v{seed}-{n}", {"prompt_token_ids": ids[:150]}, params)
+            n += 1
+        for _ in range(int(rng.integers(1, 4))):
+            engine.step()
+    while engine.has_unfinished_requests():
+        engine.step()
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_warmup_covers_every_kernel_variant_of_a_varied_workload(triton_engine: Any, async_scheduling: bool) -> None:
+    make, recorder = triton_engine
+    engine = make(async_scheduling=async_scheduling)
+    recorder.keys.clear()   # start-up's own launches (the profiling forward) are not the warm-up's merit
+    report = engine.warm_up()
+    warmed = set(recorder.keys)
+    assert report.requests == 4 and report.steps > 4
+    names = {k[0] for k in warmed}
+    assert {"_prefill_kernel", "_decode_kernel", "_reshape_and_cache_kernel"} <= names
+    # both prefill tiles, each alone and beside decode rows
+    prefill = {(dict((s[0], s[2]) for s in k[1])["BLOCK_M"], dict((s[0], s[2]) for s in k[1])["SKIP_DECODE"])
+               for k in warmed if k[0] == "_prefill_kernel"}
+    assert prefill == {(16, False), (32, False), (16, True), (32, True)}
+    for seed in range(2):
+        recorder.keys.clear()
+        _varied_workload(engine, seed)
+        missed = recorder.keys - warmed
+        assert not missed, f"variants compiled after the warm-up: {sorted(missed)[:3]}"
+
+
+def test_warmup_leaves_nothing_behind(tiny_model_factory: Any) -> None:
+    engine = LLMEngine(EngineConfig(model=str(tiny_model_factory("qwen3")), dtype="float32", device="cpu",
+                                    num_kv_blocks=64, max_model_len=128))
+    fresh = engine.stats()
+    report = run_warmup(engine)
+    assert report.requests == 4 and report.seconds > 0
+    st = engine.stats()
+    assert not engine.has_unfinished_requests() and not engine.groups
+    assert st["kv_blocks_used"] == 0 and st["kv_blocks_cached"] == 0   # nothing in use, nothing cached
+    assert st == fresh   # counters as a fresh engine's (the server's /metrics read these)
+    assert not engine.runner._generators and not engine.runner._param_rows
+    engine.kv.check_invariants()
+    engine.scheduler.check_invariants()
+    # a real request afterwards finds no warm-up block in the prefix cache, and works
+    engine.add_request("r", {"prompt_token_ids": list(range(1, 40))}, SamplingParams(max_tokens=3, temperature=0))
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.stats()["prefix_cache_hits"] == 0
+
+
+def test_warmup_refuses_a_busy_engine_and_plans_for_short_contexts(tiny_model_factory: Any) -> None:
+    engine = LLMEngine(EngineConfig(model=str(tiny_model_factory("llama")), dtype="float32", device="cpu",
+                                    num_kv_blocks=64, max_model_len=128))
+    engine.add_request("busy", {"prompt_token_ids": [1, 2, 3]}, SamplingParams(max_tokens=2))
+    with pytest.raises(RuntimeError, match="already has requests"):
+        run_warmup(engine)
+    for max_len in (16, 40, 4096):
+        for wave in warmup_plan(max_len, 100):
+            for r in wave.requests:
+                assert r.prompt_len + r.max_tokens < max_len and r.prompt_len >= 1
+    assert WARMUP_SALT
+
+
+def test_warmup_switch(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("KVFLEET_WARMUP", raising=False)
+    assert warmup_enabled()
+    monkeypatch.setenv("KVFLEET_WARMUP", "0")
+    assert not warmup_enabled()
+    monkeypatch.setenv("KVFLEET_WARMUP", "maybe")
+    with pytest.raises(ValueError, match="KVFLEET_WARMUP"):
+        warmup_enabled()
+
+
+def test_health_is_503_until_the_warmup_ran(tiny_model_factory: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The app's load path with a slow warm-up: /health and the API answer 503 while it runs, 200 after."""
+    import httpx
+
+    from kvfleet.engine.async_llm import AsyncLLM
+    from kvfleet.engine.server.app import build_app
+    from kvfleet.engine.server.state import ServerState
+
+    model = str(tiny_model_factory("llama"))
+    calls: list[str] = []
+    real = LLMEngine.warm_up
+
+    def slow_warm_up(self: LLMEngine) -> Any:
+        calls.append("start")
+        time.sleep(1.0)
+        out = real(self)
+        calls.append("done")
+        return out
+
+    monkeypatch.setattr(LLMEngine, "warm_up", slow_warm_up)
+    state = ServerState(model_name="tiny", model_path=model, keys=None)
+    app = build_app(state, lambda: AsyncLLM(model, dtype="float32", device="cpu", num_kv_blocks=64,
+                                            max_model_len=128))
+
+    async def scenario() -> list[tuple[int, str]]:
+        seen: list[tuple[int, str]] = []
+        async with app.router.lifespan_context(app):
+            transport = httpx.ASGITransport(app=app)
+            async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+                deadline = time.monotonic() + 120
+                while time.monotonic() < deadline:
+                    r = await client.get("/health")
+                    seen.append((r.status_code, "done" if "done" in calls else
+                                 ("running" if calls else "loading")))
+                    if r.status_code == 200:
+                        break
+                    api = await client.post("/v1/completions", json={"model": "tiny", "prompt": [1, 2],
+                                                                     "max_tokens": 2})
+                    assert api.status_code == 503
+                    await asyncio.sleep(0.05)
+                ok = await client.post("/v1/completions", json={"model": "tiny", "prompt": [1, 2, 3],
+                                                                "max_tokens": 2})
+                assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 2
+                stats = state.engine.stats()
+                assert stats["kv_blocks_used"] == 0 and stats["num_running"] == 0
+        return seen
+
+    seen = asyncio.run(scenario())
+    assert seen[-1][0] == 200 and seen[-1][1] == "done"
+    assert (503, "running") in seen   # not ready while the warm-up ran
+    assert all(code == 503 for code, _ in seen[:-1])
