@@ -46,7 +46,9 @@ def test_the_gateway_is_a_restricted_pod_with_read_only_rbac(cluster: Any, tmp_p
     role = named(docs, "ClusterRole", "rel-kvfleet-gateway")
     read = ["list", "watch"]
     assert role["rules"] == [
-        {"apiGroups": ["serving.kvfleet.dev"], "resources": ["tenants", "modeldeployments"], "verbs": read},
+        {"apiGroups": ["serving.kvfleet.dev"], "resources": ["tenants"], "verbs": read},
+        # patch: the gateway-demand annotation that wakes a model at zero, its one write
+        {"apiGroups": ["serving.kvfleet.dev"], "resources": ["modeldeployments"], "verbs": [*read, "patch"]},
         {"apiGroups": [""], "resources": ["pods"], "verbs": read}]
     keys = named(docs, "Role", "rel-kvfleet-gateway-keys")
     assert keys["metadata"]["namespace"] == "kvfleet-keys"

@@ -142,7 +142,7 @@ def test_wakes_from_zero_and_goes_back(kube: Kube, tenants: Any, flavors: dict[s
         status = mdep_status(kube, ns, "chat")
         assert status["readyReplicas"] == 1 and status["admittedReplicas"] == 1
         ann = kube.get(API, "modeldeployments", "chat", ns)["metadata"]["annotations"]
-        assert "serving.kvfleet.dev/gateway-demand" in ann
+        assert "gateway.kvfleet.dev/demand" in ann
         assert gw.metric("kvfleet_gateway_queue_outcomes_total", namespace=ns, outcome="dispatched") == 1
         report = {"first_token_from_zero_s": round(first_token, 2), "seconds_after_the_request": marks,
                   "note": "2 shared CPU cores, tiny model; noisy"}

@@ -1,7 +1,7 @@
 """The gateway's demand signal: requests waiting here per ModelDeployment, written onto it for the autoscaler.
 
 The dispatcher reports how many requests wait for each model (held while it is at zero, or queued while
-every replica is saturated); this writes `serving.kvfleet.dev/gateway-demand` = `{"waiting": N, "at": t}`
+every replica is saturated); this writes `gateway.kvfleet.dev/demand` = `{"waiting": N, "at": t}`
 on the ModelDeployment (`kvfleet.operator.autoscaler.demand` reads it): at once when the count changes
 (coalesced, at most one write per model per `min_interval`), again every `refresh` seconds while it is
 above zero (the autoscaler ignores a value older than 30 s, so a gateway that dies stops waking models),

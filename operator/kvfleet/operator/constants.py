@@ -44,5 +44,7 @@ POD_SECURITY_LABEL_PREFIX = "pod-security.kubernetes.io/"
 GPU_TOLERATION = {"key": GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"}
 
 # Written on a ModelDeployment by the gateway: requests waiting there for a replica (JSON {"waiting": N, "at": unix
-# seconds}). The autoscaler adds a fresh value to the engines' queue depth: how a model at zero wakes up.
-GATEWAY_DEMAND_ANNOTATION = f"{GROUP}/gateway-demand"
+# seconds}). The autoscaler adds a fresh value to the engines' queue depth: how a model at zero wakes up. Not under
+# GROUP: kopf keeps its own state in `serving.kvfleet.dev/` annotations and leaves that prefix out of what it diffs,
+# so a change there would never reach the autoscaler's field handler.
+GATEWAY_DEMAND_ANNOTATION = "gateway.kvfleet.dev/demand"

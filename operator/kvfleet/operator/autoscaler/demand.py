@@ -1,6 +1,6 @@
 """The gateway's demand for a ModelDeployment: requests waiting at the gateway for a replica (pure).
 
-The gateway writes the annotation `serving.kvfleet.dev/gateway-demand` = `{"waiting": N, "at": <unix seconds>}`
+The gateway writes the annotation `gateway.kvfleet.dev/demand` = `{"waiting": N, "at": <unix seconds>}`
 on a ModelDeployment while requests wait for it (held while the model is at zero, or queued while every
 replica is saturated), refreshed while they wait and set to 0 when none is left. The autoscaler adds
 `waiting` to the engines' queue depth while the value is fresh (`max_age`), so a model at zero needs one

@@ -1,7 +1,7 @@
 """The autoscaler loop: a kopf timer per autoscaled ModelDeployment.
 
 Each tick: read the ready pods from the API server, read their load (scrape or
-Prometheus) and the gateway's demand (the ModelDeployment's ``serving.kvfleet.dev/gateway-demand``
+Prometheus) and the gateway's demand (the ModelDeployment's ``gateway.kvfleet.dev/demand``
 annotation, ``demand``), decide (pure policy), write ``status.autoscaler`` (inputs, decision,
 saved state), then, if the count changed, ask the operator to reconcile at once; the
 operator turns ``status.autoscaler.desiredReplicas`` into Kueue workloads exactly as
