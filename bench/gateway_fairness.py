@@ -15,6 +15,8 @@ Reported: the quiet tenant's TTFT p50/p90 per phase and the ratios to solo (goal
 completed requests and tokens. Noisy on a shared 2-core machine: ratios are measured side by side in one run.
 
     .venv/bin/python bench/gateway_fairness.py --label v1   # -> bench/results/gateway/fairness-v1.json
+    .venv/bin/python bench/gateway_fairness.py --on-cluster --label cluster-v1   # the same on the local cluster:
+        # Tenants, the flood's ModelDeployment shared with the quiet tenant (an engine pod), keys in Secrets
 """
 
 from __future__ import annotations
@@ -26,10 +28,13 @@ import multiprocessing
 import os
 import platform
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
+import uuid
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import httpx
 import yaml
@@ -37,7 +42,9 @@ import yaml
 from kvfleet.gateway.testing import Engine, GatewayProcess, start_engines
 
 QUIET_KEY, FLOOD_KEY = "quiet-key-0123456789abcdef", "flood-key-0123456789abcdef"
-RESULTS = Path(__file__).resolve().parent / "results" / "gateway"
+REPO = Path(__file__).resolve().parents[1]
+RESULTS = REPO / "bench" / "results" / "gateway"
+API, KUEUE = "serving.kvfleet.dev/v1alpha1", "kueue.x-k8s.io/v1beta2"
 
 
 async def stream_once(client: httpx.AsyncClient, url: str, key: str, prompt: str, max_tokens: int) -> float | None:
@@ -112,15 +119,21 @@ def phase(url: str, args: argparse.Namespace, flood: bool) -> dict[str, Any]:
             "quiet_failed": failed, "flood": {"completed": counts[0], "failed": counts[1]}}
 
 
-def run_phase(name: str, engine: Engine, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
+def static_gateway(name: str, engine: Engine, args: argparse.Namespace, tmp: Path, fairness: str) -> GatewayProcess:
+    """A gateway reading a static config: the flood tenant's model (on `engine`) shared with the quiet tenant."""
     config = tmp / f"{name}.yaml"
     config.write_text(yaml.safe_dump({"tenants": {
         "flood": {"keys": [FLOOD_KEY], "models": {"tiny": {"replicas": [engine.url], "maxNumSeqs": args.max_num_seqs,
                                                            "sharedWith": ["quiet"]}}},
         "quiet": {"keys": [QUIET_KEY]}}}))
+    return GatewayProcess(tmp / f"gateway-{name}.log", config=config,
+                          args=["--fairness", fairness, "--log-level", "warning", "--scrape-interval", "0.5"])
+
+
+def run_phase(name: str, make_gateway: Callable[[str, str], GatewayProcess],
+              args: argparse.Namespace) -> dict[str, Any]:
     fairness = "fifo" if name == "fifo" else "vtc"
-    gw = GatewayProcess(tmp / f"gateway-{name}.log", config=config,
-                        args=["--fairness", fairness, "--log-level", "warning", "--scrape-interval", "0.5"])
+    gw = make_gateway(name, fairness)
     try:
         gw.start()
         out = phase(gw.url, args, flood=name != "solo")
@@ -134,6 +147,72 @@ def run_phase(name: str, engine: Engine, args: argparse.Namespace, tmp: Path) ->
     return out
 
 
+class ClusterSetup:
+    """On the local cluster (`make cluster-up`): the operator, Tenants `flood` and `quiet` (suffixed), the flood's
+    ModelDeployment `tiny` (1 replica, `maxNumSeqs`, shared with quiet) served by a real engine pod, key Secrets."""
+
+    def __init__(self, args: argparse.Namespace, tmp: Path) -> None:
+        sys.path[:0] = [str(REPO / "e2e"), str(REPO / "e2e" / "cluster")]
+        from kvfleet.operator.kube import Kube
+        from kvfleet.operator.testing import OperatorProcess, flavor_objects, install_crds, wait_for
+
+        from local_engines import use_test_model
+        from localcluster import control
+        from localcluster.layout import Layout
+
+        control.up(Layout.for_checkout())
+        self.layout = layout = Layout.for_checkout()
+        self.kubeconfig = str(layout.kubeconfig)
+        self.kube = kube = Kube.from_kubeconfig(self.kubeconfig)
+        install_crds(self.kubectl)
+        sfx = uuid.uuid4().hex[:5]
+        self.sfx, self.keys_ns = sfx, f"fair-keys-{sfx}"
+        self.operator = OperatorProcess(self.kubeconfig, tmp / "operator.log").start()
+        flavor = flavor_objects(sfx, ("h200",))[0]
+        kube.apply(flavor)
+        self.flavor = flavor["metadata"]["name"]
+        kube.create({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": self.keys_ns}})
+        self.tenants = {t: f"fair-{t}-{sfx}" for t in ("flood", "quiet")}
+        for t, key in (("flood", FLOOD_KEY), ("quiet", QUIET_KEY)):
+            name = self.tenants[t]
+            self.kubectl("create", "secret", "generic", f"{t}-keys", f"--namespace={self.keys_ns}",
+                         f"--from-literal=k={key}")
+            kube.apply({"apiVersion": API, "kind": "Tenant", "metadata": {"name": name},
+                        "spec": {"namespaces": [name], "quotas": [{"flavor": self.flavor, "nominal": 1}],
+                                 "gateway": {"apiKeySecrets": [{"name": f"{t}-keys"}]}}})
+            wait_for(f"LocalQueue of {name}", lambda n=name: kube.get(KUEUE, "localqueues", n, n), timeout=60)
+            use_test_model(kube, name)
+        ns = self.tenants["flood"]
+        kube.apply({"apiVersion": API, "kind": "ModelDeployment", "metadata": {"name": "tiny", "namespace": ns},
+                    "spec": {"model": {"source": "HuggingFaceTB/SmolLM2-135M-Instruct", "servedName": "tiny"},
+                             "engine": {"kind": "kvfleet", "maxNumSeqs": args.max_num_seqs},
+                             "resources": {"gpuFlavor": self.flavor, "cpu": "2", "memory": "8Gi"}, "replicas": 1,
+                             "gateway": {"sharedWith": [self.tenants["quiet"]]}}})
+        wait_for("tiny ready", lambda: ((kube.get(API, "modeldeployments", "tiny", ns) or {}).get("status") or {})
+                 .get("readyReplicas") == 1, timeout=600)
+        self.tmp = tmp
+
+    def kubectl(self, *args: str) -> None:
+        argv = [str(self.layout.binary("kubectl")), f"--kubeconfig={self.kubeconfig}", *args]
+        subprocess.run(argv, check=True, capture_output=True, text=True)  # noqa: S603
+
+    def gateway(self, name: str, fairness: str) -> GatewayProcess:
+        return GatewayProcess(self.tmp / f"gateway-{name}.log", kubeconfig=self.kubeconfig,
+                              args=["--keys-namespace", self.keys_ns, "--fairness", fairness, "--log-level", "warning",
+                                    "--scrape-interval", "0.5"])
+
+    def close(self) -> None:
+        for t in ("flood", "quiet"):
+            ns = self.tenants[t]
+            self.kube.delete(API, "modeldeployments", "tiny", ns)
+        for t in ("flood", "quiet"):
+            self.kube.delete(API, "tenants", self.tenants[t])
+            self.kube.delete("v1", "namespaces", self.tenants[t])
+        self.kube.delete("v1", "namespaces", self.keys_ns)
+        self.kube.delete(KUEUE, "resourceflavors", self.flavor)
+        self.operator.stop()
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--label", default="local")
@@ -145,27 +224,42 @@ def main() -> int:
     parser.add_argument("--quiet-gap-s", type=float, default=0.3)
     parser.add_argument("--warmup-s", type=float, default=3.0)
     parser.add_argument("--phases", default="solo,fifo,vtc")
+    parser.add_argument("--on-cluster", action="store_true",
+                        help="on the local cluster (make cluster-up): Tenants, a shared ModelDeployment, an engine pod")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="gw-fair-"))
-    from kvfleet.engine.testing import make_tiny_model
-
-    model = make_tiny_model("llama", tmp / "models", max_position_embeddings=1024)
-    engines = start_engines(Path(model), tmp, 1, "--max-model-len", "1024", "--max-num-seqs", str(args.max_num_seqs),
-                            timeout=600)
     phases: dict[str, dict[str, Any]] = {}
+    close: Callable[[], None]
+    make_gateway: Callable[[str, str], GatewayProcess]
+    if args.on_cluster:
+        setup = ClusterSetup(args, tmp)
+        make_gateway, close = setup.gateway, setup.close
+    else:
+        from kvfleet.engine.testing import make_tiny_model
+
+        model = make_tiny_model("llama", tmp / "models", max_position_embeddings=1024)
+        engines = start_engines(Path(model), tmp, 1, "--max-model-len", "1024", "--max-num-seqs",
+                                str(args.max_num_seqs), timeout=600)
+
+        def make_gateway(name: str, fairness: str) -> GatewayProcess:
+            return static_gateway(name, engines[0], args, tmp, fairness)
+
+        def close() -> None:
+            for e in engines:
+                e.stop()
     try:
         for name in args.phases.split(","):
-            phases[name] = run_phase(name, engines[0], args, tmp)
+            phases[name] = run_phase(name, make_gateway, args)
             q = phases[name]["quiet_ttft_ms"]
             print(f"{name}: quiet TTFT p50 {q['p50']:.1f} ms p90 {q['p90']:.1f} ms ({q['n']} ok), "
                   f"flood {phases[name]['flood']}", flush=True)
     finally:
-        for e in engines:
-            e.stop()
+        close()
     solo = phases.get("solo", {}).get("quiet_ttft_ms", {}).get("p50")
     ratios = {n: p["quiet_ttft_ms"]["p50"] / solo for n, p in phases.items() if solo and n != "solo"}
-    result = {"label": args.label, "args": {k: str(v) for k, v in vars(args).items()}, "phases": phases,
+    result = {"label": args.label, "where": "local cluster" if args.on_cluster else "static config",
+              "args": {k: str(v) for k, v in vars(args).items()}, "phases": phases,
               "quiet_ttft_p50_ratio_to_solo": ratios, "goal": "vtc ratio <= 1.5",
               "host": {"platform": platform.platform(), "cpus": os.cpu_count(),
                        "note": "shared 2-core CPU machine, tiny random-weight model: absolute times are noisy"}}
