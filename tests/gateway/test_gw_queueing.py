@@ -110,3 +110,21 @@ def test_limits_are_checked_at_admission() -> None:
     first.finish(10)
     d.admit(s, "quiet").finish()
     assert d.metrics.limited.labels("quiet", "concurrent_requests")._value.get() == 1
+
+
+def test_a_surplus_seen_in_one_scrape_only_is_not_believed() -> None:
+    """An engine counts a finished request for a step after its stream ended: one scrape's phantom must not make
+    the replica look full; a surplus in two scrapes running (another gateway's requests) counts."""
+    from kvfleet.gateway.load import EngineLoad
+
+    board = LoadBoard()
+    for _ in range(3):
+        board.started("r")
+    board.scraped("r", EngineLoad(waiting=0, running=3), 3)
+    board.scraped("r", EngineLoad(waiting=0, running=4), 3)  # the phantom
+    assert board.view("r").others == 0 and board.view("r").load == 3
+    board.scraped("r", EngineLoad(waiting=0, running=5), 3)  # two scrapes with more than ours: real
+    assert board.view("r").others == 1
+    board.scrape_failed("r")
+    board.scraped("r", EngineLoad(waiting=2, running=3), 3)  # a fresh start believes the first scrape
+    assert board.view("r").others == 2
