@@ -80,7 +80,9 @@ async def flood_loop(url: str, concurrency: int, tokens: int, stop: Any, counts:
         await asyncio.gather(*(worker(i) for i in range(concurrency)))
 
 
-def flood_process(url: str, concurrency: int, tokens: int, stop: Any, counts: Any) -> None:
+def flood_process(url: str, concurrency: int, tokens: int, stop: Any, counts: Any, nice: int = 0) -> None:
+    if nice:  # the flood's client stands for remote clients: here its CPU comes out of the server's cores
+        os.nice(nice)
     asyncio.run(flood_loop(url, concurrency, tokens, stop, counts))
 
 
@@ -103,7 +105,8 @@ def phase(url: str, args: argparse.Namespace, flood: bool) -> dict[str, Any]:
     """The quiet tenant's requests, with the flood (a separate process, as a separate client is) or alone."""
     ctx = multiprocessing.get_context("spawn")
     stop, counts = ctx.Event(), ctx.Array("i", 2)
-    proc = ctx.Process(target=flood_process, args=(url, args.flood_concurrency, args.flood_tokens, stop, counts))
+    proc = ctx.Process(target=flood_process, args=(url, args.flood_concurrency, args.flood_tokens, stop, counts,
+                                                   args.flood_nice))
     if flood:
         proc.start()
         time.sleep(args.warmup_s)  # let the flood fill the engine's slots and the gateway's queue first
@@ -225,6 +228,9 @@ def main() -> int:
     parser.add_argument("--warmup-s", type=float, default=3.0)
     parser.add_argument("--phases", default="solo,vtc,fifo")
     parser.add_argument("--repeats", type=int, default=1, help="run the phases this many times in turn")
+    parser.add_argument("--flood-nice", type=int, default=0,
+                        help="nice the flood's client process (it stands for remote clients; on one machine its CPU "
+                             "comes out of the server's)")
     parser.add_argument("--on-cluster", action="store_true",
                         help="on the local cluster (make cluster-up): Tenants, a shared ModelDeployment, an engine pod")
     parser.add_argument("--out", type=Path)
