@@ -18,8 +18,8 @@
 #   vllm-online       vllm serve, same (~4.5: ~2 min to healthy)
 #   kv-fp8 vllm-fp8   --quantization fp8, Llama-3.1-8B chat-mix and random-1024-128 (~2 / ~3)
 #   ab-nowarmup       kvfleet serve without the warm-up before /health (KVFLEET_WARMUP=0), 0.5 req/s only (~1)
-#   ab-prefill        kvfleet long-prompt + shared-prefix once per setting in PREFILL_AB (~1.2 each): the flash
-#                     prefill path and other Triton tiles, each result labelled by its setting
+#   ab-prefill        kvfleet long-prompt + shared-prefix once per setting in PREFILL_AB (~1.2 each): other
+#                     Triton prefill tiles, each result labelled by its setting
 #   summary           the comparison table of everything in $RUNS (also printed after every call)
 #
 # Knobs: BUDGET_S (default 570: stop starting stages that would not end inside it), KV_ENV (extra environment
@@ -45,7 +45,7 @@ WORKLOADS_LLAMA=${WORKLOADS_LLAMA:-chat-mix random-1024-128 long-prompt shared-p
 WORKLOADS_QWEN=${WORKLOADS_QWEN:-chat-mix random-1024-128}
 WORKLOADS_FP8=${WORKLOADS_FP8:-chat-mix random-1024-128}
 WORKLOADS_AB=${WORKLOADS_AB:-long-prompt shared-prefix}
-PREFILL_AB=${PREFILL_AB:-KVFLEET_PREFILL_ATTENTION=flash KVFLEET_PREFILL_TILE=128,64,8,3}
+PREFILL_AB=${PREFILL_AB:-KVFLEET_PREFILL_TILE=128,64,4,3}
 KV_ENV=${KV_ENV:-}
 LABEL=${LABEL:-}
 c=$(git rev-parse HEAD 2>/dev/null) && echo "$c" > bench/.commit

@@ -15,7 +15,6 @@ import os
 import torch
 
 from kvfleet.engine.attention import register_attention_backend
-from kvfleet.engine.attention.flash_prefill import flash_prefill, plan_for, prefill_impl
 from kvfleet.engine.attention.metadata import AttentionMetadata
 from kvfleet.engine.kernels.paged_decode import choose_num_splits, paged_decode_attention
 from kvfleet.engine.kernels.prefill_attention import default_block_m, prefill_attention, prefill_work
@@ -46,21 +45,19 @@ def prefill_tile(raw: str) -> tuple[int, int, int, int] | None:
 
 
 def _prefill_plan(md: AttentionMetadata, dtype: torch.dtype,
-                  device: torch.device) -> tuple[bool, str, tuple[int, int, int, int], torch.Tensor | None]:
-    """(has single-token rows, "triton" or "flash", Triton tile, work list) of a step with prefill: computed
-    once per step (the first layer) and kept on the metadata object for the other layers."""
+                  device: torch.device) -> tuple[bool, tuple[int, int, int, int], torch.Tensor]:
+    """(has single-token rows, Triton tile, work list) of a step with prefill: computed once per step (the
+    first layer) and kept on the metadata object for the other layers."""
     plan = getattr(md, "_kvfleet_prefill_plan", None)
     if plan is None:
         qsl = md.query_start_loc_cpu
         mixed = any(qsl[i + 1] - qsl[i] == 1 for i in range(len(qsl) - 1))
-        impl = prefill_impl() if device.type == "cuda" else "triton"
         block_m = default_block_m(md.max_query_len, dtype)
         tile = (block_m, 64, 4, 2)
         custom = prefill_tile(os.environ.get("KVFLEET_PREFILL_TILE", ""))
         if custom is not None and md.max_query_len > 16:
             tile = custom
-        work = prefill_work(qsl, tile[0], mixed, device) if impl == "triton" else None
-        plan = (mixed, impl, tile, work)
+        plan = (mixed, tile, prefill_work(qsl, tile[0], mixed, device))
         md._kvfleet_prefill_plan = plan  # type: ignore[attr-defined]
     return plan
 
@@ -86,15 +83,10 @@ def triton_paged_attention(
         splits = choose_num_splits(batch, kv_cache.shape[3], md.max_seq_len, _num_sms(q.device))
         return paged_decode_attention(q, kv_cache, md.block_tables, md.seq_lens, md.query_start_loc,
                                       scale, out, num_splits=splits)
-    mixed, impl, (block_m, block_n, warps, stages), work = _prefill_plan(md, q.dtype, q.device)
-    if impl == "flash":
-        plan = plan_for(md, kv_cache.shape[2], q.device)
-        if plan is not None:
-            flash_prefill(q, k, v, kv_cache, plan, scale, out)
-    else:
-        prefill_attention(q, kv_cache, md.block_tables, md.seq_lens, md.query_start_loc, md.max_query_len,
-                          scale, out, skip_decode=mixed, block_m=block_m, block_n=block_n, work=work,
-                          num_warps=warps, num_stages=stages)
+    mixed, (block_m, block_n, warps, stages), work = _prefill_plan(md, q.dtype, q.device)
+    prefill_attention(q, kv_cache, md.block_tables, md.seq_lens, md.query_start_loc, md.max_query_len,
+                      scale, out, skip_decode=mixed, block_m=block_m, block_n=block_n, work=work,
+                      num_warps=warps, num_stages=stages)
     if mixed:
         # decode rows of a mixed step: enough programs already come from the batch, no split
         paged_decode_attention(q, kv_cache, md.block_tables, md.seq_lens, md.query_start_loc, scale, out)
