@@ -32,7 +32,7 @@ test: install system-deps cluster-build image-deps images-control-plane ## run t
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 lint: install ## ruff (style, imports, pyflakes, bugbear) and mypy (types), as CI runs them
-	$(VENV)/bin/ruff check engine operator tests e2e bench images
+	$(VENV)/bin/ruff check engine operator gateway tests e2e bench images
 	$(VENV)/bin/mypy
 
 test-unit: install ## run only the tests that need no cluster
