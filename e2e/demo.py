@@ -8,7 +8,10 @@
    /health); team-b's second model waits on quota with Kueue's reason, and is admitted once team-a scales down;
 4. team-a's pod answers a chat request through the `openai` client, at the pod's own (loopback) IP;
 5. the gateway (a local process, as the operator is) answers a chat with team-a's key by a pod of team-a's
-   ModelDeployment, and refuses team-b's key for it (e2e/demo_gateway.py).
+   ModelDeployment, and refuses team-b's key for it (e2e/demo_gateway.py);
+6. team-a/sleepy, at zero replicas, wakes from a request at the gateway: refused with 429 and Kueue's reason
+   while team-b borrows team-a's spare GPUs, woken (first-token latency shown) once they come back, and back to
+   zero after its scaleDownDelaySeconds.
 """
 from __future__ import annotations
 
@@ -25,7 +28,7 @@ sys.path.insert(0, str(REPO / "e2e" / "cluster"))
 from kvfleet.operator.kube import Kube  # noqa: E402
 from kvfleet.operator.testing import OperatorProcess, condition, install_crds, wait_for  # noqa: E402
 
-from demo_gateway import gateway_act  # noqa: E402
+from demo_gateway import gateway_act, wake_act  # noqa: E402
 from localcluster import control  # noqa: E402
 from localcluster.layout import Layout  # noqa: E402
 
@@ -81,7 +84,7 @@ class Demo:
 
     def reset(self) -> None:
         """Start from the samples as written (a previous run scaled things)."""
-        for f in ("team-b-summarizer.yaml", "team-b-coder.yaml", "team-a-chat.yaml"):
+        for f in ("team-a-sleepy.yaml", "team-b-summarizer.yaml", "team-b-coder.yaml", "team-a-chat.yaml"):
             self.kubectl("delete", "--ignore-not-found", "--wait=true", "-f", str(MANIFESTS / f), check=False)
 
 
@@ -176,13 +179,17 @@ def main() -> int:
         note(line, DIM)
     op_log = Path(layout.logs) / "operator-demo.log"
     install(demo)
-    operator = OperatorProcess(str(layout.kubeconfig), op_log, peering="kvfleet", identity="kvfleet-demo")
+    # the autoscaler every 5 s (default 15): sleepy goes back to zero soon after its delay
+    operator = OperatorProcess(str(layout.kubeconfig), op_log, peering="kvfleet", identity="kvfleet-demo",
+                               env={"KVFLEET_AUTOSCALE_INTERVAL": "5"})
     try:
         operator.start()
         note(f"operator: {' '.join(operator.argv()[1:])}  (log: {op_log})", DIM)
         story(demo)
         pod_chat(demo)
-        gateway_act(str(layout.kubeconfig), Path(layout.logs), demo.kubectl, say, note, GREEN, YELLOW, DIM)
+        keys = gateway_act(str(layout.kubeconfig), Path(layout.logs), demo.kubectl, say, note, GREEN, YELLOW, DIM)
+        wake_act(str(layout.kubeconfig), Path(layout.logs), demo.kube, demo.kubectl, MANIFESTS, keys, say, note,
+                 GREEN, YELLOW, DIM)
     finally:
         operator.stop()
     say("Continue by hand")

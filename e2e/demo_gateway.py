@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import secrets
+import time
 from pathlib import Path
 from typing import Any, Callable
 
@@ -16,7 +17,10 @@ import openai
 from openai import OpenAI
 
 from kvfleet.gateway.testing import GatewayProcess
+from kvfleet.operator.kube import Kube
 from kvfleet.operator.testing import wait_for
+
+API = "serving.kvfleet.dev/v1alpha1"
 
 KEYS_NAMESPACE = "kvfleet-system"
 
@@ -34,7 +38,7 @@ def create_keys(kubectl: Callable[..., str], note: Callable[..., None]) -> dict[
 
 
 def gateway_act(kubeconfig: str, logs: Path, kubectl: Callable[..., str], say: Callable[[str], None],
-                note: Callable[..., Any], green: str, yellow: str, dim: str) -> None:
+                note: Callable[..., Any], green: str, yellow: str, dim: str) -> dict[str, str]:
     say("The gateway: one OpenAI endpoint for every tenant; the API key names the tenant")
     keys = create_keys(kubectl, note)
     gateway = GatewayProcess(logs / "gateway-demo.log", kubeconfig=kubeconfig,
@@ -70,5 +74,73 @@ def gateway_act(kubeconfig: str, logs: Path, kubectl: Callable[..., str], say: C
             note(f"a wrong key: {err.status_code} {err.body.get('message')}", yellow)
         tokens = gateway.metric("kvfleet_gateway_completion_tokens_total", tenant="team-a")
         note(f"kvfleet_gateway_completion_tokens_total{{tenant=\"team-a\"}} = {tokens:.0f} (chargeback)", dim)
+    finally:
+        gateway.stop()
+    return keys
+
+
+def _status(kube: Kube, name: str) -> dict[str, Any]:
+    return (kube.get(API, "modeldeployments", name, "team-a") or {}).get("status") or {}
+
+
+def _pods(kube: Kube, name: str) -> list[dict[str, Any]]:
+    return [p for p in kube.list("v1", "pods", "team-a", f"serving.kvfleet.dev/modeldeployment={name}")
+            if not p["metadata"].get("deletionTimestamp")]
+
+
+def wake_act(kubeconfig: str, logs: Path, kube: Kube, kubectl: Callable[..., str], manifests: Path,
+             keys: dict[str, str], say: Callable[[str], None], note: Callable[..., Any], green: str, yellow: str,
+             dim: str) -> None:
+    """A model at zero: refused within quota while the cohort's GPUs are lent out, woken once they come back,
+    and back to zero after its delay."""
+    say("team-a/sleepy sleeps at zero replicas (autoscaling.minReplicas: 0) and wakes on a request")
+    kubectl("apply", "-f", str(manifests / "team-a-sleepy.yaml"))
+    note("kubectl apply -f manifests/team-a-sleepy.yaml   (replicas 0, 1 H200 GPU each, scaleDownDelaySeconds 20)")
+    wait_for("sleepy at zero", lambda: _status(kube, "sleepy").get("desiredReplicas") == 0, timeout=60)
+    gateway = GatewayProcess(logs / "gateway-demo-wake.log", kubeconfig=kubeconfig,
+                             args=["--keys-namespace", KEYS_NAMESPACE]).start()
+    http = httpx.Client(trust_env=False, timeout=600)
+    team_a = OpenAI(base_url=gateway.url + "/v1", api_key=keys["team-a"], http_client=http, max_retries=0)
+    messages: Any = [{"role": "user", "content": "In one sentence, what is a queue?"}]
+    try:
+        wait_for("the gateway lists sleepy", lambda: "sleepy" in {m.id for m in team_a.models.list().data},
+                 timeout=60)
+        note(f"pods of sleepy: {len(_pods(kube, 'sleepy'))}; team-b borrows team-a's 2 spare H200s (summarizer)")
+        note("team-a asks sleepy: the gateway holds the request and asks the autoscaler for a replica")
+        try:
+            team_a.chat.completions.create(model="sleepy", messages=messages, max_tokens=16)
+            raise RuntimeError("sleepy answered while its quota was lent out")
+        except openai.RateLimitError as err:
+            note(f"{err.status_code}, Retry-After {err.response.headers.get('retry-after')}s: "
+                 f"{err.body.get('message')}", yellow)
+        note(f"pods of sleepy: {len(_pods(kube, 'sleepy'))} (Kueue admitted nothing: quota is never bypassed)")
+        kubectl("delete", "mdep/summarizer", "--namespace", "team-b", "--wait=false")
+        note("kubectl delete mdep/summarizer -n team-b   (its 2 borrowed GPUs go back to the cohort)")
+        wait_for("sleepy within quota", lambda: not any(
+            c["type"] == "QuotaExceeded" and c["status"] == "True" for c in _status(kube, "sleepy").get("conditions")
+            or ()), timeout=120)
+        note(f"Kueue: sleepy within quota again ({_status(kube, 'sleepy').get('admittedReplicas', 0)} admitted, "
+             f"{_status(kube, 'sleepy').get('readyReplicas', 0)} Ready)")
+        note("team-a asks sleepy again (streaming): held at the gateway until a replica is Ready")
+        ready_before = _status(kube, "sleepy").get("readyReplicas", 0)
+        start = time.monotonic()
+        first = None
+        text = ""
+        for chunk in team_a.chat.completions.create(model="sleepy", messages=messages, max_tokens=48,
+                                                    temperature=0, stream=True):
+            delta = chunk.choices[0].delta.content if chunk.choices else None
+            if delta and first is None:
+                first = time.monotonic() - start
+            text += delta or ""
+        note(f"assistant: {text.strip()}", green)
+        st = _status(kube, "sleepy")
+        note(f"first token {first:.1f}s after the request, asked with {ready_before} Ready replicas (Kueue "
+             f"admission, pod start, engine load on CPU); sleepy now {st.get('readyReplicas')} Ready", green)
+        note("waiting for sleepy to go back to zero (20 s without requests, then the autoscaler's next tick) ...",
+             dim)
+        start = time.monotonic()
+        wait_for("sleepy back at zero", lambda: _status(kube, "sleepy").get("desiredReplicas") == 0
+                 and not _pods(kube, "sleepy"), timeout=180)
+        note(f"sleepy back at zero replicas after {time.monotonic() - start:.0f}s; its GPU is free again", green)
     finally:
         gateway.stop()

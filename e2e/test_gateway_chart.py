@@ -46,7 +46,9 @@ def test_the_gateway_is_a_restricted_pod_with_read_only_rbac(cluster: Any, tmp_p
     role = named(docs, "ClusterRole", "rel-kvfleet-gateway")
     read = ["list", "watch"]
     assert role["rules"] == [
-        {"apiGroups": ["serving.kvfleet.dev"], "resources": ["tenants", "modeldeployments"], "verbs": read},
+        {"apiGroups": ["serving.kvfleet.dev"], "resources": ["tenants"], "verbs": read},
+        # patch: the gateway-demand annotation that wakes a model at zero, its one write
+        {"apiGroups": ["serving.kvfleet.dev"], "resources": ["modeldeployments"], "verbs": [*read, "patch"]},
         {"apiGroups": [""], "resources": ["pods"], "verbs": read}]
     keys = named(docs, "Role", "rel-kvfleet-gateway-keys")
     assert keys["metadata"]["namespace"] == "kvfleet-keys"
@@ -73,8 +75,12 @@ def test_the_gateway_runs_as_the_charts_service_account(cluster: Any, kube: Kube
                for verb, res, where in (("list", "secrets", ("-n", ns)), ("list", "secrets", ("-n", "default")),
                                         ("get", "secrets", ("-n", "default")), ("list", "pods", ("-A",)),
                                         ("watch", "tenants.serving.kvfleet.dev", ()),
-                                        ("create", "pods", ("-n", ns)), ("patch", "tenants.serving.kvfleet.dev", ()))}
-        assert [v for v in can.values()] == ["yes", "no", "no", "yes", "yes", "no", "no"], can
+                                        ("create", "pods", ("-n", ns)), ("patch", "tenants.serving.kvfleet.dev", ()),
+                                        # the gateway-demand annotation (scale from zero), nothing more
+                                        ("patch", "modeldeployments.serving.kvfleet.dev", ("-A",)),
+                                        ("update", "modeldeployments.serving.kvfleet.dev", ("-A",)),
+                                        ("delete", "modeldeployments.serving.kvfleet.dev", ("-A",)))}
+        assert [v for v in can.values()] == ["yes", "no", "no", "yes", "yes", "no", "no", "yes", "no", "no"], can
         config = service_account_kubeconfig(cluster, kubectl, f"{release}-kvfleet-gateway", ns,
                                             tmp_path / "gw.kubeconfig")
         with GatewayProcess(Path(cluster.logs) / f"gateway-chart-{sfx}.log", kubeconfig=config,

@@ -35,7 +35,13 @@ from localcluster.enginekubelet.pods import (  # noqa: E402
     secret_files,
 )
 from localcluster.enginekubelet.probes import ProbeTracker  # noqa: E402
-from localcluster.enginekubelet.status import ContainerState, restart_delay, status_patch, terminated  # noqa: E402
+from localcluster.enginekubelet.status import (  # noqa: E402
+    ContainerState,
+    restart_delay,
+    status_drifted,
+    status_patch,
+    terminated,
+)
 
 OPTIONS = EngineOptions(python="/venv/bin/python")
 TINY = LocalModel("tiny", "/cache/models/tiny-llama-x", 1024)
@@ -146,6 +152,17 @@ def test_status_patch_keeps_transition_times_and_reports_like_a_kubelet() -> Non
     assert container["lastState"]["terminated"]["exitCode"] == 137
     assert container["lastState"]["terminated"]["message"] == "killed by SIGKILL"
     assert terminated(0, "a", "b").reason == "Completed" and terminated(2, "a", "b").reason == "Error"
+
+
+def test_a_status_someone_else_wrote_is_written_back() -> None:
+    ready = ContainerState("engine", "img", restart_count=0, ready=True, running_since="T1")
+    ours = status_patch({}, ready, "Running", "T2")["status"]
+    assert not status_drifted(ours, ready, "Running")
+    # the node lifecycle controller's MarkPodsNotReady after the node's lease lapsed
+    marked = {**ours, "conditions": [{**c, "status": "False"} if c["type"] == "Ready" else c
+                                     for c in ours["conditions"]]}
+    assert status_drifted(marked, ready, "Running")
+    assert status_drifted(ours, ready, "Pending")
 
 
 def test_restart_back_off_is_a_kubelets() -> None:

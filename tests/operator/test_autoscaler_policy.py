@@ -233,3 +233,27 @@ def test_policy_invariants(case: tuple[AutoscalingSpec, int, list[PodLoad], Auto
     again = decide(spec, d.desired, observed, d.state, now)
     settled = again.action == "hold" or (d.action == "scale_down" and again.desired <= d.desired)
     assert settled, (spec, current, d, again)
+
+
+ZERO = AutoscalingSpec(min_replicas=0, max_replicas=3, target_queue_depth=4, scale_down_delay_seconds=30)
+
+
+def test_requests_waiting_at_the_gateway_wake_a_model_at_zero() -> None:
+    idle = decide(ZERO, 0, [], AutoscalerState(), 0.0)
+    assert idle.action == "hold" and idle.desired == 0
+    woken = decide(ZERO, 0, [], AutoscalerState(), 0.0, gateway_waiting=1)
+    assert woken.action == "scale_up" and woken.desired == 1 and woken.queue_depth == 1
+    assert "1 at the gateway" in woken.reason
+    many = decide(ZERO, 0, [], AutoscalerState(), 0.0, gateway_waiting=9)
+    assert many.desired == 3  # ceil(9 / 4), within maxReplicas
+
+
+def test_gateway_queue_adds_to_the_engines_depth() -> None:
+    d = decide(ZERO, 1, pods((0, 4)), AutoscalerState(), 0.0, gateway_waiting=4)
+    assert d.action == "scale_up" and d.desired == 2
+
+
+def test_an_idle_model_goes_back_to_zero_after_the_delay() -> None:
+    decisions = run(ZERO, 1, [(0.0, pods((0, 0))), (20.0, pods((0, 0))), (31.0, pods((0, 0)))])
+    assert [d.desired for d in decisions] == [1, 1, 0]
+    assert decisions[-1].action == "scale_down"

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from kvfleet.operator.events import build_event
-from kvfleet.operator.kube import object_path, resource_path
+from kvfleet.operator.kube import object_path, request_kind, resource_path
 
 from op_factories import make_mdep
 
@@ -22,3 +22,13 @@ def test_event_refers_to_object() -> None:
                                     "name": "llama", "namespace": "team-a", "uid": "uid-1234"}
     assert ev["metadata"]["namespace"] == "team-a" and len(ev["message"]) == 1024
     assert ev["type"] == "Warning" and ev["reason"] == "InsufficientQuota"
+
+
+def test_request_kind_counts_as_the_apiserver_does() -> None:
+    assert request_kind("GET", "/api/v1/namespaces") == ("list", "namespaces")
+    assert request_kind("GET", "/api/v1/namespaces/a") == ("get", "namespaces")
+    assert request_kind("GET", "/apis/kueue.x-k8s.io/v1beta2/namespaces/x/workloads") == ("list", "workloads")
+    assert request_kind("GET", "/apis/kueue.x-k8s.io/v1beta2/clusterqueues/q") == ("get", "clusterqueues")
+    assert request_kind("PATCH", object_path(make_mdep(), "status")) == ("patch", "modeldeployments/status")
+    assert request_kind("POST", "/api/v1/namespaces/ns/events") == ("create", "events")
+    assert request_kind("DELETE", "/apis/apps/v1/namespaces/ns/deployments/d") == ("delete", "deployments")

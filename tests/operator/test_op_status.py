@@ -4,7 +4,7 @@ from __future__ import annotations
 from kvfleet.operator.errors import SpecError
 from kvfleet.operator.kueue_state import observe_workload
 from kvfleet.operator.plan import plan_workloads
-from kvfleet.operator.status import Observation, compute_status, status_changed, transition_events
+from kvfleet.operator.status import Observation, compute_status, status_changed, status_event, transition_events
 
 from op_factories import make_workload
 
@@ -71,10 +71,23 @@ def test_transition_time_moves_only_on_flip_and_unchanged_status_is_not_patched(
 def test_events_on_transitions() -> None:
     pending = compute_status(observe(1, [make_workload(0, pending_message=MSG)]), {}, T0)
     events = transition_events([], pending["conditions"])
-    assert ("Warning", "InsufficientQuota", f"QuotaExceeded=True: {MSG}") in events
+    assert ("Warning", "InsufficientQuota", f"QuotaExceeded=True (InsufficientQuota): {MSG}") in events
     admitted = compute_status(observe(1, [make_workload(0, admitted=True, flavor="a")], ready=1), pending, T1)
     reasons = {(t, r) for t, r, _ in transition_events(pending["conditions"], admitted["conditions"])}
     assert ("Normal", "AllReplicasAdmitted") in reasons and ("Normal", "WithinQuota") in reasons
+
+
+def test_one_event_per_status_write_the_warning_first() -> None:
+    ready = compute_status(observe(1, [make_workload(0, admitted=True, flavor="a")], ready=1), {}, T0)
+    fresh = status_event([], ready["conditions"])
+    assert fresh is not None and fresh[:2] == ("Normal", "AllReplicasAdmitted")
+    assert "Available=True (MinimumReplicasAvailable)" in fresh[2] and "Progressing=False (ReplicasReady)" in fresh[2]
+    over = compute_status(observe(2, [make_workload(0, admitted=True, flavor="a"),
+                                      make_workload(1, pending_message=MSG)], ready=1), ready, T1)
+    kind, reason, message = status_event(ready["conditions"], over["conditions"]) or ("", "", "")
+    assert (kind, reason) == ("Warning", "InsufficientQuota")  # not Admitted's Normal "Pending", listed first
+    assert "Admitted=False (Pending)" in message and MSG in message
+    assert status_event(over["conditions"], over["conditions"]) is None
 
 
 def test_scaled_to_zero() -> None:

@@ -99,6 +99,10 @@ def controller_manager(layout: Layout) -> Component:
         "--use-service-account-credentials=true",
         f"--cluster-signing-cert-file={pki / 'ca.crt'}",
         f"--cluster-signing-key-file={pki / 'ca.key'}",
+        # Pod IPs are loopback addresses here, which Endpoints and EndpointSlices may never hold: these controllers
+        # could only fail, retry and post a Warning Event for every Service, forever (a third of the apiserver's
+        # requests with 200 ModelDeployments, bench/operator_scale.py). Nothing here reads Endpoints.
+        "--controllers=*,-endpoints-controller,-endpointslice-controller,-endpointslice-mirroring-controller",
     )
     return Component("kube-controller-manager", argv, _admin_probe(layout, f"https://127.0.0.1:{port}/healthz"))
 

@@ -197,6 +197,52 @@ def _start_everything(layout: Layout, node_spec: str, timeout: float, engine_mod
     log.info("cluster up in %.0f s", time.monotonic() - started)
 
 
+@dataclass(frozen=True)
+class Restart:
+    """What one restart took: stopping (SIGTERM until gone), and starting until the health probe answered."""
+
+    name: str
+    old_pid: int | None
+    new_pid: int
+    stop_s: float
+    start_s: float
+
+
+# What a component's restart waits for besides its own probe: the apiserver's readiness needs etcd, so after
+# etcd comes back the cluster is usable only once the apiserver is ready again.
+_RESTART_ALSO_WAITS = {"etcd": ("kube-apiserver",)}
+
+
+def restart(layout: Layout, name: str, timeout: float = 180.0, down_for: float = 0.0) -> Restart:
+    """Stops one component and starts it again with the same command line and data (etcd keeps its data dir),
+    then waits until it, and what depends on it to answer (the apiserver after etcd), is healthy again.
+
+    Holds the cluster lock, so a concurrent `up` (another test session) never mistakes the gap for a broken
+    cluster and starts over. `down_for` keeps it stopped that many seconds (an outage, not just a blip)."""
+    every = comps.all_components(layout)
+    if name not in every:
+        raise ValueError(f"unknown component {name!r}; one of {', '.join(every)}")
+    with locked(layout):
+        old = procs.running_pid(layout.run, name)
+        if old is None:
+            raise RuntimeError(f"{name} is not running")
+        began = time.monotonic()
+        procs.stop(layout.run, name)
+        stopped = time.monotonic()
+        if down_for > 0:
+            time.sleep(down_for)
+        started = time.monotonic()
+        procs.start_and_wait(every[name], layout.run, layout.logs, timeout)
+        for other in _RESTART_ALSO_WAITS.get(name, ()):
+            procs.wait_ready(every[other], layout.run, layout.logs, timeout)
+        new = procs.running_pid(layout.run, name)
+        assert new is not None
+        restarted = Restart(name, old, new, round(stopped - began, 2), round(time.monotonic() - started, 2))
+    log.info("restarted %s: pid %s -> %d, stop %.1f s, start %.1f s", name, old, new, restarted.stop_s,
+             restarted.start_s)
+    return restarted
+
+
 def down(layout: Layout) -> list[str]:
     """Stops every component and removes the cluster's state (binaries and logs stay). Safe to run twice."""
     with locked(layout):

@@ -3,7 +3,8 @@
 1. `Authorization: Bearer KEY` -> tenant, else 401 (before anything else is read);
 2. the body: over `max_request_bytes` 413, unparsable or invalid 400 naming the field (the engine's shapes);
 3. `model` within the tenant, else 404 (`model_not_found`);
-4. dispatch (a ready replica, else 503) and proxy.
+4. the tenant's limits (429), then dispatch: a replica now, or a wait in the model's queue (scaling from
+   zero, or every replica saturated), and proxy.
 Unknown routes are 404 and known routes with another method 405, in OpenAI's error shape too.
 """
 
@@ -18,10 +19,11 @@ from aiohttp import web
 from kvfleet.engine.server.auth import bearer_token
 from kvfleet.engine.server.error_shapes import APIError
 from kvfleet.gateway.catalog import ModelRef
+from kvfleet.gateway.fairness import token_cost
 from kvfleet.gateway.metrics import GatewayMetrics
 from kvfleet.gateway.prefix import PrefixConfig, request_hashes
 from kvfleet.gateway.proxy import Proxy, json_error
-from kvfleet.gateway.requests import ROUTES, parse_request, upstream_body
+from kvfleet.gateway.requests import ROUTES, parse_request, token_estimate, upstream_body
 from kvfleet.gateway.snapshot import Snapshot
 
 log = logging.getLogger("kvfleet.gateway")
@@ -158,7 +160,8 @@ class GatewayApp:
         model = found.model
         hashes = request_hashes(req.parsed, self.state.prefix) if self.state.use_prefix else ()
         body = upstream_body(req, model.served_name, raw)
-        return await self.state.proxy.forward(request, snapshot, tenant, model, req, body, hashes)
+        cost = token_cost(*token_estimate(req))
+        return await self.state.proxy.forward(request, snapshot, tenant, model, req, body, hashes, cost)
 
 
 def _card(model_id: str, m: ModelRef) -> dict[str, Any]:

@@ -5,7 +5,8 @@ A tenant's models are the ModelDeployments in its namespaces. A model's public i
 call a model `chat`, since ids resolve within the caller's tenant only. Every model also answers to
 `<namespace>/<ModelDeployment name>`, unique in the cluster; a served name that two models of one
 tenant share resolves to neither (the error lists the qualified ids) and those models are listed under
-their qualified ids.
+their qualified ids. A model its owner shares (`spec.gateway.sharedWith` of the ModelDeployment) is
+also one of each named tenant's models, by the same rules; it stays its owner's (`owned_by`).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ class ModelRef:
     engine_kind: str = "kvfleet"
     created: int = 0  # unix seconds
     source: str | None = None
+    shared_with: tuple[str, ...] = ()  # other tenants that may use it (their keys reach it too)
 
     @property
     def key(self) -> str:
@@ -68,7 +70,8 @@ class Catalog:
 def build_catalog(models: Iterable[ModelRef]) -> Catalog:
     per_tenant: dict[str, list[ModelRef]] = {}
     for m in models:
-        per_tenant.setdefault(m.tenant, []).append(m)
+        for user in dict.fromkeys((m.tenant, *m.shared_with)):
+            per_tenant.setdefault(user, []).append(m)
     out: dict[str, TenantModels] = {}
     for tenant, refs in per_tenant.items():
         refs.sort(key=lambda m: (m.served_name, m.key))

@@ -7,9 +7,12 @@ import os
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
+from kvfleet.gateway.dispatch import DEFAULT_CAPACITY, DispatchConfig
+from kvfleet.gateway.fairness import POLICIES as FAIRNESS
 from kvfleet.gateway.prefix import PrefixConfig
 from kvfleet.gateway.proxy import ProxyConfig
 from kvfleet.gateway.routing import POLICIES, RoutingConfig
+from kvfleet.gateway.waking import HoldConfig
 
 ENV_PREFIX = "KVFLEET_GATEWAY_"
 LOOPBACK_ENV = "KVFLEET_LOOPBACK_ONLY"
@@ -55,6 +58,25 @@ FLAGS: tuple[Flag, ...] = (
          float, 600.0),
     Flag("--eject-seconds", "How long a replica that failed to answer gets no requests.", float, 5.0),
     Flag("--shutdown-grace-period", "Seconds requests in flight may take to finish after SIGTERM.", float, 30.0),
+    Flag("--fairness", "Order of requests waiting for a saturated model: vtc (virtual token counter, by tenant "
+         "weight, a slot kept for an idle active tenant) or fifo (arrival order).", default="vtc", choices=FAIRNESS),
+    Flag("--replica-capacity", "Requests one replica runs at once when its ModelDeployment sets no "
+         "engine.maxNumSeqs (more wait at the gateway).", int, DEFAULT_CAPACITY),
+    Flag("--active-seconds", "A tenant with a request to a model in this many seconds is active there (vtc keeps "
+         "a slot free for its next request while it has none).", float, 10.0),
+    Flag("--admission-timeout", "Seconds a request held for a model at zero waits for Kueue to admit a replica "
+         "before a 503.", float, 60.0),
+    Flag("--wake-timeout", "Seconds a request held for a model at zero waits for a ready replica before a 504.",
+         float, 300.0),
+    Flag("--queue-timeout", "Seconds a request waits for a slot on a saturated model before a 503.", float, 120.0),
+    Flag("--quota-retry-after", "Retry-After (seconds) of a 429 for a model Kueue keeps at zero.", int, 30),
+    Flag("--max-queued-per-tenant", "Requests a tenant may have waiting per model at one gateway replica; more get "
+         "429.", int, 100),
+    Flag("--peers", "Other gateway replicas' metrics URLs, comma-separated (outside a cluster), whose usage "
+         "counts against tenants' limits.", metavar="URLS"),
+    Flag("--peer-selector", "Label selector of the gateway's pods in its namespace: their usage counts against "
+         "tenants' limits (the pod itself, $POD_NAME, is left out).", metavar="SELECTOR"),
+    Flag("--peer-sync-interval", "Seconds between reads of the peers' usage.", float, 0.5),
     Flag("--log-level", "Log level.", default="info", choices=("debug", "info", "warning", "error")),
 )
 
@@ -97,6 +119,12 @@ class GatewayConfig:
     shutdown_grace_period: float = 30.0
     log_level: str = "info"
     loopback_only: bool = False  # KVFLEET_LOOPBACK_ONLY: never send anything to a replica off 127.0.0.0/8
+    dispatch: DispatchConfig = DispatchConfig()
+    peers: tuple[str, ...] = ()
+    peer_selector: str | None = None
+    pod_name: str | None = None
+    namespace: str = "kvfleet-system"  # the gateway's own ($POD_NAMESPACE, else the key namespace): its peers'
+    peer_sync_interval: float = 0.5
 
 
 def config_from_args(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> GatewayConfig:
@@ -107,10 +135,14 @@ def config_from_args(args: argparse.Namespace, env: Mapping[str, str] | None = N
     for name in positive:
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
-    for name in ("scrape_interval", "connect_timeout", "read_timeout"):
+    for name in ("scrape_interval", "connect_timeout", "read_timeout", "admission_timeout", "wake_timeout",
+                 "queue_timeout", "peer_sync_interval"):
         if not getattr(args, name) > 0:
             raise ValueError(f"--{name.replace('_', '-')} must be > 0")
-    for name in ("metrics_port", "eject_seconds", "shutdown_grace_period"):
+    for name in ("replica_capacity", "max_queued_per_tenant", "quota_retry_after"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+    for name in ("metrics_port", "eject_seconds", "shutdown_grace_period", "active_seconds"):
         if getattr(args, name) < 0:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 0")
     if not 0 < args.kv_high <= 1:
@@ -119,6 +151,13 @@ def config_from_args(args: argparse.Namespace, env: Mapping[str, str] | None = N
         routing = RoutingConfig(policy=args.routing, load_factor=args.load_factor, kv_high=args.kv_high)
     except ValueError as exc:
         raise ValueError(f"--load-factor: {exc}") from None
+    peers = tuple(p.strip().rstrip("/") for p in (args.peers or "").split(",") if p.strip())
+    for peer in peers:
+        if not peer.startswith("http://"):
+            raise ValueError(f"--peers: {peer!r} is not an http:// URL")
+    hold = HoldConfig(admission_timeout=args.admission_timeout, wake_timeout=args.wake_timeout,
+                      queue_timeout=args.queue_timeout, quota_retry_after=args.quota_retry_after,
+                      max_queued_per_tenant=args.max_queued_per_tenant)
     return GatewayConfig(
         host=args.host, port=args.port, metrics_host=args.metrics_host, metrics_port=args.metrics_port,
         kubeconfig=args.kubeconfig, keys_namespace=args.keys_namespace or env.get("POD_NAMESPACE") or "kvfleet-system",
@@ -128,7 +167,12 @@ def config_from_args(args: argparse.Namespace, env: Mapping[str, str] | None = N
         prefix_index_blocks=args.prefix_index_blocks, max_request_bytes=args.max_request_bytes,
         scrape_interval=args.scrape_interval, eject_seconds=args.eject_seconds,
         shutdown_grace_period=args.shutdown_grace_period, log_level=args.log_level,
-        loopback_only=env.get(LOOPBACK_ENV, "").strip().lower() in ("1", "true", "yes", "on"))
+        loopback_only=env.get(LOOPBACK_ENV, "").strip().lower() in ("1", "true", "yes", "on"),
+        dispatch=DispatchConfig(fairness=args.fairness, hold=hold, replica_capacity=args.replica_capacity,
+                                active_seconds=args.active_seconds),
+        peers=peers, peer_selector=args.peer_selector or None, pod_name=env.get("POD_NAME") or None,
+        namespace=env.get("POD_NAMESPACE") or args.keys_namespace or "kvfleet-system",
+        peer_sync_interval=args.peer_sync_interval)
 
 
 def parse_config(argv: Sequence[str], env: Mapping[str, str] | None = None) -> GatewayConfig:

@@ -152,6 +152,14 @@ class KubeClient:
                 raise KubeError(resp.status, (await resp.text())[:300])
             return await resp.json()
 
+    async def merge_patch(self, path: str, body: Mapping[str, Any]) -> dict[str, Any]:
+        headers = {**self._headers(), "Content-Type": "application/merge-patch+json"}
+        async with self.session().patch(self.auth.server + path, json=dict(body), headers=headers,
+                                        timeout=aiohttp.ClientTimeout(total=30)) as resp:
+            if resp.status >= 400:
+                raise KubeError(resp.status, (await resp.text())[:300])
+            return await resp.json()
+
     async def watch(self, path: str, params: Mapping[str, str], resource_version: str,
                     timeout_s: int = 300) -> AsyncIterator[dict[str, Any]]:
         """Events from `resource_version` until the server ends the watch; raises Gone on 410."""

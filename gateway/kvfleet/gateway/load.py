@@ -2,7 +2,10 @@
 
 - `inflight`: this gateway's requests there now (exact, live).
 - the engine's last scrape: waiting, running, KV-cache use, and this gateway's in-flight count at that
-  moment, so `others` = what the engine had beyond our own requests.
+  moment, so `others` = what the engine had beyond our own requests. A surplus seen in one scrape only is
+  not believed (the smaller of the last two scrapes' counts): an engine still counts a request for a step
+  after its stream ended, and a scrape in that step would show a phantom that makes a replica look full
+  (saturation) until the next scrape; another gateway's load shows in two scrapes running.
 - `draining`: it answered 503 (its engine shuts down): no new requests for as long as it lives.
 - `ejected_until`: it failed to answer (connect error, died): skipped for a short while.
 """
@@ -30,6 +33,8 @@ class ReplicaHealth:
     inflight: int = 0
     scraped: EngineLoad | None = None
     inflight_at_scrape: int = 0
+    others: float = 0.0  # requests there beyond ours, the smaller of the last two scrapes' counts
+    last_surplus: float | None = None  # the last scrape's own count
     draining: bool = False
     ejected_until: float = 0.0
 
@@ -59,10 +64,14 @@ class LoadBoard:
         state = self._get(name)
         state.scraped = load
         state.inflight_at_scrape = max(state.inflight, inflight_when_asked or 0)
+        surplus = max(0.0, load.waiting + load.running - state.inflight_at_scrape)
+        state.others = surplus if state.last_surplus is None else min(surplus, state.last_surplus)
+        state.last_surplus = surplus
         state.ejected_until = 0.0  # it answers again
 
     def scrape_failed(self, name: str) -> None:
-        self._get(name).scraped = None
+        state = self._get(name)
+        state.scraped, state.others, state.last_surplus = None, 0.0, None
 
     def mark_draining(self, name: str) -> None:
         self._get(name).draining = True
@@ -85,7 +94,7 @@ class LoadBoard:
         others = 0.0
         kv = None
         if state.scraped is not None:
-            others = max(0.0, state.scraped.waiting + state.scraped.running - state.inflight_at_scrape)
+            others = state.others
             kv = state.scraped.kv_usage
         return ReplicaLoad(name, state.inflight, others, kv)
 

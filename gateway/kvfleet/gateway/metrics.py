@@ -17,11 +17,20 @@ request's model resolved, empty before. Nothing a client chooses freely ever bec
 | `kvfleet_gateway_unauthenticated_requests_total` | reason | no key (`missing`) or an unknown key (`invalid`) |
 | `kvfleet_gateway_api_keys` | tenant | keys loaded per tenant |
 | `kvfleet_gateway_ready_replicas` | namespace, model | replicas the gateway may route to |
+| `kvfleet_gateway_limited_requests_total` | tenant, limit | refused with 429 by a tenant limit |
+| `kvfleet_gateway_tenant_requests_in_progress` | tenant | admitted here, queued or in flight |
+| `kvfleet_gateway_queued_requests` | tenant, namespace, model | waiting here for a replica (per-tenant queue) |
+| `kvfleet_gateway_queue_wait_seconds` | tenant, namespace, model | histogram: time waited before dispatch |
+| `kvfleet_gateway_queue_outcomes_total` | tenant, namespace, model, outcome | how each wait ended |
+| `kvfleet_gateway_model_waiting_requests` | namespace, modeldeployment | the autoscaler's demand signal |
 
 Error reasons: `invalid_request` (400), `model_not_found` (404), `request_too_large` (413),
 `no_replica` (503), `upstream_unavailable` (no replica answered), `upstream_error` (a replica's 5xx),
 `upstream_disconnected` (a replica died mid-stream), `client_disconnected`, `stream_error` (an engine's
-in-band error event).
+in-band error event), `rate_limited` (429, a tenant limit), `queue_full` (429), `quota_exceeded` (429,
+Kueue keeps a model at zero), `not_admitted` (503), `wake_timeout` (504), `queue_timeout` (503).
+Limits: `requests_per_minute`, `tokens_per_minute`, `concurrent_requests`. Queue outcomes:
+`dispatched`, `quota_exceeded`, `not_admitted`, `wake_timeout`, `queue_timeout`, `client_disconnected`.
 """
 
 from __future__ import annotations
@@ -69,6 +78,26 @@ class GatewayMetrics:
         self.ready_replicas = Gauge("kvfleet_gateway_ready_replicas", "Replicas the gateway may route to.",
                                     ["namespace", "model"], registry=r)
 
+        self.limited = Counter("kvfleet_gateway_limited_requests_total",
+                               "Requests refused with 429 by a tenant limit, by limit.", ["tenant", "limit"],
+                               registry=r)
+        self.in_progress = Gauge("kvfleet_gateway_tenant_requests_in_progress",
+                                 "Requests admitted by this gateway replica, not yet answered (queued or in flight).",
+                                 ["tenant"], registry=r)
+        self.queued = Gauge("kvfleet_gateway_queued_requests",
+                            "Requests waiting at this gateway replica for a replica of the model, per tenant.",
+                            MODEL_LABELS, registry=r)
+        self.queue_wait = Histogram("kvfleet_gateway_queue_wait_seconds",
+                                    "Time a request waited at the gateway before it was dispatched (or refused).",
+                                    MODEL_LABELS, buckets=LATENCY_BUCKETS, registry=r)
+        self.queue_outcomes = Counter("kvfleet_gateway_queue_outcomes_total", "How waits at the gateway ended.",
+                                      [*MODEL_LABELS, "outcome"], registry=r)
+        self.model_waiting = Gauge("kvfleet_gateway_model_waiting_requests",
+                                   "Requests waiting at this gateway replica for a replica of the ModelDeployment "
+                                   "(held while it scales from zero, or queued while its replicas are saturated): "
+                                   "the operator's autoscaler adds them to the engines' queue depth.",
+                                   ["namespace", "modeldeployment"], registry=r)
+
         self._series: dict[tuple[str, str, str], ModelSeries] = {}
 
     def series(self, tenant: str, namespace: str = "", model: str = "") -> "ModelSeries":
@@ -103,6 +132,8 @@ class ModelSeries:
         self.upstream_latency = m.upstream_latency.labels(*key)
         self.first_byte = m.first_byte.labels(*key)
         self.inflight = m.inflight.labels(namespace, model)
+        self.queued = m.queued.labels(*key)
+        self.queue_wait = m.queue_wait.labels(*key)
         self._codes: dict[str, Any] = {}
         self._errors: dict[str, Any] = {}
         self._rules: dict[str, Any] = {}
@@ -132,6 +163,10 @@ class ModelSeries:
         if child is None:
             child = self._retries[reason] = self._m.retries.labels(self._key[1], self._key[2], reason)
         child.inc()
+
+    def waited(self, outcome: str, seconds: float) -> None:
+        self._m.queue_outcomes.labels(*self._key, outcome).inc()
+        self.queue_wait.observe(seconds)
 
     def usage(self, prompt_tokens: int, completion_tokens: int) -> None:
         if prompt_tokens:

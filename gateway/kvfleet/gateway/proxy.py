@@ -25,7 +25,7 @@ from aiohttp import web
 
 from kvfleet.engine.server.error_shapes import error_body
 from kvfleet.gateway.catalog import ModelRef
-from kvfleet.gateway.dispatch import Dispatcher, Lease, NoReplica, RouteRequest
+from kvfleet.gateway.dispatch import Dispatcher, Lease, NoReplica, Refused, RouteRequest
 from kvfleet.gateway.load import LoadBoard
 from kvfleet.gateway.metrics import GatewayMetrics, ModelSeries
 from kvfleet.gateway.requests import ClientRequest
@@ -92,28 +92,46 @@ class Proxy:
             await self.session.close()
 
     async def forward(self, request: web.Request, snapshot: Snapshot, tenant: str, model: ModelRef,
-                      req: ClientRequest, body: bytes, hashes: tuple[int, ...]) -> web.StreamResponse:
+                      req: ClientRequest, body: bytes, hashes: tuple[int, ...], cost: float = 0.0
+                      ) -> web.StreamResponse:
         series = self.metrics.series(tenant, model.namespace, model.served_name)
+        try:
+            admission = self.dispatcher.admit(snapshot, tenant)
+        except Refused as exc:
+            return self._refused_here(series, exc, "rate_limited")
+        usage = _UsageBox()
+        try:
+            return await self._forward(request, snapshot, tenant, model, req, body, hashes, cost, series, usage)
+        finally:
+            admission.finish(usage.total)
+
+    async def _forward(self, request: web.Request, snapshot: Snapshot, tenant: str, model: ModelRef,
+                       req: ClientRequest, body: bytes, hashes: tuple[int, ...], cost: float, series: ModelSeries,
+                       usage: "_UsageBox") -> web.StreamResponse:
         tried: set[str] = set()
         failed: _Failed | None = None
         for attempt in range(1 + self.cfg.retries):
             try:
-                lease = await self.dispatcher.acquire(snapshot, RouteRequest(tenant, model, hashes, frozenset(tried)))
+                lease = await self.dispatcher.acquire(snapshot, RouteRequest(tenant, model, hashes, frozenset(tried),
+                                                                             cost))
             except NoReplica as exc:
                 if failed is None:
                     series.failed("no_replica")
                     series.answered(503)
                     return json_error(503, str(exc), "no_replica", "model", {"Retry-After": "5"})
                 break
+            except Refused as exc:
+                return self._refused_here(series, exc, exc.code)
             if attempt:
                 series.retried(failed.code if failed else "")
             series.routed(lease.choice.rule)
             series.inflight.inc()
+            usage.value = None
             try:
-                outcome = await self._attempt(request, lease, req, body, series)
+                outcome = await self._attempt(request, lease, req, body, series, usage)
             finally:
                 series.inflight.dec()
-                lease.release()
+                lease.release(usage.value)
             if isinstance(outcome, _Failed):
                 tried.add(lease.replica.name)
                 failed = outcome
@@ -126,8 +144,15 @@ class Proxy:
             return web.Response(status=failed.status, body=failed.body, headers=failed.headers)
         return json_error(failed.status, failed.message, failed.code)
 
+    @staticmethod
+    def _refused_here(series: ModelSeries, exc: Refused, reason: str) -> web.Response:
+        """A limit, a full queue, quota or a timeout: the gateway's own answer, with Retry-After."""
+        series.failed(reason)
+        series.answered(exc.status)
+        return json_error(exc.status, exc.message, exc.code, None, {"Retry-After": str(max(1, exc.retry_after))})
+
     async def _attempt(self, request: web.Request, lease: Lease, req: ClientRequest, body: bytes,
-                       series: ModelSeries) -> web.StreamResponse | _Failed:
+                       series: ModelSeries, usage: "_UsageBox") -> web.StreamResponse | _Failed:
         replica = lease.replica
         assert self.session is not None
         if not self.allow_host(replica.host):  # the dispatcher filters these; never send one anyway
@@ -157,9 +182,9 @@ class Proxy:
                                "upstream_unavailable")
             series.first_byte.observe(time.perf_counter() - start)
             if streaming:
-                out: web.StreamResponse = await self._stream(request, resp, data, req, replica.name, series)
+                out: web.StreamResponse = await self._stream(request, resp, data, req, replica.name, series, usage)
             else:
-                out = self._reply(resp, data, replica.name, series)
+                out = self._reply(resp, data, replica.name, series, usage)
             series.upstream_latency.observe(time.perf_counter() - start)
             return out
         finally:
@@ -180,7 +205,8 @@ class Proxy:
         headers = {k: resp.headers[k] for k in PASS_HEADERS if k in resp.headers}
         return _Failed(resp.status, f"replica {name} answered {resp.status}", code or "upstream_error", data, headers)
 
-    def _reply(self, resp: aiohttp.ClientResponse, data: bytes, replica: str, series: ModelSeries) -> web.Response:
+    def _reply(self, resp: aiohttp.ClientResponse, data: bytes, replica: str, series: ModelSeries,
+               box: "_UsageBox") -> web.Response:
         headers = {k: resp.headers[k] for k in PASS_HEADERS if k in resp.headers}
         headers[REPLICA_HEADER] = replica
         status = resp.status
@@ -191,16 +217,18 @@ class Proxy:
                                    "spec.apiKeySecretRef, and the gateway does not send engines' keys.",
                               "upstream_auth_required")
         series.answered(status)
+        box.value = Usage()
         if status == 200:
             usage = _usage_of(data)
             if usage is not None:
                 series.usage(usage.prompt_tokens, usage.completion_tokens)
+                box.value = usage
         else:
             series.failed("invalid_request" if status == 400 else "upstream_error")
         return web.Response(status=status, body=data, headers=headers)
 
     async def _stream(self, request: web.Request, resp: aiohttp.ClientResponse, first: bytes, req: ClientRequest,
-                      replica: str, series: ModelSeries) -> web.StreamResponse:
+                      replica: str, series: ModelSeries, box: "_UsageBox") -> web.StreamResponse:
         tap = StreamTap(strip_usage=not req.wants_usage)
         out = web.StreamResponse(status=200, headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                                       "X-Accel-Buffering": "no", REPLICA_HEADER: replica})
@@ -235,7 +263,19 @@ class Proxy:
                 series.failed("stream_error")
             usage = tap.final_usage()
             series.usage(usage.prompt_tokens, usage.completion_tokens)
+            box.value = usage
         return out
+
+
+class _UsageBox:
+    """The usage of the attempt that answered (None until one did): for the lease, and the tenant's tokens."""
+
+    def __init__(self) -> None:
+        self.value: Usage | None = None
+
+    @property
+    def total(self) -> int:
+        return self.value.prompt_tokens + self.value.completion_tokens if self.value is not None else 0
 
 
 def _usage_of(data: bytes) -> Usage | None:

@@ -64,6 +64,29 @@ def parse_request(path: str, raw: bytes) -> ClientRequest:
     return ClientRequest(path, body, parsed, parsed.model)
 
 
+CHARS_PER_TOKEN = 4  # a rough, tokenizer-free estimate for text
+DEFAULT_COMPLETION_ESTIMATE = 256  # a request without max_tokens (chat): what it is expected to generate at most
+MAX_COMPLETION_ESTIMATE = 4096
+
+
+def token_estimate(req: ClientRequest) -> tuple[float, float]:
+    """(prompt, completion) tokens a request is expected to use, before the engine says (fair queuing's charge;
+    corrected by the usage when it ends). Text counts a token per 4 characters; token ids count as they are."""
+    parsed = req.parsed
+    n = max(1, parsed.n)
+    if isinstance(parsed, ChatCompletionRequest):
+        prompt = sum(len(m.text()) for m in parsed.messages) / CHARS_PER_TOKEN + 4 * len(parsed.messages)
+        limit = parsed.max_completion_tokens or parsed.max_tokens
+    else:
+        prompts = parsed.prompt if isinstance(parsed.prompt, list) and parsed.prompt and not isinstance(
+            parsed.prompt[0], int) else [parsed.prompt]
+        prompt = sum(len(p) / CHARS_PER_TOKEN if isinstance(p, str) else len(p) for p in prompts)
+        n *= len(prompts)
+        limit = parsed.max_tokens
+    completion = min(limit or DEFAULT_COMPLETION_ESTIMATE, MAX_COMPLETION_ESTIMATE)
+    return prompt, float(completion * n)
+
+
 def upstream_body(req: ClientRequest, served_name: str, raw: bytes) -> bytes:
     """What the replica gets: the client's body, with the engine's model name, and for a stream the final
     usage chunk asked for (the token counts behind chargeback; dropped again if the client did not ask)."""

@@ -45,8 +45,9 @@ def parse_engine_load(text: str, engine_kind: str = "kvfleet") -> EngineLoad | N
 
 class Scraper:
     def __init__(self, board: LoadBoard, snapshot: Callable[[], Snapshot], allow_host: Callable[[str], bool],
-                 interval: float = 1.0, timeout: float = 1.0) -> None:
+                 interval: float = 1.0, timeout: float = 1.0, on_round: Callable[[], None] = lambda: None) -> None:
         self.board = board
+        self.on_round = on_round  # after each round: engines may have room again for requests waiting
         self.snapshot = snapshot
         self.allow_host = allow_host
         self.interval = interval
@@ -65,6 +66,7 @@ class Scraper:
         async with aiohttp.ClientSession(timeout=timeout, trust_env=False) as session:
             while True:
                 await asyncio.gather(*(self._one(session, r, kind) for r, kind in self.targets()))
+                self.on_round()
                 await asyncio.sleep(self.interval)
 
     async def _one(self, session: aiohttp.ClientSession, replica: Replica, kind: str) -> None:

@@ -4,9 +4,13 @@ laptop, tests, benchmarks). Same decisions, same routing; nothing is watched.
     tenants:
       team-a:
         keys: [a-key-of-at-least-16-chars]
+        weight: 1                        # as a Tenant's spec.gateway: fair-share weight and limits
+        limits: {requestsPerMinute: 600, tokensPerMinute: 100000, maxConcurrentRequests: 16}
         models:
           chat:                          # the served name: what clients send and the engines serve
             engineKind: kvfleet          # or vllm (metric names)
+            maxNumSeqs: 4                # requests one replica runs at once (saturation); optional
+            sharedWith: [team-b]         # other tenants whose keys reach this model too; optional
             replicas: [http://127.0.0.1:8001, http://127.0.0.1:8002]
 """
 
@@ -23,6 +27,8 @@ from kvfleet.gateway.catalog import ModelRef, build_catalog
 from kvfleet.gateway.keys import SecretRef, build_key_table
 from kvfleet.gateway.replicas import Replica
 from kvfleet.gateway.snapshot import Snapshot
+from kvfleet.gateway.tenancy import TenantPolicy, tenant_policy
+from kvfleet.gateway.waking import ModelScale
 
 
 class StaticConfigError(ValueError):
@@ -41,6 +47,8 @@ def static_snapshot(config: Mapping[str, Any], source: str = "config") -> Snapsh
     secrets: dict[SecretRef, dict[str, str]] = {}
     models: list[ModelRef] = []
     replicas: dict[str, tuple[Replica, ...]] = {}
+    scale: dict[str, ModelScale] = {}
+    policies: dict[str, TenantPolicy] = {}
     for tenant, body in tenants.items():
         body = _mapping(body, f"{source}: tenants.{tenant}")
         keys = body.get("keys") or []
@@ -49,20 +57,35 @@ def static_snapshot(config: Mapping[str, Any], source: str = "config") -> Snapsh
         ref = SecretRef("static", tenant)
         refs[tenant] = [ref]
         secrets[ref] = {f"key{i}": base64.b64encode(k.encode()).decode() for i, k in enumerate(keys)}
+        policies[str(tenant)] = tenant_policy(body)
         for model_id, spec in _mapping(body.get("models") or {}, f"{source}: tenants.{tenant}.models").items():
             spec = _mapping(spec, f"{source}: tenants.{tenant}.models.{model_id}")
+            shared = spec.get("sharedWith") or []
+            if not isinstance(shared, list) or not all(isinstance(t, str) for t in shared):
+                raise StaticConfigError(f"{source}: tenants.{tenant}.models.{model_id}.sharedWith: expected a list "
+                                        "of tenant names")
+            unknown = sorted(set(shared) - set(tenants))
+            if unknown:
+                raise StaticConfigError(f"{source}: tenants.{tenant}.models.{model_id}.sharedWith: no tenant "
+                                        f"{', '.join(unknown)}")
+            seqs = spec.get("maxNumSeqs")
+            if seqs is not None and (isinstance(seqs, bool) or not isinstance(seqs, int) or seqs < 1):
+                raise StaticConfigError(f"{source}: tenants.{tenant}.models.{model_id}.maxNumSeqs: expected an "
+                                        "integer >= 1")
             ref_model = ModelRef(tenant=tenant, namespace=tenant, deployment=str(model_id), served_name=str(model_id),
-                                 engine_kind=str(spec.get("engineKind", "kvfleet")))
+                                 engine_kind=str(spec.get("engineKind", "kvfleet")),
+                                 shared_with=tuple(sorted(set(shared) - {tenant})))
             urls = spec.get("replicas") or []
             if not isinstance(urls, list) or not all(isinstance(u, str) and u.startswith("http://") for u in urls):
                 raise StaticConfigError(f"{source}: tenants.{tenant}.models.{model_id}.replicas: expected http:// URLs")
             models.append(ref_model)
             replicas[ref_model.key] = tuple(Replica(u.rstrip("/"), u.rstrip("/"), urlsplit(u).hostname or "")
                                             for u in urls)
+            scale[ref_model.key] = ModelScale(desired=len(urls), admitted=len(urls), ready=len(urls), capacity=seqs)
     table, problems = build_key_table(refs, secrets)
     if problems:
         raise StaticConfigError(f"{source}: " + "; ".join(problems))
-    return Snapshot(keys=table, catalog=build_catalog(models), replicas=replicas)
+    return Snapshot(keys=table, catalog=build_catalog(models), replicas=replicas, scale=scale, policies=policies)
 
 
 class StaticSource:

@@ -42,3 +42,9 @@ POD_SECURITY_LABEL_PREFIX = "pod-security.kubernetes.io/"
 # Kueue's usual toleration for GPU nodes; kept on both the workload and the pods so flavor
 # matching and scheduling agree.
 GPU_TOLERATION = {"key": GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"}
+
+# Written on a ModelDeployment by the gateway: requests waiting there for a replica (JSON {"waiting": N, "at": unix
+# seconds}). The autoscaler adds a fresh value to the engines' queue depth: how a model at zero wakes up. Not under
+# GROUP: kopf keeps its own state in `serving.kvfleet.dev/` annotations and leaves that prefix out of what it diffs,
+# so a change there would never reach the autoscaler's field handler.
+GATEWAY_DEMAND_ANNOTATION = "gateway.kvfleet.dev/demand"

@@ -1,9 +1,10 @@
-"""kopf handlers: thin edges that call the reconcilers, serialised per object.
+"""kopf handlers: thin edges that call the reconcilers, one pass per object at a time (coalesce.py).
 
-ModelDeployments are reconciled on create/update/resume and on any event of a Workload or
-Deployment they own. Tenants on create/update/resume, when one of their queues is deleted,
-and (status only) when a workload in their namespaces changes. No timers, so no finalizers:
-deleting a ModelDeployment or a Tenant never waits for the operator.
+ModelDeployments are reconciled on create/update/resume and on the events of a Workload or Deployment they own
+that change what the reconcile reads (triggers.py). Tenants on create/update/resume, when one of their queues is
+deleted, and (status only) when a workload in their namespaces changes admission. Triggers that arrive while a
+pass runs fold into one more pass; a pass the apiserver could not serve runs again after a delay. No timers, so
+no finalizers: deleting a ModelDeployment or a Tenant never waits for the operator.
 """
 from __future__ import annotations
 
@@ -15,6 +16,9 @@ import httpx
 import kopf
 
 from . import metrics
+from .applied import AppliedOnce, covers
+from .builders import build_service
+from .coalesce import Coalescer
 from .config import OperatorConfig
 from .constants import (
     GROUP,
@@ -31,13 +35,19 @@ from .constants import (
 from .kube import Kube, KubeError
 from .reconcile import reconcile_model_deployment
 from .reconcile_tenant import reconcile_tenant
+from .refs import ApiRefs, WatchedRefs
+from .triggers import Fingerprints, deployment_fingerprint, workload_fingerprint
 
 log = logging.getLogger("kvfleet.operator.handlers")
 
 _state_lock = threading.Lock()
-_locks: dict[str, threading.Lock] = {}
+_passes = Coalescer()
+_workloads_seen = Fingerprints()
+_deployments_seen = Fingerprints()
+_services_applied = AppliedOnce()
 _kube: Kube | None = None
 _config: OperatorConfig | None = None
+_refs: WatchedRefs | None = None
 
 
 def kube() -> Kube:
@@ -48,6 +58,16 @@ def kube() -> Kube:
         return _kube
 
 
+def refs() -> WatchedRefs:
+    """Flavors, namespaces' tenants and LocalQueues as the watches below deliver them (read through on a miss)."""
+    global _refs
+    client = kube()
+    with _state_lock:
+        if _refs is None:
+            _refs = WatchedRefs(ApiRefs(client))
+        return _refs
+
+
 def config() -> OperatorConfig:
     global _config
     with _state_lock:
@@ -56,14 +76,9 @@ def config() -> OperatorConfig:
         return _config
 
 
-def _lock(key: str) -> threading.Lock:
-    with _state_lock:
-        return _locks.setdefault(key, threading.Lock())
-
-
 def _guarded(kind: str, key: str, fn: Callable[[], Any]) -> Any:
-    """One reconcile per object at a time; API errors become kopf retries."""
-    with _lock(key), metrics.timed(kind):
+    """One reconcile, timed; API errors become kopf.TemporaryError (retried)."""
+    with metrics.timed(kind):
         try:
             return fn()
         except KubeError as exc:
@@ -74,6 +89,25 @@ def _guarded(kind: str, key: str, fn: Callable[[], Any]) -> Any:
             raise kopf.TemporaryError(f"{kind} {key}: {exc}", delay=1 if exc.status == 409 else 5) from exc
         except httpx.TransportError as exc:  # the apiserver is unreachable for a moment
             raise kopf.TemporaryError(f"{kind} {key}: {exc!r}", delay=5) from exc
+
+
+# Pass ranks per key: a full tenant reconcile covers a status refresh.
+_STATUS_ONLY, _FULL = 0, 1
+
+
+def _mdep_pass(namespace: str, name: str, *, wait: bool) -> Any:
+    key = f"{namespace}/{name}"
+    return _passes.run(f"ModelDeployment {key}",
+                       lambda: _guarded("ModelDeployment", key, lambda: _reconcile_and_record(namespace, name)),
+                       wait=wait)
+
+
+def _tenant_pass(name: str, *, converge: bool, wait: bool) -> Any:
+    def one() -> Any:
+        return _guarded("Tenant", name, lambda: reconcile_tenant(
+            kube(), name, converge=converge, system_namespaces=config().system_namespaces,
+            pod_security=config().tenant_pod_security, refs=refs()))
+    return _passes.run(f"Tenant {name}", one, wait=wait, rank=_FULL if converge else _STATUS_ONLY)
 
 
 # Problems that go away when something else appears (the spec itself is fine): retried.
@@ -90,14 +124,28 @@ def waiting_reason(status: dict[str, Any] | None) -> str | None:
 
 
 def _reconcile_and_record(namespace: str, name: str) -> dict[str, Any] | None:
-    """Reconcile, then mirror the status counts in the replica gauges (inside the object's lock, so a
+    """Reconcile, then mirror the status counts in the replica gauges (inside the object's pass, so a
     reconcile that ends after the object's deletion cannot bring its series back)."""
-    status = reconcile_model_deployment(kube(), config(), namespace, name)
+    status = reconcile_model_deployment(kube(), config(), namespace, name, _services_applied, refs(), _written)
     if status is None:
         metrics.REPLICAS.forget(namespace, name)
     else:
         metrics.REPLICAS.record(namespace, name, status)
     return status
+
+
+def _written(obj: Mapping[str, Any]) -> None:
+    """What a reconcile just created, as the apiserver returned it: the watch's echo of it changes nothing the
+    reconcile read, so it needs no pass of its own. Only a fresh object (no status yet) is recorded: status the
+    pass did not see must still trigger one."""
+    if obj.get("status"):
+        return
+    meta = obj.get("metadata") or {}
+    key = f"{meta.get('namespace')}/{meta.get('name')}"
+    if obj.get("kind") == "Workload":
+        _workloads_seen.changed(key, workload_fingerprint(obj))
+    elif obj.get("kind") == "Deployment":
+        _deployments_seen.changed(key, deployment_fingerprint(obj))
 
 
 def namespaced(namespace: str | None) -> str:
@@ -108,8 +156,8 @@ def namespaced(namespace: str | None) -> str:
 
 
 def reconcile_now(namespace: str, name: str) -> Any:
-    """Reconcile one ModelDeployment now (the autoscaler calls this after a decision)."""
-    return _guarded("ModelDeployment", f"{namespace}/{name}", lambda: _reconcile_and_record(namespace, name))
+    """Reconcile one ModelDeployment now and return its status (the autoscaler calls this after a decision)."""
+    return _mdep_pass(namespace, name, wait=True)
 
 
 @kopf.on.create(GROUP, VERSION, MDEP_PLURAL)
@@ -117,7 +165,7 @@ def reconcile_now(namespace: str, name: str) -> Any:
 @kopf.on.resume(GROUP, VERSION, MDEP_PLURAL)
 def mdep_changed(namespace: str | None, name: str, **_: Any) -> None:
     namespace = namespaced(namespace)
-    status = reconcile_now(namespace, name)
+    status = _mdep_pass(namespace, name, wait=True)
     reason = waiting_reason(status)
     if reason:
         # What it waits for (a flavor, a queue, a tenant) is not watched: kopf retries until it exists.
@@ -136,35 +184,94 @@ def mdep_event(type: str | None, namespace: str | None, name: str, **_: Any) -> 
     handler (the object can vanish before it is seen terminating), but the watch always says DELETED."""
     if type == "DELETED":
         namespace = namespaced(namespace)
-        with _lock(f"{namespace}/{name}"):
-            metrics.REPLICAS.forget(namespace, name)
+        _passes.run(f"ModelDeployment {namespace}/{name}",
+                    lambda: metrics.REPLICAS.forget(namespace, name), wait=True)
 
 
 @kopf.on.event(KUEUE_GROUP, KUEUE_VERSION, "workloads",
                labels={LABEL_MANAGED_BY: MANAGED_BY_VALUE, LABEL_MDEP: kopf.PRESENT})
-def owned_workload_event(namespace: str | None, labels: Mapping[str, str], **_: Any) -> None:
+def owned_workload_event(type: str | None, namespace: str | None, name: str, labels: Mapping[str, str],  # noqa: A002
+                         body: Any, **_: Any) -> None:
     namespace = namespaced(namespace)
-    reconcile_now(namespace, labels[LABEL_MDEP])
-    # Admission changed the tenant's GPU usage: refresh its status now.
-    ns = kube().get("v1", "namespaces", namespace) or {}
-    tenant = ((ns.get("metadata") or {}).get("labels") or {}).get(LABEL_TENANT)
+    key = f"{namespace}/{name}"
+    if type == "DELETED":
+        _workloads_seen.forget(key)
+    elif not _workloads_seen.changed(key, workload_fingerprint(body)):
+        return  # nothing the plan reads changed (Kueue's bookkeeping)
+    _mdep_pass(namespace, labels[LABEL_MDEP], wait=False)
+    # Admission changed the tenant's GPU usage: refresh its status.
+    tenant = refs().namespace_tenant(namespace)
     if tenant:
-        _guarded("Tenant", tenant, lambda: reconcile_tenant(kube(), tenant, converge=False,
-                                                            system_namespaces=config().system_namespaces))
+        _tenant_pass(tenant, converge=False, wait=False)
 
 
 @kopf.on.event("apps", "v1", "deployments",
                labels={LABEL_MANAGED_BY: MANAGED_BY_VALUE, LABEL_MDEP: kopf.PRESENT})
-def owned_deployment_event(namespace: str | None, labels: Mapping[str, str], **_: Any) -> None:
-    reconcile_now(namespaced(namespace), labels[LABEL_MDEP])
+def owned_deployment_event(type: str | None, namespace: str | None, name: str, labels: Mapping[str, str],  # noqa: A002
+                           body: Any, **_: Any) -> None:
+    namespace = namespaced(namespace)
+    key = f"{namespace}/{name}"
+    if type == "DELETED":
+        _deployments_seen.forget(key)
+    elif not _deployments_seen.changed(key, deployment_fingerprint(body)):
+        return  # only the controller's bookkeeping changed
+    _mdep_pass(namespace, labels[LABEL_MDEP], wait=False)
+
+
+@kopf.on.event("v1", "services", labels={LABEL_MANAGED_BY: MANAGED_BY_VALUE, LABEL_MDEP: kopf.PRESENT})
+def owned_service_event(type: str | None, namespace: str | None, name: str, labels: Mapping[str, str],  # noqa: A002
+                        body: Any, **_: Any) -> None:
+    """Our Service deleted or edited by someone: apply it again (it is otherwise applied once per process)."""
+    if type is None:
+        return  # the initial listing: nothing changed
+    namespace = namespaced(namespace)
+    mdep = labels[LABEL_MDEP]
+    if type == "DELETED" or (body.get("metadata") or {}).get("deletionTimestamp") or \
+            not _service_intact(body, namespace, mdep):
+        _services_applied.forget(namespace, mdep)
+        _mdep_pass(namespace, mdep, wait=False)
+
+
+def _service_intact(body: Any, namespace: str, mdep: str) -> bool:
+    owner = next((o for o in (body.get("metadata") or {}).get("ownerReferences") or ()
+                  if o.get("kind") == "ModelDeployment"), None)
+    if owner is None:
+        return False
+    built = build_service({"apiVersion": owner["apiVersion"], "kind": "ModelDeployment",
+                           "metadata": {"name": mdep, "namespace": namespace, "uid": owner["uid"]}})
+    return covers(body, built)
+
+
+# What ModelDeployments refer to, kept from the watches (refs.py): no read of them per reconcile.
+@kopf.on.event(KUEUE_GROUP, KUEUE_VERSION, "resourceflavors")
+def flavor_event(type: str | None, name: str, body: Any, **_: Any) -> None:  # noqa: A002 (kopf's name)
+    if type == "DELETED":
+        refs().gone(WatchedRefs.FLAVOR, name)
+    else:
+        refs().seen(WatchedRefs.FLAVOR, name, dict(body.get("spec") or {}))
+
+
+@kopf.on.event("v1", "namespaces")
+def namespace_event(type: str | None, name: str, labels: Mapping[str, str], **_: Any) -> None:  # noqa: A002
+    if type == "DELETED":
+        refs().gone(WatchedRefs.NAMESPACE, name)
+    else:
+        refs().seen(WatchedRefs.NAMESPACE, name, labels.get(LABEL_TENANT))
+
+
+@kopf.on.event(KUEUE_GROUP, KUEUE_VERSION, "localqueues")
+def local_queue_event(type: str | None, namespace: str | None, name: str, **_: Any) -> None:  # noqa: A002
+    if type == "DELETED":
+        refs().gone(WatchedRefs.QUEUE, f"{namespace}/{name}")
+    else:
+        refs().seen(WatchedRefs.QUEUE, f"{namespace}/{name}", True)
 
 
 @kopf.on.create(GROUP, VERSION, TENANT_PLURAL)
 @kopf.on.update(GROUP, VERSION, TENANT_PLURAL)
 @kopf.on.resume(GROUP, VERSION, TENANT_PLURAL)
 def tenant_changed(name: str, **_: Any) -> None:
-    _guarded("Tenant", name, lambda: reconcile_tenant(kube(), name, system_namespaces=config().system_namespaces,
-                                                        pod_security=config().tenant_pod_security))
+    _tenant_pass(name, converge=True, wait=True)
 
 
 @kopf.on.event(KUEUE_GROUP, KUEUE_VERSION, "clusterqueues",
@@ -174,6 +281,4 @@ def tenant_changed(name: str, **_: Any) -> None:
 def tenant_queue_event(type: str | None, labels: Mapping[str, str], **_: Any) -> None:  # noqa: A002 (kopf's name)
     """A queue of a tenant was deleted by someone: put it back (self-healing without a timer)."""
     if type == "DELETED":
-        tenant = labels[LABEL_TENANT]
-        _guarded("Tenant", tenant, lambda: reconcile_tenant(
-            kube(), tenant, system_namespaces=config().system_namespaces, pod_security=config().tenant_pod_security))
+        _tenant_pass(labels[LABEL_TENANT], converge=True, wait=False)

@@ -11,6 +11,7 @@ from typing import Any, Mapping
 import httpx
 
 from .constants import FIELD_MANAGER
+from .metrics import API_REQUESTS
 
 log = logging.getLogger("kvfleet.operator.kube")
 
@@ -44,6 +45,20 @@ def resource_path(api_version: str, plural: str, namespace: str | None = None, n
     if subresource:
         parts.append(subresource)
     return "/".join(parts)
+
+
+def request_kind(method: str, path: str) -> tuple[str, str]:
+    """(verb, resource) of a REST call as the apiserver counts them: ("list", "workloads"),
+    ("patch", "modeldeployments/status"), ("get", "namespaces")."""
+    parts = path.split("?", 1)[0].strip("/").split("/")
+    rest = parts[2:] if parts[0] == "api" else parts[3:]  # after /api/v1 or /apis/group/version
+    if len(rest) > 2 and rest[0] == "namespaces":
+        rest = rest[2:]  # a namespaced resource: /namespaces/<ns>/<plural>/...
+    resource = f"{rest[0]}/{rest[2]}" if len(rest) >= 3 else (rest[0] if rest else "")
+    if method == "GET":
+        return ("get" if len(rest) >= 2 else "list"), resource
+    verbs = {"POST": "create", "PUT": "update", "PATCH": "patch", "DELETE": "delete"}
+    return verbs.get(method, method.lower()), resource
 
 
 def object_path(obj: Mapping[str, Any], subresource: str | None = None) -> str:
@@ -102,7 +117,13 @@ class Kube:
         if body is not None:
             headers["Content-Type"] = content_type
             content = json.dumps(body)
-        resp = self._http.request(method, path, params=params, content=content, headers=headers)
+        verb, resource = request_kind(method, path)
+        try:
+            resp = self._http.request(method, path, params=params, content=content, headers=headers)
+        except httpx.TransportError:
+            API_REQUESTS.labels(verb, resource, "error").inc()
+            raise
+        API_REQUESTS.labels(verb, resource, str(resp.status_code)).inc()
         if resp.status_code == 404 and method in ("GET", "DELETE"):
             return None
         if resp.status_code >= 400:

@@ -12,6 +12,10 @@ RECONCILES = Counter("kvfleet_operator_reconciles_total", "Reconciliations run."
 ERRORS = Counter("kvfleet_operator_reconcile_errors_total", "Reconciliations that failed.", ["kind"])
 DURATION = Histogram("kvfleet_operator_reconcile_duration_seconds", "Time one reconciliation took.", ["kind"],
                      buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10))
+# What the operator's own client asks of the apiserver (kopf's watches and annotation patches not included),
+# as client-go's rest_client_requests_total: the cost per reconcile at scale.
+API_REQUESTS = Counter("kvfleet_operator_api_requests_total", "Requests of the operator's client to the apiserver.",
+                       ["verb", "resource", "code"])
 
 
 @contextmanager

@@ -8,8 +8,9 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from datetime import datetime, timezone
-from typing import Any, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
+from .applied import AppliedOnce, unchanged, with_hash
 from .builders import build_deployment, build_service, build_workload, workload_hash
 from .builders.deployment import endpoint_url
 from .builders.meta import selector_labels
@@ -21,18 +22,18 @@ from .constants import (
     KUEUE_API_VERSION,
     LABEL_FLAVOR,
     LABEL_MDEP,
-    LABEL_TENANT,
     LABEL_WORKLOAD_HASH,
     MDEP_PLURAL,
 )
 from .errors import SpecError
 from .events import build_event
-from .kube import Kube
+from .kube import Kube, KubeError
 from .kueue_state import observe_workload
 from .plan import WorkloadPlan, frozen_plan, plan_deployment_replicas, plan_workloads
+from .refs import ApiRefs, Refs
 from .scaling import desired_replicas_for
 from .spec import ModelDeploymentSpec, check_node_path, parse_model_deployment
-from .status import Observation, compute_status, status_changed, transition_events
+from .status import Observation, compute_status, status_changed, status_event
 
 log = logging.getLogger("kvfleet.operator.reconcile")
 
@@ -45,34 +46,40 @@ def utcnow() -> str:
 class Resolved:
     queue_name: str
     priority: tuple[str, int] | None
-    flavors: dict[str, dict[str, Any]]  # ResourceFlavor name -> spec
+    flavors: dict[str, Mapping[str, Any]]  # ResourceFlavor name -> spec, of the flavors this reconcile places on
 
 
-def resolve(kube: Kube, namespace: str, spec: ModelDeploymentSpec) -> Resolved:
-    """Look up what the spec refers to; a missing reference is a SpecError with its reason."""
-    flavors = {f["metadata"]["name"]: f.get("spec") or {}
-               for f in kube.list(KUEUE_API_VERSION, "resourceflavors")}
-    if spec.gpu_flavor and spec.gpu_flavor not in flavors:
-        raise SpecError("spec.resources.gpuFlavor", f"ResourceFlavor {spec.gpu_flavor!r} does not exist",
-                        "FlavorNotFound")
+def resolve(refs: Refs, namespace: str, spec: ModelDeploymentSpec, placed: Iterable[str] = ()) -> Resolved:
+    """Look up what the spec refers to, and the flavors of `placed` (those workloads were admitted with); a
+    missing reference is a SpecError with its reason."""
+    flavors: dict[str, Mapping[str, Any]] = {}
+    if spec.gpu_flavor:
+        pinned = refs.flavor(spec.gpu_flavor)
+        if pinned is None:
+            raise SpecError("spec.resources.gpuFlavor", f"ResourceFlavor {spec.gpu_flavor!r} does not exist",
+                            "FlavorNotFound")
+        flavors[spec.gpu_flavor] = pinned
+    for name in set(placed) - set(flavors):
+        found = refs.flavor(name)
+        if found is not None:
+            flavors[name] = found
     queue = spec.queue_name
     if queue is None:
-        ns = kube.get("v1", "namespaces", namespace) or {}
-        tenant = ((ns.get("metadata") or {}).get("labels") or {}).get(LABEL_TENANT)
+        tenant = refs.namespace_tenant(namespace)
         if not tenant:
             raise SpecError("spec.queueName", f"namespace {namespace!r} belongs to no Tenant; set "
                             "spec.queueName or add the namespace to a Tenant", "NotATenantNamespace")
         queue = local_queue_name(tenant)
-    if kube.get(KUEUE_API_VERSION, "localqueues", queue, namespace) is None:
+    if not refs.local_queue_exists(namespace, queue):
         raise SpecError("spec.queueName", f"LocalQueue {queue!r} does not exist in {namespace!r}",
                         "QueueNotFound")
     priority = None
     if spec.priority_class_name:
-        wpc = kube.get(KUEUE_API_VERSION, "workloadpriorityclasses", spec.priority_class_name)
-        if wpc is None:
+        value = refs.priority_value(spec.priority_class_name)
+        if value is None:
             raise SpecError("spec.priorityClassName", f"WorkloadPriorityClass {spec.priority_class_name!r} "
                             "does not exist", "PriorityClassNotFound")
-        priority = (spec.priority_class_name, int(wpc.get("value", 0)))
+        priority = (spec.priority_class_name, value)
     return Resolved(queue, priority, flavors)
 
 
@@ -80,9 +87,16 @@ def _flavor_placement(flavor_spec: Mapping[str, Any]) -> tuple[dict[str, str], l
     return dict(flavor_spec.get("nodeLabels") or {}), list(flavor_spec.get("tolerations") or [])
 
 
+Written = Callable[[Mapping[str, Any]], None]
+
+
+def _ignore(_: Mapping[str, Any]) -> None:
+    pass
+
+
 def _apply_deployments(kube: Kube, config: OperatorConfig, mdep: dict[str, Any], spec: ModelDeploymentSpec,
                        resolved: Resolved, plan: WorkloadPlan, deployments: list[dict[str, Any]],
-                       spec_hash: str) -> None:
+                       spec_hash: str, written: Written) -> None:
     """Each shape's Deployment to the number of workloads admitted with that shape."""
     namespace = mdep["metadata"]["namespace"]
     existing: dict[tuple[str, str], dict[str, Any]] = {}
@@ -93,7 +107,13 @@ def _apply_deployments(kube: Kube, config: OperatorConfig, mdep: dict[str, Any],
     for (flavor, shape), replicas in plan_deployment_replicas(plan.admitted_by_shape, existing).items():
         if shape == spec_hash:
             node_labels, tolerations = _flavor_placement(resolved.flavors.get(flavor, {}))
-            kube.apply(build_deployment(mdep, spec, config, flavor, replicas, node_labels, tolerations, shape))
+            desired = with_hash(build_deployment(mdep, spec, config, flavor, replicas, node_labels, tolerations,
+                                                 shape))
+            live = existing.get((flavor, shape))
+            if not unchanged(live, desired):
+                result = kube.apply(desired)
+                if live is None:
+                    written(result)
         elif (flavor, shape) in existing:
             # An older shape keeps its template (its pods match their admitted workloads) and only
             # shrinks as those workloads are replaced.
@@ -107,8 +127,14 @@ def _apply_deployments(kube: Kube, config: OperatorConfig, mdep: dict[str, Any],
         # else: admitted with an old shape whose Deployment is gone; it runs once replaced.
 
 
-def reconcile_model_deployment(kube: Kube, config: OperatorConfig, namespace: str, name: str) -> dict | None:
-    """Converge one ModelDeployment; returns the status written (or None if it is gone)."""
+def reconcile_model_deployment(kube: Kube, config: OperatorConfig, namespace: str, name: str,
+                               applied: AppliedOnce | None = None, refs: Refs | None = None,
+                               written: Written = _ignore) -> dict | None:
+    """Converge one ModelDeployment; returns the status written (or None if it is gone). `applied` remembers
+    the Services already applied by this process (their content never changes), so they are applied once;
+    `refs` looks up what the spec refers to (default: the apiserver, each time); `written` is told each Workload
+    and Deployment this pass created, as the apiserver returned it (so the watch's echo of it needs no pass: this
+    pass already counted it as new; an update's answer may carry status this pass did not see, so not those)."""
     mdep = kube.get(API_VERSION, MDEP_PLURAL, name, namespace)
     if mdep is None or mdep["metadata"].get("deletionTimestamp"):
         return None  # the garbage collector removes what it owned
@@ -124,7 +150,7 @@ def reconcile_model_deployment(kube: Kube, config: OperatorConfig, namespace: st
         spec = parse_model_deployment(mdep.get("spec") or {})
         check_node_path(spec.source, config.node_cache_roots, config.tenant_pod_security)
         desired = desired_replicas_for(spec, old_status.get("autoscaler"))
-        resolved = resolve(kube, namespace, spec)
+        resolved = resolve(refs or ApiRefs(kube), namespace, spec, {w.flavor for w in observed if w.flavor})
     except SpecError as exc:
         problem = exc
         plan = frozen_plan(desired, observed)
@@ -133,14 +159,18 @@ def reconcile_model_deployment(kube: Kube, config: OperatorConfig, namespace: st
         template = workload_pod_template(spec, config, pinned)
         spec_hash = workload_hash(template, resolved.queue_name, resolved.priority)
         plan = plan_workloads(desired, observed, spec_hash)
-        kube.apply(build_service(mdep))
-        _apply_deployments(kube, config, mdep, spec, resolved, plan, deployments, spec_hash)
+        service_key = (namespace, name, str(mdep["metadata"].get("uid")))
+        if applied is None or applied.needed(service_key):
+            kube.apply(build_service(mdep))
+            if applied is not None:
+                applied.done(service_key)
+        _apply_deployments(kube, config, mdep, spec, resolved, plan, deployments, spec_hash, written)
         # Pods go first (above), then the quota: a freed GPU is never still in use by us.
         for wl_name in plan.delete:
             kube.delete(KUEUE_API_VERSION, "workloads", wl_name, namespace)
         for ordinal in plan.create:
-            kube.apply(build_workload(mdep, spec, config, ordinal, resolved.queue_name, resolved.priority,
-                                      pinned))
+            written(kube.apply(build_workload(mdep, spec, config, ordinal, resolved.queue_name, resolved.priority,
+                                              pinned)))
         if plan.create or plan.delete:
             log.info("workloads mdep=%s/%s desired=%d created=%s deleted=%s", namespace, name, desired,
                      list(plan.create), list(plan.delete))
@@ -158,7 +188,16 @@ def reconcile_model_deployment(kube: Kube, config: OperatorConfig, namespace: st
     new_status = compute_status(obs, old_status, now)
     if status_changed(old_status, new_status):
         kube.merge_patch(mdep, {"status": new_status}, subresource="status")
-        for event_type, reason, message in transition_events(old_status.get("conditions") or [],
-                                                             new_status["conditions"]):
-            kube.create(build_event(mdep, event_type, reason, message, now))
+        event = status_event(old_status.get("conditions") or [], new_status["conditions"])
+        if event is not None:
+            post_event(kube, build_event(mdep, *event, now))
     return new_status
+
+
+def post_event(kube: Kube, event: dict[str, Any]) -> None:
+    """Post an Event; one that cannot be posted (its namespace is being deleted, the apiserver refuses it) is
+    worth a log line, not a failed reconcile: the status it reports is already written."""
+    try:
+        kube.create(event)
+    except KubeError as exc:
+        log.warning("event %s/%s not posted: %s", event["metadata"]["namespace"], event["reason"], exc)

@@ -10,7 +10,8 @@ from .constants import API_VERSION, KUEUE_API_VERSION, LABEL_TENANT, TENANT_PLUR
 from .errors import SpecError
 from .events import build_event
 from .kube import PLURALS, Kube
-from .reconcile import utcnow
+from .reconcile import post_event, utcnow
+from .refs import ApiRefs, Refs
 from .spec import TenantSpec, parse_tenant
 from .tenant_status import compute_tenant_status, namespace_conflicts
 
@@ -40,12 +41,14 @@ def _cleanup(kube: Kube, tenant_name: str, wanted: dict[str, set[tuple[str, str]
 
 
 def reconcile_tenant(kube: Kube, name: str, converge: bool = True,
-                     system_namespaces: Sequence[str] = (), pod_security: str = "restricted") -> dict[str, Any] | None:
+                     system_namespaces: Sequence[str] = (), pod_security: str = "restricted",
+                     refs: Refs | None = None) -> dict[str, Any] | None:
     """Apply what the Tenant becomes (unless `converge` is False: then only refresh its status).
 
     `system_namespaces` may reach the tenant's engines through its NetworkPolicy (the operator's own);
     a tenant may not have one of them (Ready=False, ReservedNamespace). `pod_security` is the Pod Security
-    Standard its namespaces enforce."""
+    Standard its namespaces enforce. `refs` tells which tenant labels each namespace (default: read from the
+    apiserver)."""
     tenant = kube.get(API_VERSION, TENANT_PLURAL, name)
     if tenant is None or tenant["metadata"].get("deletionTimestamp"):
         return None
@@ -56,7 +59,7 @@ def reconcile_tenant(kube: Kube, name: str, converge: bool = True,
     except SpecError as exc:
         status = compute_tenant_status(tenant, None, exc.message, [], now)
     else:
-        conflicts = _conflicts(kube, name, spec)
+        conflicts = _conflicts(kube, refs or ApiRefs(kube), name, spec)
         reserved = [ns for ns in spec.namespaces if ns in system_namespaces]
         skip = set(conflicts) | set(reserved)
         if converge:
@@ -71,15 +74,12 @@ def reconcile_tenant(kube: Kube, name: str, converge: bool = True,
         ready = status["conditions"][0]
         if (old_ready.get("status"), old_ready.get("reason")) != (ready["status"], ready["reason"]):
             kind = "Normal" if ready["status"] == "True" else "Warning"
-            kube.create(build_event(tenant, kind, ready["reason"], ready["message"], now))
+            post_event(kube, build_event(tenant, kind, ready["reason"], ready["message"], now))
     return status
 
 
-def _conflicts(kube: Kube, name: str, spec: TenantSpec) -> dict[str, str]:
-    owners = {}
-    for ns in spec.namespaces:
-        obj = kube.get("v1", "namespaces", ns) or {}
-        owners[ns] = ((obj.get("metadata") or {}).get("labels") or {}).get(LABEL_TENANT)
+def _conflicts(kube: Kube, refs: Refs, name: str, spec: TenantSpec) -> dict[str, str]:
+    owners = {ns: refs.namespace_tenant(ns) for ns in spec.namespaces}
     others = {o for o in owners.values() if o and o != name}
     live = {o for o in others if kube.get(API_VERSION, TENANT_PLURAL, o) is not None}
     return namespace_conflicts(name, owners, live)

@@ -120,5 +120,16 @@ def transition_events(old: Sequence[Mapping[str, Any]], new: Sequence[Mapping[st
         if c["type"] == "QuotaExceeded" and c["status"] == "False" and c["type"] not in before:
             continue  # nothing worth telling on a fresh object
         kind = "Warning" if c["reason"] in _WARNING_REASONS else "Normal"
-        events.append((kind, c["reason"], f"{c['type']}={c['status']}: {c['message']}"))
+        events.append((kind, c["reason"], f"{c['type']}={c['status']} ({c['reason']}): {c['message']}"))
     return events
+
+
+def status_event(old: Sequence[Mapping[str, Any]], new: Sequence[Mapping[str, Any]]) -> tuple[str, str, str] | None:
+    """One Event for a status write that moves conditions (None when none moved): the reason of its most telling
+    transition (a Warning's first, else the first in condition order), every transition in the message. One
+    Event per write, not per condition: a fresh ModelDeployment told its story in 3 Events instead of 7."""
+    moved = transition_events(old, new)
+    if not moved:
+        return None
+    kind, reason, _ = next((e for e in moved if e[0] == "Warning"), moved[0])
+    return kind, reason, "; ".join(message for _, _, message in moved)

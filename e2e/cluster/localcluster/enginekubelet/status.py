@@ -116,6 +116,15 @@ def status_patch(current: Mapping[str, Any], container: ContainerState, phase: s
     }
 
 
+def status_drifted(current: Mapping[str, Any], container: ContainerState, phase: str) -> bool:
+    """Whether the pod's status in the API says other than the engine kubelet knows: its phase, or its Ready or
+    ContainersReady condition (the node lifecycle controller marks every pod of a node it lost touch with not
+    Ready; a kubelet's status manager then writes its own view back)."""
+    want = "True" if container.ready else "False"
+    conds = {c.get("type"): c.get("status") for c in current.get("conditions") or []}
+    return current.get("phase") != phase or any(conds.get(k) != want for k in ("ContainersReady", "Ready"))
+
+
 def restart_delay(crashes: int) -> float:
     """Seconds before restarting a container that ended `crashes` times in a row (1: at once)."""
     if crashes <= 1:

@@ -47,6 +47,7 @@ from .status import (
     phase_after_exit,
     restart_delay,
     restarts_after_exit,
+    status_drifted,
     status_patch,  # fmt: skip
     terminated,
 )
@@ -251,6 +252,9 @@ class Supervisor:
             log.info("pod %s: engine pod on %s, IP %s", pod.ref, pod.node, pod.pod_ip)
         else:
             engine.pod = pod
+            if engine.proc is not None and not engine.stopping and not pod.deleting \
+                    and status_drifted(pod.status, engine.container, engine.phase):
+                engine.dirty = True  # someone else wrote the pod's status: write ours back (as a kubelet does)
         if pod.deleting and not engine.stopping:
             self.stop(engine, delete=True)
 

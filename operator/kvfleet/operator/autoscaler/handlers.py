@@ -1,11 +1,13 @@
 """The autoscaler loop: a kopf timer per autoscaled ModelDeployment.
 
 Each tick: read the ready pods from the API server, read their load (scrape or
-Prometheus), decide (pure policy), write ``status.autoscaler`` (inputs, decision,
+Prometheus) and the gateway's demand (the ModelDeployment's ``gateway.kvfleet.dev/demand``
+annotation, ``demand``), decide (pure policy), write ``status.autoscaler`` (inputs, decision,
 saved state), then, if the count changed, ask the operator to reconcile at once; the
 operator turns ``status.autoscaler.desiredReplicas`` into Kueue workloads exactly as
 for a manual scale (``kvfleet.operator.scaling``), so every replica goes through
-Kueue admission and the tenant's quota holds.
+Kueue admission and the tenant's quota holds. A change of the gateway's demand annotation runs a tick at
+once (not at the next timer), so a model at zero starts waking as soon as a request waits for it.
 
 Settings (environment, set by the Helm chart):
 ``KVFLEET_AUTOSCALER_INTERVAL_SECONDS`` (or ``KVFLEET_AUTOSCALE_INTERVAL``; default 15),
@@ -24,6 +26,7 @@ from typing import Any, Mapping, Optional
 
 import kopf
 
+from kvfleet.operator.autoscaler.demand import gateway_waiting
 from kvfleet.operator.autoscaler.gauges import ScalingGauges
 from kvfleet.operator.autoscaler.metrics import query_prometheus, scrape_pods
 from kvfleet.operator.autoscaler.pods import ready_targets
@@ -36,7 +39,14 @@ from kvfleet.operator.autoscaler.state import (
     status_unchanged,
 )
 from kvfleet.operator.builders.meta import selector_labels
-from kvfleet.operator.constants import API_VERSION, ENGINE_PORT, GROUP, MDEP_PLURAL, VERSION
+from kvfleet.operator.constants import (
+    API_VERSION,
+    ENGINE_PORT,
+    GATEWAY_DEMAND_ANNOTATION,
+    GROUP,
+    MDEP_PLURAL,
+    VERSION,
+)
 from kvfleet.operator.errors import SpecError
 from kvfleet.operator.events import build_event
 from kvfleet.operator.kube import KubeError
@@ -111,7 +121,9 @@ async def autoscale_once(kube: Any, namespace: str, name: str, settings: Autosca
                                        spec.engine_kind)
     else:
         loads = await scrape_pods(targets, spec.engine_kind)
-    decision = decide(policy_spec, current, loads, state_from_status(status), now or time.time())
+    now = now or time.time()
+    from_gateway = gateway_waiting(mdep["metadata"].get("annotations"), now)
+    decision = decide(policy_spec, current, loads, state_from_status(status), now, from_gateway)
     patch = status_patch(decision, settings.source, {p.pod: p.error for p in loads if not p.known})
     if not status_unchanged(status.get("autoscaler"), patch[STATUS_KEY]):
         # Guarded by the resourceVersion we decided on: if the object changed meanwhile (autoscaling
@@ -149,8 +161,7 @@ async def _post_events(kube: Any, mdep: Mapping[str, Any], decision: Decision,
             log.warning("event not posted", extra={"reason": reason, "error": str(exc)})
 
 
-@kopf.timer(GROUP, VERSION, MDEP_PLURAL, interval=SETTINGS.interval, when=_enabled, id="autoscaler")
-async def autoscale(namespace: str | None, name: str, **_: Any) -> None:
+async def _tick(namespace: str | None, name: str) -> None:
     # Imported here: the operator's handlers module imports this package optionally (main.py).
     from kvfleet.operator import handlers as operator_handlers
 
@@ -158,6 +169,21 @@ async def autoscale(namespace: str | None, name: str, **_: Any) -> None:
     decision = await autoscale_once(operator_handlers.kube(), namespace, name, SETTINGS)
     if decision is not None and decision.desired != decision.current:
         await asyncio.to_thread(operator_handlers.reconcile_now, namespace, name)
+
+
+@kopf.timer(GROUP, VERSION, MDEP_PLURAL, interval=SETTINGS.interval, when=_enabled, id="autoscaler")
+async def autoscale(namespace: str | None, name: str, **_: Any) -> None:
+    await _tick(namespace, name)
+
+
+@kopf.on.field(GROUP, VERSION, MDEP_PLURAL, field=("metadata", "annotations", GATEWAY_DEMAND_ANNOTATION),
+               when=_enabled, id="autoscaler-gateway-demand")
+async def gateway_demand(namespace: str | None, name: str, new: Any, **_: Any) -> None:
+    """Requests started waiting at the gateway: decide now (a model at zero wakes without waiting for the timer)."""
+    waiting = gateway_waiting({GATEWAY_DEMAND_ANNOTATION: new}, time.time())
+    if waiting > 0:
+        log.info("gateway demand", extra={"mdep": f"{namespace}/{name}", "waiting": waiting})
+        await _tick(namespace, name)
 
 
 @kopf.on.field(GROUP, VERSION, MDEP_PLURAL, field="spec.autoscaling.enabled", id="autoscaler-toggled")

@@ -2,7 +2,8 @@
 
 Rules (the contract the tests hold it to):
 
-* demand = sum over pods whose metrics were read of (waiting + running requests);
+* demand = sum over pods whose metrics were read of (waiting + running requests), plus the
+  requests waiting at the gateway for a replica (``gateway_waiting``, see ``demand``);
   needed = ceil(demand / targetQueueDepth), clamped to [minReplicas, maxReplicas].
 * Scale up at once, by as many replicas as needed (never one at a time).
 * Scale down only after demand has stayed below the current replica count for
@@ -131,10 +132,11 @@ class Decision:
     reason: str
     time: float
     state: AutoscalerState = field(default_factory=AutoscalerState)
+    gateway_waiting: float = 0.0  # requests waiting at the gateway (held at zero, or queued while saturated)
 
     @property
     def queue_depth(self) -> float:
-        return self.waiting + self.running
+        return self.waiting + self.running + self.gateway_waiting
 
     def as_dict(self) -> dict[str, Any]:
         out = asdict(self)
@@ -155,6 +157,7 @@ def decide(
     pods: Sequence[PodLoad],
     state: AutoscalerState,
     now: float,
+    gateway_waiting: float = 0.0,
 ) -> Decision:
     """Decide the desired replica count. Pure: same inputs, same decision."""
     if current < 0:
@@ -164,13 +167,16 @@ def decide(
     waiting = float(sum(p.waiting or 0 for p in known))
     running = float(sum(p.running or 0 for p in known))
     busy = sum(1 for p in known if p.busy)
-    needed = needed_replicas(waiting + running, spec)
+    gateway_waiting = max(0.0, float(gateway_waiting))
+    needed = needed_replicas(waiting + running + gateway_waiting, spec)
     base = Decision(
         action="hold", current=current, desired=current, needed=needed, waiting=waiting,
         running=running, busy=busy, known_pods=len(known), unknown_pods=unknown,
-        reason="", time=now, state=AutoscalerState(),
+        reason="", time=now, state=AutoscalerState(), gateway_waiting=gateway_waiting,
     )
-    demand = f"queue depth {waiting + running:g} ({waiting:g} waiting, {running:g} running)"
+    at_gateway = f", {gateway_waiting:g} at the gateway" if gateway_waiting else ""
+    demand = (f"queue depth {waiting + running + gateway_waiting:g} ({waiting:g} waiting, {running:g} running"
+              f"{at_gateway})")
 
     # Bounds first: a spec change moves the count into range at once (up to the need, if higher).
     if current < spec.min_replicas or current > spec.max_replicas:
