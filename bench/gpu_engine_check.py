@@ -39,7 +39,7 @@ def run_kvfleet(model: str, device: str, dtype: str, ps: list[list[int]], max_to
               max_num_batched_tokens=64, enforce_eager=enforce_eager)
     sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in ps], sp)
-    graphs = getattr(llm.llm_engine.runner, "graph_runner", None) is not None
+    graphs = llm.llm_engine.runner.executor.graphs is not None
     del llm
     if torch.cuda.is_available():
         torch.cuda.empty_cache()

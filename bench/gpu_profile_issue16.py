@@ -318,8 +318,8 @@ def engine_profile() -> dict[str, Any]:
         x_ids, pos = torch.tensor([5], device=DEV), torch.tensor([1023], device=DEV)
         with torch.inference_mode():
             for _ in range(3):
-                runner.model(x_ids, pos, runner.kv_caches, md)
-            res["eager_b1_forward"] = _profiled(lambda: runner.model(x_ids, pos, runner.kv_caches, md),
+                runner.executor.model(x_ids, pos, runner.kv_caches, md)
+            res["eager_b1_forward"] = _profiled(lambda: runner.executor.model(x_ids, pos, runner.kv_caches, md),
                                                 "eager batch-1 forward (per kernel)")
 
     # one request alone: TPOT as the engine delivers it (host + device per token, no HTTP)

@@ -89,7 +89,7 @@ class StepParts:
 
         gen = torch.Generator().manual_seed(0)
 
-        def fake_forward(input_ids: torch.Tensor, positions: torch.Tensor, md: Any) -> torch.Tensor:
+        def fake_forward(input_ids: torch.Tensor, *rest: Any) -> torch.Tensor:
             # Random hidden states: varied tokens (so detokenization does real work), repeatable.
             return torch.randn(input_ids.shape[0], hidden, generator=gen, dtype=runner.dtype)
 
@@ -104,8 +104,9 @@ class StepParts:
         sched.schedule = schedule  # type: ignore[method-assign]
         sched.update_from_output = timed("update", sched.update_from_output)  # type: ignore[method-assign]
         runner.execute = timed("execute", runner.execute)  # type: ignore[method-assign]
-        runner._forward = timed("forward", fake_forward)  # type: ignore[method-assign]
-        runner.model.compute_logits = timed("logits", runner.model.compute_logits)
+        executor = runner.executor
+        executor.forward = timed("forward", fake_forward)  # type: ignore[method-assign]
+        executor.compute_logits = timed("logits", executor.compute_logits)  # type: ignore[method-assign]
         sampler = runner.sampler
         runner.sampler = timed("sample", sampler.__call__)  # type: ignore[assignment]
 

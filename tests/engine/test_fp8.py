@@ -95,9 +95,9 @@ def test_tiny_model_fp8_logits_and_greedy_tokens(tiny_model_factory) -> None:
     for arch in ("llama", "qwen3"):
         model = str(tiny_model_factory(arch))
         base, quant = _engine(model), _engine(model)
-        n = quantize_model_fp8(quant.runner.model, use_cuda_kernel=False)
+        n = quantize_model_fp8(quant.runner.executor.model, use_cuda_kernel=False)
         assert n == 4 * base.model_config.num_layers   # qkv, o, gate_up, down per layer; LM head kept
-        assert quant.runner.model.lm_head.weight.dtype == torch.bfloat16
+        assert quant.runner.executor.model.lm_head.weight.dtype == torch.bfloat16
         # logits of one prefill of 8 prompts
         from kvfleet.engine.attention.metadata import build_attention_metadata
 
@@ -108,8 +108,8 @@ def test_tiny_model_fp8_logits_and_greedy_tokens(tiny_model_factory) -> None:
             md = build_attention_metadata([len(ids)], [len(ids)], [list(range(-(-len(ids) // 16)))],
                                           runner.block_size, runner.device)
             with torch.inference_mode():
-                hidden = runner.model(torch.tensor(ids), torch.arange(len(ids)), runner.kv_caches, md)
-                return runner.model.compute_logits(hidden)
+                hidden = runner.executor.model(torch.tensor(ids), torch.arange(len(ids)), runner.kv_caches, md)
+                return runner.executor.model.compute_logits(hidden)
 
         g = torch.Generator().manual_seed(3)
         lens = [5, 17, 33, 9, 64, 12, 40, 2]

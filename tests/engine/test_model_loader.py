@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 from pathlib import Path
 
@@ -58,7 +59,7 @@ def test_bfloat16_load_is_close_to_float32(tiny_model_factory) -> None:
     cfg = ModelConfig.from_pretrained(tiny_model_factory("qwen3"))
     ids = list(range(3, 40))
     ref = _prefill_logits(load_model(cfg, device="cpu"), cfg, ids)
-    model = load_model(cfg, "cpu", torch.bfloat16)  # device in second place is accepted
+    model = load_model(dataclasses.replace(cfg, dtype=torch.bfloat16), "cpu")
     assert all(p.dtype == torch.bfloat16 for p in model.parameters())
     got = _prefill_logits(model, cfg, ids)
     assert got.dtype == torch.float32

@@ -34,9 +34,12 @@ def test_greedy_and_logprobs() -> None:
     out = Sampler()(logits_rows(2), batch(2, [0.0, 0.0], logprobs=3))
     assert out.sampled.tolist() == [1, 1]
     ref = logits_rows(1).log_softmax(-1)[0]
-    assert torch.allclose(out.sampled_logprob, ref[1].repeat(2))
-    assert out.sampled_rank.tolist() == [1, 1]
-    assert out.top_ids[0].tolist() == [1, 2, 3]
+    assert out.logprobs is not None
+    assert torch.allclose(out.logprobs.logprob, ref[1].repeat(2))
+    assert out.logprobs.rank.tolist() == [1, 1]
+    assert out.logprobs.top_ids[0].tolist() == [1, 2, 3]
+    assert torch.allclose(out.logprobs.top_logprobs[0], ref[1:4])
+    assert Sampler()(logits_rows(2), batch(2, [0.0, 0.0])).logprobs is None   # none asked: none computed
 
 
 def test_top_k_top_p_min_p_restrict_the_support_per_row() -> None:

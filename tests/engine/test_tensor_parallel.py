@@ -14,7 +14,9 @@ import pytest
 import torch
 
 from kvfleet.engine.attention import build_attention_metadata
+from kvfleet.engine.config import EngineConfig
 from kvfleet.engine.model_config import ModelConfig
+from kvfleet.engine.model_executor import LocalExecutor, build_executor
 from kvfleet.engine.model_loader import load_model
 
 BLOCK = 4
@@ -25,6 +27,7 @@ TABLES = [[5, 0, 7, 2], [3, 6]]
 
 
 def run_steps(model: Any, cfg_heads: int, head_dim: int, layers: int, vocab: int) -> list[torch.Tensor]:
+    """Logits of STEPS through `model.forward` / `model.compute_logits`: a model or an executor."""
     gen = torch.Generator().manual_seed(5)
     tokens = [torch.randint(3, vocab, (16,), generator=gen).tolist() for _ in TABLES]
     caches = [torch.zeros(2, 8, BLOCK, cfg_heads, head_dim) for _ in range(layers)]
@@ -34,7 +37,7 @@ def run_steps(model: Any, cfg_heads: int, head_dim: int, layers: int, vocab: int
             ids = sum((tokens[b][p : p + n] for b, (p, n) in enumerate(step)), [])
             pos = sum((list(range(p, p + n)) for p, n in step), [])
             md = build_attention_metadata([n for _, n in step], [p + n for p, n in step], TABLES, BLOCK)
-            hidden = model(torch.tensor(ids), torch.tensor(pos), caches, md)
+            hidden = model.forward(torch.tensor(ids), torch.tensor(pos), caches, md)
             out.append(model.compute_logits(hidden))
     return out
 
@@ -105,30 +108,35 @@ def test_sharded_layers_match_single_process(tiny_model_factory) -> None:
             torch.testing.assert_close(ours, theirs, atol=ATOL, rtol=0)
 
 
-class _EngineConfig:
-    tensor_parallel_size = 2
-    load_format = "auto"
-    seed = 0
+def _executor_config(folder: Path, tp: int) -> EngineConfig:
+    return EngineConfig(model=str(folder), tensor_parallel_size=tp, device="cpu").validate()
 
 
 @pytest.mark.timeout(180)
-def test_driver_model_with_worker_process(tiny_model_factory) -> None:
-    """load_model with tensor_parallel_size=2: this process is rank 0, one spawned worker is rank 1."""
+def test_driver_executor_with_worker_process(tiny_model_factory) -> None:
+    """build_executor at tensor_parallel_size=2: this process is rank 0, one spawned worker is rank 1;
+    the same calls as the local executor give the same logits."""
     folder = tiny_model_factory("llama")
     cfg = ModelConfig.from_pretrained(folder)
     deaths: list[str] = []
     from kvfleet.engine.distributed import executor
 
     # the reference first: once this process is rank 0, every model it builds is sharded
-    ref = run_steps(load_model(cfg, device="cpu"), cfg.num_kv_heads, cfg.head_dim, cfg.num_layers, cfg.vocab_size)
-    tp = load_model(cfg, _EngineConfig(), "cpu")
+    local = build_executor(cfg, _executor_config(folder, 1), torch.device("cpu"))
+    assert isinstance(local, LocalExecutor) and local.num_kv_heads == cfg.num_kv_heads
+    ref = run_steps(local, cfg.num_kv_heads, cfg.head_dim, cfg.num_layers, cfg.vocab_size)
+    local.shutdown()
+    tp = build_executor(cfg, _executor_config(folder, 2), torch.device("cpu"))
     try:
-        assert isinstance(tp, executor.TensorParallelModel) and tp.num_kv_heads == 1
+        assert isinstance(tp, executor.TensorParallelExecutor) and tp.num_kv_heads == 1
         tp._on_death = deaths.append
         ours = run_steps(tp, tp.num_kv_heads, cfg.head_dim, cfg.num_layers, cfg.vocab_size)
         for a, b in zip(ours, ref, strict=True):
             torch.testing.assert_close(a, b, atol=ATOL, rtol=0)
-        tp.copy_blocks([(0, 1)])  # mirrored in the worker's cache; must not desynchronise the group
+        # copy-on-write: here and, mirrored, in the worker's cache; must not desynchronise the group
+        caches = [torch.randn(2, 8, BLOCK, 1, cfg.head_dim) for _ in range(cfg.num_layers)]
+        tp.copy_blocks(caches, [(0, 1), (3, 2)])
+        assert all(torch.equal(c[:, 1], c[:, 0]) and torch.equal(c[:, 2], c[:, 3]) for c in caches)
         again = run_steps(tp, tp.num_kv_heads, cfg.head_dim, cfg.num_layers, cfg.vocab_size)
         torch.testing.assert_close(again[0], ref[0], atol=ATOL, rtol=0)
         # a worker that dies is reported (the default handler ends the process), and steps refuse to run
@@ -143,6 +151,43 @@ def test_driver_model_with_worker_process(tiny_model_factory) -> None:
             run_steps(tp, tp.num_kv_heads, cfg.head_dim, cfg.num_layers, cfg.vocab_size)
     finally:
         tp.shutdown(timeout_s=5)
+
+
+def test_worker_runs_each_control_message_and_the_pipe_carries_them(tiny_model_factory) -> None:
+    """The driver's messages a worker handles without the group (the step and the logits need its
+    collectives: the tests above), and their channel: a message arrives as sent, a closed driver end
+    reads as Shutdown, a closed worker end is WorkerGone."""
+    from kvfleet.engine.distributed import control
+    from kvfleet.engine.distributed.worker import ShardWorker
+
+    cfg = ModelConfig.from_pretrained(tiny_model_factory("llama"))
+    worker = ShardWorker(load_model(cfg, "cpu", quiet=True), torch.device("cpu"), cfg.dtype)
+    worker._ensure_cache((2, 4, BLOCK, cfg.num_kv_heads, cfg.head_dim), cfg.num_layers)
+    for cache in worker.kv_caches:
+        cache.copy_(torch.randn_like(cache))
+    assert worker.handle(control.CopyBlocks(torch.tensor([0, 3]), torch.tensor([1, 2])))
+    assert all(torch.equal(c[:, 1], c[:, 0]) and torch.equal(c[:, 2], c[:, 3]) for c in worker.kv_caches)
+    assert worker.handle(control.FreeCache()) and worker.kv_caches == [] and worker.graphs is None
+    assert worker.handle(control.Shutdown()) is False
+    with pytest.raises(TypeError, match="unknown message tuple"):
+        worker.handle(("forward",))  # type: ignore[arg-type]
+
+    header = control.StepHeader(num_tokens=3, num_seqs=2, table_width=2, max_query_len=2, max_seq_len=5,
+                                query_start_loc_cpu=[0, 2, 3], seq_lens_cpu=[2, 5], cache_shape=(2, 4, 4, 2, 16),
+                                num_layers=2, logit_rows=(1, 2), replay=True)
+    assert header.packed_len == 3 * 3 + 2 * 2 + 1 + 2 * 2
+    reader, writer = mp.Pipe(duplex=False)
+    sender = control.ControlSender([writer])
+    sender.send(header)
+    sender.send(control.CaptureGraphs((2, 4, 4, 2, 16), 2, 8, 64, 4, piecewise=False))
+    assert control.receive(reader) == header
+    assert control.receive(reader) == control.CaptureGraphs((2, 4, 4, 2, 16), 2, 8, 64, 4, False)
+    sender.close()
+    assert control.receive(reader) == control.Shutdown()
+    reader2, writer2 = mp.Pipe(duplex=False)
+    reader2.close()
+    with pytest.raises(control.WorkerGone, match="rank 1 is gone"):
+        control.ControlSender([writer2]).send(control.Shutdown())
 
 
 @pytest.mark.timeout(120)
@@ -184,12 +229,12 @@ def test_two_gpus_nccl_match_one_gpu(tiny_model_factory) -> None:
                 ids = sum((tokens[b][p : p + n] for b, (p, n) in enumerate(step)), [])
                 pos = sum((list(range(p, p + n)) for p, n in step), [])
                 md = build_attention_metadata([n for _, n in step], [p + n for p, n in step], TABLES, BLOCK, dev)
-                hidden = model(torch.tensor(ids, device=dev), torch.tensor(pos, device=dev), caches, md)
+                hidden = model.forward(torch.tensor(ids, device=dev), torch.tensor(pos, device=dev), caches, md)
                 out.append(model.compute_logits(hidden).cpu())
         return out
 
-    ref = steps_on_gpu(load_model(cfg, device=dev), cfg.num_kv_heads)
-    tp = load_model(cfg, _EngineConfig(), dev)
+    ref = steps_on_gpu(load_model(cfg, dev), cfg.num_kv_heads)
+    tp = build_executor(cfg, EngineConfig(model=str(folder), tensor_parallel_size=2, device="cuda"), dev)
     try:
         for a, b in zip(steps_on_gpu(tp, tp.num_kv_heads), ref, strict=True):
             torch.testing.assert_close(a, b, atol=ATOL, rtol=0)
@@ -213,7 +258,7 @@ def test_two_gpus_engine_greedy_matches_one_gpu_and_transformers(tiny_model_fact
     import transformers
 
     from kvfleet.engine import LLM, SamplingParams
-    from kvfleet.engine.distributed.executor import TensorParallelGraphRunner
+    from kvfleet.engine.distributed.executor import TensorParallelExecutor
 
     def say(msg: str) -> None:
         print(f"[tp-engine {graphs}] {msg}", file=sys.stderr, flush=True)
@@ -240,12 +285,13 @@ def test_two_gpus_engine_greedy_matches_one_gpu_and_transformers(tiny_model_fact
     two = LLM(folder, tensor_parallel_size=2, **kw)  # this process becomes rank 0; one worker on cuda:1
     say("tensor parallel 2 engine built")
     try:
-        runner = two.llm_engine.runner.graph_runner
-        assert isinstance(runner, TensorParallelGraphRunner) == (graphs != "eager")
+        executor = two.llm_engine.runner.executor
+        assert isinstance(executor, TensorParallelExecutor)
+        assert (executor.graphs is not None) == (graphs != "eager")
         tp2 = [list(o.outputs[0].token_ids) for o in two.generate(prompts, params)]
         say("tensor parallel 2 generate done")
-        if runner is not None:
-            assert runner.replays >= 20  # the decode steps ran from the graphs, on both ranks
+        if graphs != "eager":
+            assert executor.replays >= 20  # the decode steps ran from the graphs, on both ranks
     finally:
         t = time.monotonic()
         two.shutdown()

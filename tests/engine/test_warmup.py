@@ -165,6 +165,16 @@ def test_warmup_refuses_a_busy_engine_and_plans_for_short_contexts(tiny_model_fa
             for r in wave.requests:
                 assert r.prompt_len + r.max_tokens < max_len and r.prompt_len >= 1
     assert WARMUP_SALT
+    assert [r.sampling.get("n", 1) for w in warmup_plan(128, 100, max_num_seqs=1) for r in w.requests] == [1] * 4
+
+
+def test_warmup_of_an_engine_of_one_sequence_at_a_time(tiny_model_factory: Any) -> None:
+    """`--max-num-seqs 1` refuses n=2: the warm-up's parallel-sampling request asks for what fits."""
+    engine = LLMEngine(EngineConfig(model=str(tiny_model_factory("llama")), dtype="float32", device="cpu",
+                                    num_kv_blocks=64, max_model_len=128, max_num_seqs=1))
+    report = engine.warm_up()
+    assert report.requests == 4 and not engine.has_unfinished_requests()
+    assert engine.stats()["kv_blocks_used"] == 0
 
 
 def test_warmup_switch(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -8,12 +8,12 @@ from kvfleet.engine.kernels import (
     fused_add_rms_norm,
     rms_norm,
     rms_norm_ref,
-    rope_inv_freq,
     rotary_embedding,
     rotary_embedding_ref,
     silu_and_mul,
     silu_mul_ref,
 )
+from kvfleet.engine.rope import rope_inv_freq
 
 from .paged import rel_err
 
@@ -67,6 +67,15 @@ def test_llama3_inv_freq_matches_transformers() -> None:
     got = rope_inv_freq(128, 500000.0, scaling)
     assert torch.allclose(got, expected, rtol=1e-6, atol=0)
     assert not torch.allclose(got, rope_inv_freq(128, 500000.0))  # scaling changes the low frequencies
+
+
+def test_rope_inv_freq_names_a_bad_argument() -> None:
+    with pytest.raises(ValueError, match="head_dim: must be positive and even, got 7"):
+        rope_inv_freq(7, 10000.0)
+    with pytest.raises(ValueError, match="rope_theta: must be > 0, got 0.0"):
+        rope_inv_freq(8, 0.0)
+    with pytest.raises(ValueError, match="rope_scaling: rope type 'yarn' is not supported"):
+        rope_inv_freq(8, 10000.0, {"rope_type": "yarn", "factor": 4.0})
 
 
 @pytest.mark.parametrize("dtype,hq,hk", [(torch.float32, 4, 2), (torch.bfloat16, 6, 1)])

@@ -26,7 +26,7 @@ LONG = {"model": "tiny", "prompt": "once upon a time", "max_tokens": 1000, "igno
 @pytest.fixture(scope="module")
 def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     srv = start_server(tiny_model_dir, tmp_path_factory.mktemp("fault-logs"), "--max-num-seqs", "1",
-                       "--max-queue-len", "4", "--shutdown-grace-period", "30", "--max-request-bytes", "65536")
+                       "--max-queue-len", "4", "--shutdown-grace-period", "120", "--max-request-bytes", "65536")
     yield srv
     srv.stop()
 
@@ -186,19 +186,24 @@ def test_oversized_bodies_get_413_without_being_read(server: Server) -> None:
     assert ok.status_code == 200, ok.text
 
 
+# Long enough to be still running when the test's next request comes (150 tokens, warmed up, took ~0.3 s
+# and the server had drained and gone before it), and short enough for the grace period on a busy machine.
+DRAINED_TOKENS = 600
+
+
 def test_sigterm_drains_then_exits_zero(server: Server) -> None:
-    body = dict(LONG, max_tokens=150)
-    thread, box = in_thread(lambda: httpx.post(server.url + "/v1/completions", json=body, timeout=60))
+    body = dict(LONG, max_tokens=DRAINED_TOKENS)
+    thread, box = in_thread(lambda: httpx.post(server.url + "/v1/completions", json=body, timeout=150))
     wait_until(lambda: server.metric("kvfleet:num_requests_running") == 1, 10, "the request to run")
     server.proc.send_signal(signal.SIGTERM)
     wait_until(lambda: httpx.get(server.url + "/health").status_code == 503, 5, "/health to report draining")
     refused = httpx.post(server.url + "/v1/completions", json={"prompt": "x", "max_tokens": 2})
     assert refused.status_code == 503 and refused.json()["error"]["code"] == "draining"
-    thread.join(60)
+    thread.join(150)
     assert "error" not in box, box
     finished = box["result"]
     assert finished.status_code == 200 and finished.json()["choices"][0]["finish_reason"] == "length"
-    assert finished.json()["usage"]["completion_tokens"] == 150
+    assert finished.json()["usage"]["completion_tokens"] == DRAINED_TOKENS
     assert server.proc.wait(30) == 0
 
 

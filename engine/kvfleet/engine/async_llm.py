@@ -23,6 +23,7 @@ from kvfleet.engine.core.inputs import PromptType
 from kvfleet.engine.llm_engine import LLMEngine, StepError
 from kvfleet.engine.outputs import RequestOutput
 from kvfleet.engine.sampling_params import SamplingParams
+from kvfleet.engine.warmup import WarmupReport
 
 logger = logging.getLogger(__name__)
 
@@ -146,7 +147,7 @@ class AsyncLLM:
         self._commands.put(run)
         await done
 
-    async def warm_up(self) -> Any:
+    async def warm_up(self) -> WarmupReport:
         """`LLMEngine.warm_up` on the loop thread (between steps; the engine must have no request yet)."""
         loop = asyncio.get_running_loop()
         done: asyncio.Future = loop.create_future()

@@ -28,13 +28,14 @@ Correctness cases:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
-from kvfleet.engine.core.scheduler import ModelRunnerOutput, ScheduledRequest
-from kvfleet.engine.sampler import SamplerOutput
+from kvfleet.engine.core.runner_output import ModelRunnerOutput
+from kvfleet.engine.core.scheduler import ScheduledRequest
+from kvfleet.engine.sampler import SamplerOutput, TokenLogprobs
 
 
 @dataclass
@@ -62,14 +63,15 @@ def copy_to_host_async(res: SamplerOutput) -> tuple[SamplerOutput, Optional[torc
     the copies' end. Tensors already on the host are returned as they are (no event)."""
     if res.sampled.device.type != "cuda":
         return res, None
-    host: dict[str, Optional[torch.Tensor]] = {}
-    for f in fields(res):
-        t = getattr(res, f.name)
-        if t is not None:
-            pinned = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-            pinned.copy_(t, non_blocking=True)
-            t = pinned
-        host[f.name] = t
+
+    def to_host(t: torch.Tensor) -> torch.Tensor:
+        pinned = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        pinned.copy_(t, non_blocking=True)
+        return pinned
+
+    lp = res.logprobs
+    host = SamplerOutput(to_host(res.sampled), None if lp is None else TokenLogprobs(
+        to_host(lp.logprob), to_host(lp.rank), to_host(lp.top_ids), to_host(lp.top_logprobs)))
     event = torch.cuda.Event()
     event.record()
-    return SamplerOutput(**host), event   # type: ignore[arg-type]
+    return host, event

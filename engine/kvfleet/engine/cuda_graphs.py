@@ -9,7 +9,7 @@ that graph: one launch instead of hundreds of kernel launches from Python.
 Mixed or prefill steps, and batches beyond the largest bucket, run eagerly.
 
 Padded batch sizes: 1, 2, 4, 8, every 16 to 256, every 32 to 512, every 64 beyond.
-The model runner calls it through its ``graph_runner`` hook:
+The model executors (``kvfleet.engine.model_executor``) capture it on CUDA and replay it through
 ``can_run(num_tokens, attn_metadata)`` and ``run(input_ids, positions, kv_caches, attn_metadata)``.
 """
 
@@ -24,6 +24,8 @@ from typing import Any
 import torch
 
 from kvfleet.engine.attention.metadata import AttentionMetadata
+from kvfleet.engine.distributed import parallel_state
+from kvfleet.engine.models.base import CausalLM
 
 logger = logging.getLogger(__name__)
 
@@ -71,8 +73,6 @@ class PiecewiseGraph:
         self.parts: list[tuple[torch.cuda.CUDAGraph, torch.Tensor | None]] = []
 
     def capture(self, fn: Any, pool: Any, stream: torch.cuda.Stream, capture_error_mode: str) -> Any:
-        from kvfleet.engine.distributed.parallel_state import all_reduce_cut
-
         current = [torch.cuda.CUDAGraph()]
 
         def cut(x: torch.Tensor) -> torch.Tensor:
@@ -86,7 +86,7 @@ class PiecewiseGraph:
         with torch.cuda.stream(stream):
             current[0].capture_begin(pool=pool, capture_error_mode=capture_error_mode)
             try:
-                with all_reduce_cut(cut):
+                with parallel_state.all_reduce_cut(cut):
                     out = fn()
             finally:
                 current[0].capture_end()
@@ -94,18 +94,16 @@ class PiecewiseGraph:
         return out
 
     def replay(self) -> None:
-        from kvfleet.engine.distributed.parallel_state import tp_all_reduce_now
-
         for graph, x in self.parts:
             graph.replay()
             if x is not None:
-                tp_all_reduce_now(x)
+                parallel_state.tp_all_reduce_now(x)
 
 
 class CudaGraphRunner:
     """Captured decode forwards of ``model`` over ``kv_caches``, one per padded batch size."""
 
-    def __init__(self, model: Any, kv_caches: list[torch.Tensor], max_batch: int, max_model_len: int,
+    def __init__(self, model: CausalLM, kv_caches: list[torch.Tensor], max_batch: int, max_model_len: int,
                  block_size: int, device: torch.device) -> None:
         if device.type != "cuda":
             raise ValueError(f"device: CUDA graphs need a CUDA device, got {device}")
@@ -208,7 +206,7 @@ class CudaGraphRunner:
         return self.outputs[bs][:n]
 
 
-def build_graph_runner(model: Any, kv_caches: list[torch.Tensor], max_num_seqs: int, max_model_len: int,
+def build_graph_runner(model: CausalLM, kv_caches: list[torch.Tensor], max_num_seqs: int, max_model_len: int,
                        block_size: int, device: torch.device) -> CudaGraphRunner | None:
     """Capture decode graphs on CUDA; None elsewhere (the runner then stays eager)."""
     if device.type != "cuda":

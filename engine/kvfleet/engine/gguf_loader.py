@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from kvfleet.engine.model_config import ModelConfig
+from kvfleet.engine.progress import progress_bar
 
 logger = logging.getLogger(__name__)
 
@@ -62,8 +63,6 @@ def iter_gguf_tensors(cfg: ModelConfig, quiet: bool | None = None) -> Iterator[t
     import gguf
     from gguf.quants import dequantize
 
-    from kvfleet.engine.model_loader import _progress
-
     if cfg.gguf_path is None:
         raise ValueError("model: not a GGUF model")
     reader = gguf.GGUFReader(str(cfg.gguf_path))
@@ -71,7 +70,7 @@ def iter_gguf_tensors(cfg: ModelConfig, quiet: bool | None = None) -> Iterator[t
     arch_name = bytes(field.parts[field.data[0]]).decode()
     mapping = gguf_to_hf_map(arch_name, cfg.num_layers)
     permute = arch_name == "llama"
-    with _progress(len(reader.tensors), "Loading GGUF", quiet) as bar:
+    with progress_bar(len(reader.tensors), "Loading GGUF", quiet) as bar:
         for tensor in reader.tensors:
             bar.update(1)
             name = mapping.get(tensor.name)

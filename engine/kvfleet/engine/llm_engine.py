@@ -12,21 +12,24 @@ import gc
 import logging
 import os
 import time
+from collections.abc import Collection
 from typing import Any, NoReturn, Optional
 
 import torch
 
 from kvfleet.engine.async_step import InFlight
 from kvfleet.engine.config import EngineConfig
-from kvfleet.engine.core.beam_search import Beam, BeamSearchState
+from kvfleet.engine.core.beam_search import Beam, BeamSearchState, Hypothesis
 from kvfleet.engine.core.inputs import PromptType, check_prompt, check_text, split_prompt
 from kvfleet.engine.core.kv_cache_manager import KVCacheManager
 from kvfleet.engine.core.request import Request, RequestStatus
 from kvfleet.engine.core.request_group import RequestGroup
-from kvfleet.engine.core.scheduler import ModelRunnerOutput, RequestUpdate, Scheduler, SchedulerOutput
+from kvfleet.engine.core.runner_output import ModelRunnerOutput
+from kvfleet.engine.core.scheduler import RequestUpdate, Scheduler, SchedulerOutput
 from kvfleet.engine.model_config import ModelConfig
 from kvfleet.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from kvfleet.engine.sampling_params import SamplingParams
+from kvfleet.engine.warmup import WarmupReport, run_warmup
 
 logger = logging.getLogger(__name__)
 
@@ -83,8 +86,10 @@ class LLMEngine:
 
         config.validate()
         self.device = resolve_device(config.device)
-        if config.async_scheduling is None:  # auto: overlap where there is a device to overlap with
-            config = dataclasses.replace(config, async_scheduling=self.device.type == "cuda")
+        async_scheduling = config.async_scheduling
+        if async_scheduling is None:  # auto: overlap where there is a device to overlap with
+            async_scheduling = self.device.type == "cuda"
+            config = dataclasses.replace(config, async_scheduling=async_scheduling)
         self.config = config
         torch.manual_seed(config.seed)
         self.model_config = ModelConfig.from_pretrained(str(config.model), config.max_model_len, config.dtype,
@@ -110,13 +115,13 @@ class LLMEngine:
             # bf16 weights free goes to the KV cache, and the graphs capture the FP8 matmuls.
             from kvfleet.engine.models.fp8 import quantize_model_fp8
 
-            n = quantize_model_fp8(self.runner.model)
+            n = quantize_model_fp8(self.runner.executor.model)
             logger.info("fp8: %d linear layers quantized (per-channel weight scales, dynamic per-token activations)", n)
         num_blocks = self.runner.determine_num_blocks()
         self.runner.init_kv_cache(num_blocks)
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, budget, max_len, config.enable_chunked_prefill)
-        self.scheduler.async_placeholders = config.async_scheduling
+        self.scheduler.async_placeholders = async_scheduling
         eos = set(self.model_config.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos.add(int(self.tokenizer.eos_token_id))
@@ -136,6 +141,7 @@ class LLMEngine:
         if ids is None:
             if self.tokenizer is None:
                 raise ValueError("prompt: this model has no tokenizer; pass prompt_token_ids")
+            assert text is not None   # split_prompt gives the text when it gives no ids
             check_text(text, "prompt")   # else the tokenizer raises a TypeError
             ids = self.tokenizer.encode(text) if text else []
         return text, ids
@@ -162,36 +168,38 @@ class LLMEngine:
         if request_id in self.groups:
             raise ValueError(f"request_id: {request_id!r} is already running")
         text, ids, params, max_tokens = self.process_inputs(prompt, params)
-        stop_ids = set(params.stop_token_ids or [])
-        if not params.ignore_eos:
-            stop_ids |= self.eos_token_ids
+        stop_ids = frozenset(params.stop_token_ids or ()) | (frozenset() if params.ignore_eos else self.eos_token_ids)
         now = arrival_time if arrival_time is not None else time.monotonic()
         group = RequestGroup(request_id, text, ids, params, self.tokenizer, RequestMetrics(arrival_time=now))
         samples = params.num_samples
-        base = dict(max_tokens=max_tokens, min_tokens=params.min_tokens, stop_token_ids=frozenset(stop_ids),
-                    priority=priority, arrival_time=now, cache_salt=cache_salt, group_id=request_id,
-                    sampling_params=params,
-                    num_logprobs=params.logprobs if params.logprobs is not None else -1)
-        seqs: list[Request] = []
+        num_logprobs = params.logprobs if params.logprobs is not None else -1
+        if samples > params.n:
+            num_logprobs = max(num_logprobs, 0)   # best_of ranks by cumulative logprob
+
+        def sequence(index: int, max_new: int = max_tokens, stops: frozenset[int] = stop_ids,
+                     compute_limit: Optional[int] = None, external_tokens: bool = False,
+                     logprobs: int = num_logprobs) -> Request:
+            """Sequence `index` of this request (`<request_id>#<index>`)."""
+            return Request(f"{request_id}#{index}", ids, max_tokens=max_new, min_tokens=params.min_tokens,
+                           stop_token_ids=stops, priority=priority, arrival_time=now, cache_salt=cache_salt,
+                           group_id=request_id, index=index, compute_limit=compute_limit,
+                           external_tokens=external_tokens, sampling_params=params,
+                           seed=None if params.seed is None else params.seed + index, num_logprobs=logprobs)
+
         if params.use_beam_search:
-            seq = Request(f"{request_id}#0", ids, **{**base, "max_tokens": max_tokens + 1,
-                                                     "stop_token_ids": frozenset()},
-                          external_tokens=True)
-            group.beam = BeamSearchState(params.beam_width, max_tokens, frozenset(stop_ids),
-                                         params.length_penalty, params.early_stopping)
-            seq.num_logprobs = max(seq.num_logprobs, group.beam.num_candidates)
-            group.beam_live = [Beam(seq.request_id, [], 0.0)]
-            seqs.append(seq)
+            # One beam to start; the engine picks every token from its top logprobs and stops it itself.
+            beam = BeamSearchState(params.beam_width, max_tokens, stop_ids, params.length_penalty,
+                                   params.early_stopping)
+            seqs = [sequence(0, max_tokens + 1, frozenset(), external_tokens=True,
+                             logprobs=max(num_logprobs, beam.num_candidates))]
+            group.beam = beam
+            group.beam_live = [Beam(seqs[0].request_id, [], 0.0)]
         elif samples > 1 and len(ids) > 1:
             # One parent computes all but the last prompt token, then forks (shared blocks).
-            seqs.append(Request(f"{request_id}#0", ids, compute_limit=len(ids) - 1, **base))
+            seqs = [sequence(0, compute_limit=len(ids) - 1)]
         else:
-            seqs = [Request(f"{request_id}#{i}", ids, index=i, **base) for i in range(samples)]
+            seqs = [sequence(i) for i in range(samples)]
         for seq in seqs:
-            if params.seed is not None:
-                seq.seed = params.seed + seq.index
-            if samples > params.n:
-                seq.num_logprobs = max(seq.num_logprobs, 0)   # best_of ranks by cumulative logprob
             group.add_seq(seq)
         self.groups[request_id] = group
         for seq in seqs:
@@ -220,11 +228,9 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self.groups)
 
-    def warm_up(self) -> Any:
+    def warm_up(self) -> WarmupReport:
         """Run every step shape and sampler path once (kvfleet.engine.warmup), leaving nothing behind:
         the server calls it before /health says ready, so no request pays a first-use compile."""
-        from kvfleet.engine.warmup import run_warmup
-
         return run_warmup(self)
 
     # --- the step ------------------------------------------------------------------
@@ -245,7 +251,7 @@ class LLMEngine:
         except Exception as e:
             self._fail_step(sched, e)
         updates = self.scheduler.update_from_output(sched, result)
-        return self._process(updates, result, final_only)
+        return self._process(sched, updates, result, final_only)
 
     def _step_overlapped(self, final_only: bool) -> list[RequestOutput]:
         """Async scheduling: schedule and prepare step N+1 while step N (launched by the last call)
@@ -280,7 +286,7 @@ class LLMEngine:
                 self._inflight = (sched, self.runner.launch(sched, async_copy=True, prepared=prepared))
             except Exception as e:   # N's updates are lost with the raise: its requests end too
                 self._fail_step(SchedulerOutput(sched.scheduled + (prev[0].scheduled if prev else [])), e)
-        outs = self._process(updates, result, final_only) if result is not None else []
+        outs = self._process(prev[0], updates, result, final_only) if prev is not None and result is not None else []
         if not self.groups and self._inflight is not None:
             outs += self._step_overlapped(final_only)   # only discarded work is left: collect it
         return outs
@@ -290,31 +296,33 @@ class LLMEngine:
         for s in sched.scheduled:
             if s.start != s.request.num_cached_tokens:
                 continue   # not its first chunk (a first one starts after its prefix-cache hit)
-            g = self.groups.get(s.request.group_id or "")
+            g = self.groups.get(s.request.group_id)
             if g is not None and g.metrics.first_scheduled_time is None:
                 g.metrics.first_scheduled_time = now
                 g.num_cached_tokens = max(0, s.request.num_cached_tokens)
 
     def _fail_step(self, sched: SchedulerOutput, e: Exception) -> NoReturn:
         # The step's requests are in an unknown state: end them; the others go on.
-        failed = sorted({s.request.group_id for s in sched.scheduled if s.request.group_id})
+        failed = sorted({s.request.group_id for s in sched.scheduled})
         self.abort_request(failed)
         raise StepError(failed, e) from e
 
-    def _process(self, updates: list[RequestUpdate], result: ModelRunnerOutput, final_only: bool
-                 ) -> list[RequestOutput]:
-        """The engine's side of a step after the scheduler's update: tokens into their groups
+    def _process(self, sched: SchedulerOutput, updates: list[RequestUpdate], result: ModelRunnerOutput,
+                 final_only: bool) -> list[RequestOutput]:
+        """The engine's side of step `sched` after the scheduler's update: tokens into their groups
         (detokenization, stop strings, beam picks, forks) and the `RequestOutput`s."""
         touched: dict[str, RequestGroup] = {}
-        for rid, entries in result.prompt_logprobs.items():
-            g = self._group_of(rid)
-            if g is not None:
-                g.add_prompt_logprobs(entries)
-        now = time.monotonic()
         groups = self.groups
+        if result.prompt_logprobs:
+            for s in sched.scheduled:
+                entries = result.prompt_logprobs.get(s.request_id)
+                g = groups.get(s.request.group_id) if entries is not None else None
+                if g is not None and entries is not None:
+                    g.add_prompt_logprobs(entries)
+        now = time.monotonic()
         for upd in updates:
             req = upd.request
-            g = groups.get(req.group_id) if req.group_id is not None else self._group_of(req.request_id)
+            g = groups.get(req.group_id)
             if g is None:
                 continue
             self._apply(g, upd, result, now)
@@ -331,14 +339,12 @@ class LLMEngine:
                 outs.append(out)
         return outs
 
-    def _group_of(self, seq_id: str) -> Optional[RequestGroup]:
-        return self.groups.get(seq_id.rsplit("#", 1)[0])
-
     def _apply(self, g: RequestGroup, upd: RequestUpdate, result: ModelRunnerOutput, now: float) -> None:
         req = upd.request
         if upd.new_token_id is None:
             if req.external_tokens:
-                g.beam_pending[req.request_id] = list(zip(*result.logprobs[req.request_id][2:4], strict=True))
+                lp = result.logprobs[req.request_id]
+                g.beam_pending[req.request_id] = list(zip(lp.top_ids, lp.top_logprobs, strict=True))
                 self._maybe_beam_step(g)
             elif req.compute_limit is not None:
                 self._fork_samples(g, req)
@@ -377,12 +383,13 @@ class LLMEngine:
             self.scheduler.finish_requests(list(seqs), RequestStatus.FINISHED_STOPPED)
             self.runner.release(list(seqs))
             best = g.beam.best(g.params.n, g.beam_live)
-            g.beam_result = [self._beam_output(g, i, h) for i, h in enumerate(best)]
+            g.beam_result = [self._beam_output(g, g.beam.eos_token_ids, i, h) for i, h in enumerate(best)]
             return
         used: set[str] = set()
         plan: list[tuple[Request, int, Beam]] = []
         old = {b.key: b for b in g.beam_live}
-        for parent_key, tok, score in step.next_beams:
+        for nxt in step.next_beams:
+            parent_key, tok = nxt.parent_key, nxt.token
             parent = seqs[parent_key]
             if parent_key in used:
                 g.fork_counter += 1
@@ -390,7 +397,7 @@ class LLMEngine:
             else:
                 used.add(parent_key)
                 seq = parent
-            plan.append((seq, tok, Beam(seq.request_id, old[parent_key].tokens + [tok], score)))
+            plan.append((seq, tok, Beam(seq.request_id, old[parent_key].tokens + [tok], nxt.score)))
         dropped = [k for k in seqs if k not in used]
         self.scheduler.finish_requests(dropped, RequestStatus.FINISHED_STOPPED)
         self.runner.release(dropped)
@@ -400,10 +407,11 @@ class LLMEngine:
             g.add_seq(seq)
         g.beam_live = [b for _, _, b in plan]
 
-    def _beam_output(self, g: RequestGroup, index: int, hyp: Any) -> CompletionOutput:
+    def _beam_output(self, g: RequestGroup, eos_token_ids: Collection[int], index: int,
+                     hyp: Hypothesis) -> CompletionOutput:
         text = self.tokenizer.decode(hyp.tokens, skip_special_tokens=g.params.skip_special_tokens) \
             if self.tokenizer is not None else ""
-        reason = "stop" if hyp.tokens and hyp.tokens[-1] in g.beam.eos_token_ids else "length"  # type: ignore[union-attr]
+        reason = "stop" if hyp.tokens and hyp.tokens[-1] in eos_token_ids else "length"
         return CompletionOutput(index=index, text=text, token_ids=list(hyp.tokens),
                                 cumulative_logprob=hyp.cum_logprob, finish_reason=reason)
 

@@ -6,10 +6,9 @@ copies, runs the model, and samples every sequence that finished its tokens in o
 batched pass. It also sizes the KV cache (GPU: from `gpu_memory_utilization` after
 profiling a forward at the full token budget; CPU: `num_kv_blocks` or a byte budget).
 
-CUDA graphs hook in at `_forward`: set `self.graph_runner` to an object with
-`can_run(num_tokens: int, attn_metadata) -> bool` and
-`run(input_ids, positions, kv_caches, attn_metadata) -> hidden` and `release()` (called at
-shutdown); it is used for the batches it accepts (decode-only, typically) unless `enforce_eager`.
+The model itself is behind one seam, `self.executor` (`kvfleet.engine.model_executor.ModelExecutor`:
+forward, logits, block copies, decode CUDA graphs, shutdown, KV heads per rank), the same calls
+whether the model runs in this process or tensor parallel over several.
 """
 
 from __future__ import annotations
@@ -17,7 +16,7 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import NamedTuple, Optional
 
 import numpy as np
 import torch
@@ -25,9 +24,13 @@ import torch
 from kvfleet.engine.async_step import InFlight, copy_to_host_async
 from kvfleet.engine.attention.metadata import AttentionMetadata, build_attention_metadata
 from kvfleet.engine.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
-from kvfleet.engine.core.scheduler import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from kvfleet.engine.core.request import Request
+from kvfleet.engine.core.runner_output import ModelRunnerOutput, PromptLogprob, SampleLogprobs
+from kvfleet.engine.core.scheduler import ScheduledRequest, SchedulerOutput
+from kvfleet.engine.kv_cache import allocate_kv_cache
 from kvfleet.engine.model_config import ModelConfig
-from kvfleet.engine.sampler import Sampler, SamplingBatch, gather_logprobs
+from kvfleet.engine.model_executor import ModelExecutor, build_executor
+from kvfleet.engine.sampler import Sampler, SamplerOutput, SamplingBatch, gather_logprobs
 from kvfleet.engine.step_inputs import BlockTableRows, StepInputs, build_step_inputs
 
 logger = logging.getLogger(__name__)
@@ -60,15 +63,36 @@ def to_device(t: torch.Tensor, device: torch.device, non_blocking: bool = False)
     return t.to(device)
 
 
-def _param_row(r: Any, vocab: int) -> tuple[float, int, float, float, float, float, float, bool]:
-    """A sequence's sampling parameters as the batch needs them (fixed for its lifetime):
-    temperature, top-k, top-p, min-p, repetition/frequency/presence penalties, seeded-random."""
+class SamplingRow(NamedTuple):
+    """A sequence's sampling parameters as the batch needs them (fixed for its lifetime, so built once
+    per sequence). A tuple: a step's rows transpose into per-parameter columns with one zip."""
+
+    temperature: float          # 0 = greedy (beam search: the engine picks from the logprobs)
+    top_k: int                  # the vocabulary size = off
+    top_p: float
+    min_p: float
+    repetition_penalty: float
+    frequency_penalty: float
+    presence_penalty: float
+    seeded: bool                # random sampling from the sequence's own generator
+
+
+class _PromptRow(NamedTuple):
+    """A prompt token whose logprobs are asked for: where its prediction is in the step's hidden rows."""
+
+    request_id: str
+    position: int               # of the predicted token in the prompt
+    row: int                    # hidden row that predicts it
+    token_id: int
+
+
+def sampling_row(r: Request, vocab: int) -> SamplingRow:
     p = r.sampling_params
     temp = 0.0 if r.external_tokens else float(p.temperature)
     k = p.top_k
-    return (temp, vocab if k in (-1, None) else min(int(k), vocab), float(p.top_p), float(p.min_p),
-            float(p.repetition_penalty), float(p.frequency_penalty), float(p.presence_penalty),
-            r.seed is not None and temp >= 1e-5)
+    return SamplingRow(temp, vocab if k in (-1, None) else min(int(k), vocab), float(p.top_p), float(p.min_p),
+                       float(p.repetition_penalty), float(p.frequency_penalty), float(p.presence_penalty),
+                       r.seed is not None and temp >= 1e-5)
 
 
 def kv_block_bytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype, num_kv_heads: Optional[int] = None) -> int:
@@ -80,27 +104,21 @@ def kv_block_bytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype, num_kv
 class ModelRunner:
     def __init__(self, model_config: ModelConfig, engine_config: EngineConfig,
                  device: torch.device, max_num_batched_tokens: int) -> None:
-        from kvfleet.engine.model_loader import load_model
-
         self.model_config = model_config
         self.engine_config = engine_config
         self.device = device
         self.dtype = model_config.dtype
         self.block_size = engine_config.block_size
         self.max_num_batched_tokens = max_num_batched_tokens
-        # With tensor_parallel_size > 1 this is a TensorParallelModel (kvfleet.engine.distributed):
-        # same calls, plus num_kv_heads (this rank's), copy_blocks(pairs) and shutdown().
-        self.model = load_model(model_config, engine_config, device, self.dtype)
-        self.num_kv_heads = int(getattr(self.model, "num_kv_heads", model_config.num_kv_heads))
-        self.tensor_parallel = engine_config.tensor_parallel_size > 1
+        self.executor: ModelExecutor = build_executor(model_config, engine_config, device)
+        self.num_kv_heads = self.executor.num_kv_heads   # this rank's
         self.sampler = Sampler()
         self.kv_caches: list[torch.Tensor] = []
-        self.graph_runner: Optional[Any] = None
         self._generators: dict[str, torch.Generator] = {}
-        self._param_rows: dict[str, tuple[float, int, float, float, float, float, float, bool]] = {}
+        self._param_rows: dict[str, SamplingRow] = {}
         # Persistent block tables, one row per sequence (rows are added as sequences appear).
         # Async scheduling on CUDA: host-to-device copies must not wait for the step in flight.
-        self.non_blocking = engine_config.async_scheduling and device.type == "cuda"
+        self.non_blocking = bool(engine_config.async_scheduling) and device.type == "cuda"
         self.num_placeholder_inputs = 0   # decode inputs taken on the device (async scheduling)
         self._block_rows = BlockTableRows(math.ceil((model_config.max_model_len + 1) / self.block_size) + 1)
 
@@ -139,16 +157,15 @@ class ModelRunner:
         md = build_attention_metadata(lens, lens, tables, self.block_size, self.device)
         ids = torch.zeros(tokens, dtype=torch.long, device=self.device)
         pos = torch.cat([torch.arange(n, device=self.device) for n in lens])
+        last_rows = [end - 1 for end in md.query_start_loc_cpu[1:]]   # every sequence's last token
         with torch.inference_mode():
-            hidden = self.model(ids, pos, self.kv_caches, md)
-            self.model.compute_logits(hidden[md.query_start_loc[1:] - 1])
+            hidden = self.executor.forward(ids, pos, self.kv_caches, md, last_rows)
+            self.executor.compute_logits(hidden[md.query_start_loc[1:] - 1])
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device)
         self.kv_caches = []
         del hidden
-        free_remote = getattr(self.model, "free_cache", None)
-        if free_remote is not None:
-            free_remote()   # tensor-parallel workers drop their profiling cache too
+        self.executor.free_cache()   # tensor-parallel workers drop their profiling cache too
         torch.cuda.empty_cache()
         budget = total * self.engine_config.gpu_memory_utilization - peak - non_torch
         num_blocks = int(budget // per_block)
@@ -163,7 +180,7 @@ class ModelRunner:
     def _allocate_kv(self, num_blocks: int) -> None:
         cfg = self.model_config
         shape = (2, num_blocks, self.block_size, self.num_kv_heads, cfg.head_dim)
-        self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(cfg.num_layers)]
+        self.kv_caches = allocate_kv_cache(cfg.num_layers, shape, self.dtype, self.device)
 
     def init_kv_cache(self, num_blocks: int) -> None:
         self._allocate_kv(num_blocks)
@@ -172,18 +189,10 @@ class ModelRunner:
         logger.info("KV cache: %d blocks of %d tokens (%.2f GiB); max concurrency %.2fx at max_model_len=%d",
                     num_blocks, self.block_size, gib, concurrency, self.model_config.max_model_len)
         if self.device.type == "cuda" and not self.engine_config.enforce_eager:
-            # decode CUDA graphs over these KV tensors (kvfleet.engine.cuda_graphs, the kernels area);
-            # under tensor parallelism every rank captures its own (TensorParallelModel.capture_graphs)
-            from kvfleet.engine.cuda_graphs import build_graph_runner, tp_graph_mode
-
-            args = (self.kv_caches, self.engine_config.max_num_seqs, self.model_config.max_model_len,
-                    self.block_size, self.device)
-            if not self.tensor_parallel:
-                self.graph_runner = build_graph_runner(self.model, *args)
-            elif (mode := tp_graph_mode()) == "eager":
-                logger.info("tensor parallel: decode steps run eager (KVFLEET_TP_CUDA_GRAPHS=0)")
-            else:
-                self.graph_runner = self.model.capture_graphs(*args, piecewise=mode == "piecewise")
+            # decode CUDA graphs over these KV tensors (kvfleet.engine.cuda_graphs); under tensor
+            # parallelism every rank captures its own
+            self.executor.capture_graphs(self.kv_caches, self.engine_config.max_num_seqs,
+                                         self.model_config.max_model_len, self.block_size)
 
     # --- one step ------------------------------------------------------------------
     def release(self, request_ids: list[str]) -> None:
@@ -192,29 +201,8 @@ class ModelRunner:
             self._param_rows.pop(rid, None)
             self._block_rows.release(rid)
 
-    def _copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
-        src = torch.tensor([p[0] for p in pairs], dtype=torch.long, device=self.device)
-        dst = torch.tensor([p[1] for p in pairs], dtype=torch.long, device=self.device)
-        for cache in self.kv_caches:
-            cache[:, dst] = cache[:, src]
-        copy_remote = getattr(self.model, "copy_blocks", None)
-        if copy_remote is not None:
-            copy_remote(pairs)   # tensor-parallel workers hold their own shards of the cache
-
     def shutdown(self) -> None:
-        # CUDA graphs go first: NCCL will not destroy a communicator a live graph captured
-        if self.graph_runner is not None:
-            self.graph_runner.release()
-            self.graph_runner = None
-        stop = getattr(self.model, "shutdown", None)
-        if stop is not None:
-            stop()
-
-    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
-        gr = self.graph_runner
-        if gr is not None and not self.engine_config.enforce_eager and gr.can_run(input_ids.shape[0], md):
-            return gr.run(input_ids, positions, self.kv_caches, md)
-        return self.model(input_ids, positions, self.kv_caches, md)
+        self.executor.shutdown()
 
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         """One step, waiting for its results (the synchronous engine)."""
@@ -245,14 +233,14 @@ class ModelRunner:
             max_query_len=inp.max_query_len, max_seq_len=max(inp.seq_lens),
             query_start_loc_cpu=qsl, seq_lens_cpu=inp.seq_lens)
         input_ids = host_tensor(inp.input_ids, np.int64, dev, nb)
-        if inp.placeholders:
+        if inp.placeholder_at:
             if prev is None or prev.sampled_on_device is None:
                 raise RuntimeError("a step has placeholder tokens but no launched step samples them")
             row_of = prev.row_of()
-            at = host_tensor([i for i, _ in inp.placeholders], np.int64, dev, nb)
-            src = host_tensor([row_of[rid] for _, rid in inp.placeholders], np.int64, dev, nb)
+            at = host_tensor(inp.placeholder_at, np.int64, dev, nb)
+            src = host_tensor([row_of[rid] for rid in inp.placeholder_ids], np.int64, dev, nb)
             input_ids.index_copy_(0, at, prev.sampled_on_device.index_select(0, src))
-            self.num_placeholder_inputs += len(inp.placeholders)
+            self.num_placeholder_inputs += len(inp.placeholder_at)
         return Prepared(inp, md, input_ids, host_tensor(inp.positions, np.int64, dev, nb))
 
     @torch.inference_mode()
@@ -263,7 +251,7 @@ class ModelRunner:
         logprobs are collected at once. Sequences finished since `prepare` are computed (the
         forward's shapes are fixed by then) but not sampled: their work is discarded."""
         if sched.copy_pairs:
-            self._copy_blocks(sched.copy_pairs)
+            self.executor.copy_blocks(self.kv_caches, sched.copy_pairs)
         out = ModelRunnerOutput()
         scheduled = sched.scheduled
         if prepared is None:
@@ -277,13 +265,11 @@ class ModelRunner:
         idx = [qsl[i + 1] - 1 for i in live]
         plp_rows, plp_k = self._prompt_logprob_rows(scheduled, qsl)
         if plp_rows:
-            idx += [r for _, _, r, _ in plp_rows]
-        if idx and self.tensor_parallel:
-            self.model.expect_logits(idx)   # the workers compute these rows' logits with the step
-        hidden = self._forward(prepared.input_ids, prepared.positions, md)
+            idx += [r.row for r in plp_rows]
+        hidden = self.executor.forward(prepared.input_ids, prepared.positions, self.kv_caches, md, idx)
         if not idx:
             return InFlight([], None, out)
-        logits = self.model.compute_logits(hidden[host_tensor(idx, np.int64, dev, self.non_blocking)])
+        logits = self.executor.compute_logits(hidden[host_tensor(idx, np.int64, dev, self.non_blocking)])
         step = InFlight(reqs, None, out)
         if reqs:
             batch = self._sampling_batch(reqs, logits.shape[-1])
@@ -300,7 +286,7 @@ class ModelRunner:
         """The batch's sampling parameters as tensors (each sequence's row is read once, then cached)."""
         dev, nb = self.device, self.non_blocking
         cache = self._param_rows
-        rows: list[tuple[float, int, float, float, float, float, float, bool]] = []
+        rows: list[SamplingRow] = []
         gens: dict[int, torch.Generator] = {}
         banned: list[tuple[int, frozenset[int]]] = []
         max_logprobs = -1
@@ -308,12 +294,12 @@ class ModelRunner:
             r = s.request
             row = cache.get(r.request_id)
             if row is None:
-                row = cache[r.request_id] = _param_row(r, vocab)
+                row = cache[r.request_id] = sampling_row(r, vocab)
             rows.append(row)
-            if row[7]:   # seeded random sampling: its own generator
+            if row.seeded and r.seed is not None:   # seeded: r.seed is set
                 gen = self._generators.get(r.request_id)
                 if gen is None:
-                    gen = torch.Generator(device=dev).manual_seed(int(r.seed))   # type: ignore[arg-type]
+                    gen = torch.Generator(device=dev).manual_seed(int(r.seed))
                     self._generators[r.request_id] = gen
                 gens[i] = gen
             if r.min_tokens and r.stop_token_ids and len(r.output_token_ids) < r.min_tokens:
@@ -335,8 +321,8 @@ class ModelRunner:
         min_mask = None
         if banned:
             min_mask = torch.zeros(len(reqs), vocab, dtype=torch.bool, device=dev)
-            for row, toks in banned:
-                min_mask[row, [t for t in toks if t < vocab]] = True
+            for i, toks in banned:
+                min_mask[i, [t for t in toks if t < vocab]] = True
         return SamplingBatch(
             temperature=host_tensor(temps, np.float32, dev, nb),
             top_k=None if top_k.count(vocab) == len(top_k) else host_tensor(top_k, np.int64, dev, nb),
@@ -352,22 +338,22 @@ class ModelRunner:
         )
 
     @staticmethod
-    def _collect(reqs: list[ScheduledRequest], res: Any, out: ModelRunnerOutput) -> None:
+    def _collect(reqs: list[ScheduledRequest], res: SamplerOutput, out: ModelRunnerOutput) -> None:
         sampled = res.sampled.tolist()
-        if res.sampled_logprob is not None:
-            lps, ranks = res.sampled_logprob.tolist(), res.sampled_rank.tolist()
-            top_ids, top_lps = res.top_ids.tolist(), res.top_logprobs.tolist()
         for row, s in enumerate(reqs):
             out.sampled_token_ids[s.request_id] = sampled[row]
+        if res.logprobs is None:
+            return
+        lps, ranks = res.logprobs.logprob.tolist(), res.logprobs.rank.tolist()
+        top_ids, top_lps = res.logprobs.top_ids.tolist(), res.logprobs.top_logprobs.tolist()
+        for row, s in enumerate(reqs):
             k = s.request.num_logprobs
-            if res.sampled_logprob is not None and k >= 0:
-                out.logprobs[s.request_id] = (lps[row], ranks[row], top_ids[row][:k], top_lps[row][:k])
+            if k >= 0:
+                out.logprobs[s.request_id] = SampleLogprobs(lps[row], ranks[row], top_ids[row][:k], top_lps[row][:k])
 
     @staticmethod
-    def _prompt_logprob_rows(scheduled: list[ScheduledRequest], qsl: list[int]
-                             ) -> tuple[list[tuple[str, int, int, int]], int]:
-        """(request id, position of the predicted prompt token, hidden row, its token id) of every
-        prompt token whose logprobs are asked for, and the widest top-k asked."""
+    def _prompt_logprob_rows(scheduled: list[ScheduledRequest], qsl: list[int]) -> tuple[list[_PromptRow], int]:
+        """Every prompt token of the step whose logprobs are asked for, and the widest top-k asked."""
         rows = []
         k = 0
         for i, s in enumerate(scheduled):
@@ -377,15 +363,17 @@ class ModelRunner:
                 continue
             k = max(k, sp.prompt_logprobs)
             for p in range(s.start, min(s.start + s.num_new_tokens, req.num_prompt_tokens - 1)):
-                rows.append((s.request_id, p + 1, qsl[i] + (p - s.start), req.prompt_token_ids[p + 1]))
+                rows.append(_PromptRow(s.request_id, p + 1, qsl[i] + (p - s.start), req.prompt_token_ids[p + 1]))
         return rows, k
 
     @staticmethod
-    def _collect_prompt_logprobs(rows: list[tuple[str, int, int, int]], logits: torch.Tensor, k: int,
+    def _collect_prompt_logprobs(rows: list[_PromptRow], logits: torch.Tensor, k: int,
                                  out: ModelRunnerOutput) -> None:
-        targets = torch.tensor([t for _, _, _, t in rows], device=logits.device)
+        targets = torch.tensor([r.token_id for r in rows], device=logits.device)
         k = min(k, logits.shape[-1])
-        chosen, rank, top_ids, top_lp = gather_logprobs(logits.float().log_softmax(-1), targets, k)
-        chosen_l, rank_l, ids_l, lp_l = chosen.tolist(), rank.tolist(), top_ids.tolist(), top_lp.tolist()
-        for j, (rid, p, _, t) in enumerate(rows):
-            out.prompt_logprobs.setdefault(rid, []).append((p, t, chosen_l[j], rank_l[j], ids_l[j], lp_l[j]))
+        lp = gather_logprobs(logits.float().log_softmax(-1), targets, k)
+        chosen, rank, top_ids, top_lps = (lp.logprob.tolist(), lp.rank.tolist(), lp.top_ids.tolist(),
+                                          lp.top_logprobs.tolist())
+        for j, r in enumerate(rows):
+            out.prompt_logprobs.setdefault(r.request_id, []).append(
+                PromptLogprob(r.position, r.token_id, chosen[j], rank[j], top_ids[j], top_lps[j]))

@@ -10,7 +10,7 @@ draw with the exponential race `argmax(p / q)`, `q ~ Exp(1)`. A seeded row draws
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -36,13 +36,19 @@ class SamplingBatch:
     all_greedy: bool
 
 
+class TokenLogprobs(NamedTuple):
+    """Per row: the log-probability of a chosen token, its rank and the row's top k."""
+
+    logprob: torch.Tensor       # float [B]
+    rank: torch.Tensor          # long [B], 1 = most likely
+    top_ids: torch.Tensor       # long [B, K]
+    top_logprobs: torch.Tensor  # float [B, K]
+
+
 @dataclass
 class SamplerOutput:
     sampled: torch.Tensor                     # long [B]
-    sampled_logprob: Optional[torch.Tensor]   # float [B]
-    sampled_rank: Optional[torch.Tensor]      # long [B], 1 = most likely
-    top_ids: Optional[torch.Tensor]           # long [B, K]
-    top_logprobs: Optional[torch.Tensor]      # float [B, K]
+    logprobs: Optional[TokenLogprobs]         # of the sampled tokens (raw, before penalties); None if unasked
 
 
 def _token_mask(tokens: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -116,14 +122,13 @@ class Sampler:
             rand = random_sample(scaled.softmax(dim=-1), b.generators)
             sampled = torch.where(b.temperature < 1e-5, greedy, rand)
         if raw_logprobs is None:
-            return SamplerOutput(sampled, None, None, None, None)
-        return SamplerOutput(sampled, *gather_logprobs(raw_logprobs, sampled, b.max_num_logprobs))
+            return SamplerOutput(sampled, None)
+        return SamplerOutput(sampled, gather_logprobs(raw_logprobs, sampled, b.max_num_logprobs))
 
 
-def gather_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor, k: int
-                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(logprob of token_ids, their rank, top-k ids, top-k logprobs) per row."""
+def gather_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor, k: int) -> TokenLogprobs:
+    """Per row: the logprob of token_ids, their rank, the top-k ids and logprobs."""
     chosen = logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1)
     rank = (logprobs > chosen.unsqueeze(1)).sum(dim=-1) + 1
     top_lp, top_ids = logprobs.topk(k, dim=-1) if k > 0 else (logprobs[:, :0], token_ids[:, None][:, :0])
-    return chosen, rank, top_ids, top_lp
+    return TokenLogprobs(chosen, rank, top_ids, top_lp)

@@ -25,9 +25,10 @@ class StepInputs:
     seq_lens: list[int]          # [B] context length after this step
     max_query_len: int
     block_tables: np.ndarray     # int32 [B, max table length], padded with 0
-    # (index in input_ids, request id) of each decode whose token is not known on the host yet
-    # (async scheduling: the runner fills it on the device from the previous step's samples)
-    placeholders: list[tuple[int, str]]
+    # Decodes whose token is not known on the host yet (async scheduling: the runner fills them in on
+    # the device from the previous step's samples): their index in input_ids, and their request ids.
+    placeholder_at: list[int]
+    placeholder_ids: list[str]
 
 
 def build_step_inputs(scheduled: Sequence[ScheduledRequest], block_size: int, rows: "BlockTableRows") -> StepInputs:
@@ -41,7 +42,8 @@ def build_step_inputs(scheduled: Sequence[ScheduledRequest], block_size: int, ro
     total = 0
     max_q = 0
     width = 0
-    placeholders: list[tuple[int, str]] = []
+    placeholder_at: list[int] = []
+    placeholder_ids: list[str] = []
     bs = block_size
     row_of, update, lens = rows.row_of, rows.update, rows.lens
     for s in scheduled:
@@ -59,7 +61,8 @@ def build_step_inputs(scheduled: Sequence[ScheduledRequest], block_size: int, ro
             if start < len(toks):
                 ids.append(toks[start])
             else:
-                placeholders.append((total, s.request.request_id))
+                placeholder_at.append(total)
+                placeholder_ids.append(s.request.request_id)
                 ids.append(0)
             pos.append(start)
             slots.append(table[start // bs] * bs + start % bs)
@@ -78,7 +81,8 @@ def build_step_inputs(scheduled: Sequence[ScheduledRequest], block_size: int, ro
         seq_lens.append(end)
         if n > max_q:
             max_q = n
-    return StepInputs(ids, pos, slots, qsl, seq_lens, max_q, rows.gather(batch_rows, width), placeholders)
+    return StepInputs(ids, pos, slots, qsl, seq_lens, max_q, rows.gather(batch_rows, width), placeholder_at,
+                      placeholder_ids)
 
 
 class BlockTableRows:

@@ -14,7 +14,7 @@ real engine, so it covers what the model runner really launches:
 3. then a 33-token prompt with penalties, min_tokens and stop ids, prompt logprobs: a mixed step with the
    wide tile, and the sampler's penalty and masking paths;
 4. alone, a 12-token prompt with n=2: a prefill-only step with the narrow tile, then the fork and the
-   copy-on-write block copy of parallel sampling.
+   copy-on-write block copy of parallel sampling (n=1 in an engine of max_num_seqs 1, which refuses n=2).
 
 Afterwards nothing is left behind: no request, no KV block in use, the prefix cache emptied (the warm-up's
 blocks were cached on their salted hashes), and the counters the server exports reset.
@@ -58,8 +58,8 @@ class WarmupReport:
     triton_compiles: int | None   # kernel variants compiled during the warm-up (CUDA; None without the hook)
 
 
-def warmup_plan(max_model_len: int, vocab_size: int) -> list[Wave]:
-    """The waves above, shortened where max_model_len is small (tests)."""
+def warmup_plan(max_model_len: int, vocab_size: int, max_num_seqs: int = 256) -> list[Wave]:
+    """The waves above, shortened where max_model_len is small (tests), n within max_num_seqs."""
     room = max(2, max_model_len - 8)   # prompt + max_tokens must fit
 
     def plen(n: int) -> int:
@@ -73,7 +73,7 @@ def warmup_plan(max_model_len: int, vocab_size: int) -> list[Wave]:
         Wave((WarmupRequest(plen(33), 4, {"temperature": 0.0, "repetition_penalty": 1.1,
                                           "frequency_penalty": 0.2, "presence_penalty": 0.2, "min_tokens": 2,
                                           "stop_token_ids": [stop], "prompt_logprobs": 1}),), None),
-        Wave((WarmupRequest(plen(12), 3, {"temperature": 0.7, "n": 2}),), None),
+        Wave((WarmupRequest(plen(12), 3, {"temperature": 0.7, "n": min(2, max_num_seqs)}),), None),
     ]
 
 
@@ -94,7 +94,7 @@ def run_warmup(engine: Any, plan: list[Wave] | None = None) -> WarmupReport:
         raise RuntimeError("warm-up: the engine already has requests")
     TRITON_COMPILES.install()
     mc = engine.model_config
-    plan = plan if plan is not None else warmup_plan(mc.max_model_len, mc.vocab_size)
+    plan = plan if plan is not None else warmup_plan(mc.max_model_len, mc.vocab_size, engine.config.max_num_seqs)
     rng = np.random.default_rng(20261201)
     high = max(2, min(mc.vocab_size, 32000))
     compiles = TRITON_COMPILES.count

@@ -2,9 +2,10 @@
 
     out = attention(q[T, Hq, D], k[T, Hkv, D], v[T, Hkv, D], kv_cache, attn_metadata, scale) -> [T, Hq, D]
 
-The torch path is registered here. Another backend (e.g. Triton kernels) registers
-itself with `register_attention_backend("triton", fn, device_types=("cuda",))` on
-import; `get_attention_backend` prefers it on those devices. The environment
+The torch path is registered here; the Triton path (`triton_backend.py`, over
+`kvfleet.engine.kernels`) is imported and registered for CUDA when a backend is first
+chosen, and `get_attention_backend` prefers it there. Others may be added with
+`register_attention_backend(name, fn, device_types, priority)`. The environment
 variable KVFLEET_ATTENTION_BACKEND (or the `name` argument) forces one by name.
 """
 
@@ -46,14 +47,23 @@ def register_attention_backend(
 register_attention_backend("torch", torch_paged_attention, ("cpu", "cuda"), priority=0)
 
 
+_optional_loaded = False
+
+
 def _load_optional_backends() -> None:
-    # The kernels package registers its backends when imported; it may be absent (e.g. no triton).
+    """Register the Triton backend once (imported late: it compiles kernels; triton may be absent)."""
+    global _optional_loaded
+    if _optional_loaded:
+        return
+    _optional_loaded = True
     try:
-        import kvfleet.engine.kernels  # noqa: F401
+        from kvfleet.engine.attention.triton_backend import triton_paged_attention
     except ImportError:
-        pass
+        return
     except Exception as exc:  # a broken optional backend must not take the torch path down
         logger.warning("attention kernels unavailable: %s", exc)
+        return
+    register_attention_backend("triton", triton_paged_attention, device_types=("cuda",), priority=10)
 
 
 def get_attention_backend(device: str | torch.device, name: str | None = None) -> AttentionFn:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -20,6 +20,9 @@ class AttentionMetadata:
     max_seq_len: int
     query_start_loc_cpu: list[int]  # host copies, for the torch path and for planning
     seq_lens_cpu: list[int]
+    # The step's plans of the attention backend (index tensors, tiles), by name: built by the first
+    # layer from the host lists above, reused by the others. Not an input: every new metadata starts empty.
+    plans: dict[str, object] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @property
     def num_seqs(self) -> int:

@@ -4,17 +4,18 @@ Writes the step's K/V into the paged cache, then runs the prefill kernel for the
 sequences with more than one new token and the (split-K) decode kernel for the
 single-token ones, each kernel skipping the other's sequences. A pure decode
 step (``max_query_len == 1``) launches only the decode kernel and reads no host
-lists, so it can be captured in a CUDA graph.
+lists, so it can be captured in a CUDA graph. `kvfleet.engine.attention` registers it
+(preferred on CUDA) when a backend is first chosen.
 """
 
 from __future__ import annotations
 
 import functools
 import os
+from typing import NamedTuple
 
 import torch
 
-from kvfleet.engine.attention import register_attention_backend
 from kvfleet.engine.attention.metadata import AttentionMetadata
 from kvfleet.engine.kernels.paged_decode import choose_num_splits, paged_decode_attention
 from kvfleet.engine.kernels.prefill_attention import default_block_m, prefill_attention, prefill_work
@@ -44,21 +45,27 @@ def prefill_tile(raw: str) -> tuple[int, int, int, int] | None:
     return bm, bn, warps, stages
 
 
-def _prefill_plan(md: AttentionMetadata, dtype: torch.dtype,
-                  device: torch.device) -> tuple[bool, tuple[int, int, int, int], torch.Tensor]:
-    """(has single-token rows, Triton tile, work list) of a step with prefill: computed once per step (the
-    first layer) and kept on the metadata object for the other layers."""
-    plan = getattr(md, "_kvfleet_prefill_plan", None)
-    if plan is None:
-        qsl = md.query_start_loc_cpu
-        mixed = any(qsl[i + 1] - qsl[i] == 1 for i in range(len(qsl) - 1))
-        block_m = default_block_m(md.max_query_len, dtype)
-        tile = (block_m, 64, 4, 2)
-        custom = prefill_tile(os.environ.get("KVFLEET_PREFILL_TILE", ""))
-        if custom is not None and md.max_query_len > 16:
-            tile = custom
-        plan = (mixed, tile, prefill_work(qsl, tile[0], mixed, device))
-        md._kvfleet_prefill_plan = plan  # type: ignore[attr-defined]
+class PrefillPlan(NamedTuple):
+    """How a step with prefill runs its attention: computed once per step (the first layer)."""
+
+    mixed: bool                        # single-token (decode) rows too: the decode kernel runs after the prefill
+    tile: tuple[int, int, int, int]    # BLOCK_M, BLOCK_N, num_warps, num_stages
+    work: torch.Tensor                 # the prefill kernel's work list
+
+
+def _prefill_plan(md: AttentionMetadata, dtype: torch.dtype, device: torch.device) -> PrefillPlan:
+    """The step's `PrefillPlan`, kept in `md.plans` for the other layers."""
+    plan = md.plans.get("triton_prefill")
+    if isinstance(plan, PrefillPlan):
+        return plan
+    qsl = md.query_start_loc_cpu
+    mixed = any(qsl[i + 1] - qsl[i] == 1 for i in range(len(qsl) - 1))
+    block_m = default_block_m(md.max_query_len, dtype)
+    tile = (block_m, 64, 4, 2)
+    custom = prefill_tile(os.environ.get("KVFLEET_PREFILL_TILE", ""))
+    if custom is not None and md.max_query_len > 16:
+        tile = custom
+    md.plans["triton_prefill"] = plan = PrefillPlan(mixed, tile, prefill_work(qsl, tile[0], mixed, device))
     return plan
 
 
@@ -91,6 +98,3 @@ def triton_paged_attention(
         # decode rows of a mixed step: enough programs already come from the batch, no split
         paged_decode_attention(q, kv_cache, md.block_tables, md.seq_lens, md.query_start_loc, scale, out)
     return out
-
-
-register_attention_backend("triton", triton_paged_attention, device_types=("cuda",), priority=10)

@@ -56,28 +56,26 @@ def probe_decode_step(engine: Any, batch: int, ctx: int, iters: int = 20) -> dic
     md = build_attention_metadata([1] * batch, [ctx] * batch, tables, block_size, device)
     ids = torch.randint(0, cfg.vocab_size, (batch,), device=device)
     pos = torch.full((batch,), ctx - 1, dtype=torch.long, device=device)
-    model = runner.model
+    executor = runner.executor
+    rows = list(range(batch))
 
-    def step() -> None:
+    def step() -> None:   # as the engine's steps run it (a graph replay when one fits)
         with torch.inference_mode():
-            if runner.tensor_parallel:   # as the engine's steps do
-                model.expect_logits(list(range(batch)))
-            hidden = runner._forward(ids, pos, md)
-            model.compute_logits(hidden)
+            executor.compute_logits(executor.forward(ids, pos, runner.kv_caches, md, rows))
 
     def eager() -> None:
         with torch.inference_mode():
-            model.compute_logits(model(ids, pos, runner.kv_caches, md))
+            executor.compute_logits(executor.forward(ids, pos, runner.kv_caches, md, rows, eager=True))
 
     ms = median_cuda_ms(step, iters)
     eager_ms = median_cuda_ms(eager, max(5, iters // 4))
-    weight_bytes = decode_weight_bytes(model)
+    weight_bytes = decode_weight_bytes(executor.model)
     elem = runner.kv_caches[0].element_size()
     # this rank's KV heads: under tensor parallelism each GPU reads its own share (weights likewise)
     kv_bytes = batch * ctx * cfg.num_layers * 2 * runner.num_kv_heads * cfg.head_dim * elem
     bw = copy_bandwidth(device)
     floor_ms = (weight_bytes + kv_bytes) / bw * 1e3
-    used_graph = runner.graph_runner is not None and runner.graph_runner.can_run(batch, md)
+    used_graph = executor.graphs is not None and executor.graphs.can_run(batch, md)
     # roofline per part: attention reads KV (bandwidth); the matmuls at this batch may be compute-bound
     flops = 2 * (weight_bytes / runner.kv_caches[0].element_size()) * batch
     peak = matmul_rate(device)

@@ -37,6 +37,7 @@ class StepTimers:
         self._cur: dict[str, float] = {}
         sync: Callable[[], None] = torch.cuda.synchronize if cuda else (lambda: None)
         sched, runner = engine.scheduler, engine.runner
+        executor = runner.executor
 
         def timed(name: str, fn: Callable[..., Any], synced: bool = False) -> Callable[..., Any]:
             def wrapper(*a: Any, **kw: Any) -> Any:
@@ -53,7 +54,7 @@ class StepTimers:
         orig_schedule = sched.schedule
         self._originals = [(sched, "schedule", sched.schedule), (sched, "update_from_output", sched.update_from_output),
                            (runner, "execute", runner.execute), (runner, "launch", runner.launch),
-                           (runner, "collect", runner.collect), (runner, "_forward", runner._forward),
+                           (runner, "collect", runner.collect), (executor, "forward", executor.forward),
                            (runner, "sampler", runner.sampler)]
 
         def schedule(*a: Any, **kw: Any) -> Any:
@@ -71,7 +72,7 @@ class StepTimers:
         else:   # the async engine calls launch, then collect (its wait for the device) one step later
             runner.launch = timed("execute", runner.launch)
             runner.collect = timed("wait", runner.collect)
-        runner._forward = timed("forward", runner._forward, synced=sync_forward)
+        executor.forward = timed("forward", executor.forward, synced=sync_forward)
         runner.sampler = _TimedCallable(runner.sampler, self._cur, sync if sync_forward else (lambda: None))
         sched.update_from_output = timed("update", sched.update_from_output)
         self.batch = 0
@@ -240,7 +241,7 @@ class KvfleetBench:
             "kv_peak": peak, "num_preemptions": stats["num_preemptions"] - before["num_preemptions"],
             "prefix_cache_hits": stats["prefix_cache_hits"] - before["prefix_cache_hits"],
             "step_breakdown_ms": timers.report(),
-            "cuda_graphs": getattr(engine.runner, "graph_runner", None) is not None,
+            "cuda_graphs": engine.runner.executor.graphs is not None,
         }
         if cuda:
             res["peak_gpu_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30

@@ -7,14 +7,17 @@ anywhere, fast, with hand-built model outputs.
 from kvfleet.engine.core.block_pool import BlockPool
 from kvfleet.engine.core.kv_cache_manager import KVCacheManager
 from kvfleet.engine.core.request import Request, RequestStatus
-from kvfleet.engine.core.scheduler import ModelRunnerOutput, ScheduledRequest, Scheduler, SchedulerOutput
+from kvfleet.engine.core.runner_output import ModelRunnerOutput, PromptLogprob, SampleLogprobs
+from kvfleet.engine.core.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
 
 __all__ = [
     "BlockPool",
     "KVCacheManager",
     "ModelRunnerOutput",
+    "PromptLogprob",
     "Request",
     "RequestStatus",
+    "SampleLogprobs",
     "ScheduledRequest",
     "Scheduler",
     "SchedulerOutput",

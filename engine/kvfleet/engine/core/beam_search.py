@@ -15,7 +15,7 @@ or when every candidate hits a stop.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Sequence, Union
+from typing import NamedTuple, Sequence, Union
 
 _BLOCKED = -1.0e9
 
@@ -34,9 +34,15 @@ class Hypothesis:
     cum_logprob: float
 
 
+class NextBeam(NamedTuple):
+    parent_key: str           # the running beam it extends
+    token: int
+    score: float              # its new cumulative log-probability
+
+
 @dataclass
 class BeamStep:
-    next_beams: list[tuple[str, int, float]]   # (parent key, token, new cumulative score)
+    next_beams: list[NextBeam]
     done: bool
 
 
@@ -78,7 +84,7 @@ class BeamSearchState:
 
         running = sorted(((score + (_BLOCKED if hit else 0.0), i) for i, ((score, _, _, _), hit)
                           in enumerate(zip(cands, hits, strict=True))), key=lambda x: (-x[0], x[1]))[:self.width]
-        next_beams = [(cands[i][3].key, cands[i][2], cands[i][0]) for s, i in running if s > _BLOCKED / 2]
+        next_beams = [NextBeam(cands[i][3].key, cands[i][2], cands[i][0]) for s, i in running if s > _BLOCKED / 2]
         self.num_generated = gen_len
 
         if self.heuristic_unsatisfied and next_beams:
@@ -86,7 +92,7 @@ class BeamSearchState:
                 best_len = self.max_new_tokens
             else:
                 best_len = gen_len
-            best_possible = next_beams[0][2] / (best_len ** self.length_penalty)
+            best_possible = next_beams[0].score / (best_len ** self.length_penalty)
             worst = min(h.score for h in self.finished) if len(self.finished) >= self.width else _BLOCKED
             self.heuristic_unsatisfied = best_possible > worst
         all_done = len(self.finished) >= self.width and self.early_stopping is True

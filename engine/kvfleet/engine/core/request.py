@@ -2,7 +2,7 @@
 
 A user request with `n > 1`, `best_of` or beam search becomes several `Request`s
 (forked from one parent so they share the prompt's KV blocks); the engine groups
-them back by `group_id`.
+them back by `group_id` (a lone sequence is its own group).
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ class Request:
     priority: int = 0
     arrival_time: float = field(default_factory=time.monotonic)
     cache_salt: Optional[str] = None
-    group_id: Optional[str] = None   # the user request this sequence belongs to
+    group_id: str = ""               # the user request this sequence belongs to ("": its own id)
     index: int = 0                   # its sample / beam index inside the group
     # Stop computing once this many tokens are computed (a parent about to be forked
     # computes all but the last prompt token; its children compute that one).
@@ -73,6 +73,8 @@ class Request:
 
     def __post_init__(self) -> None:
         assert self.prompt_token_ids, "a request needs at least one prompt token"
+        if not self.group_id:
+            self.group_id = self.request_id
         self._all_token_ids: list[int] = list(self.prompt_token_ids)
         for tok in self.output_token_ids:
             self._all_token_ids.append(tok)

@@ -12,6 +12,7 @@ from typing import Any, Optional
 from kvfleet.engine.core.beam_search import Beam, BeamSearchState
 from kvfleet.engine.core.detokenizer import IncrementalDetokenizer
 from kvfleet.engine.core.request import Request
+from kvfleet.engine.core.runner_output import PromptLogprob, SampleLogprobs
 from kvfleet.engine.outputs import CompletionOutput, Logprob, LogprobsDict, RequestMetrics, RequestOutput
 from kvfleet.engine.sampling_params import SamplingParams
 
@@ -69,15 +70,16 @@ class RequestGroup:
         self.seqs[seq.index] = st
         return st
 
-    def record_token(self, st: SeqState, token_id: int, lp: Optional[tuple],
+    def record_token(self, st: SeqState, token_id: int, lp: Optional[SampleLogprobs],
                      now: Optional[float] = None) -> Optional[str]:
         """A new sampled token (`now`: when its step produced it): logprobs and text; returns
         the stop string hit, if any."""
         if lp is not None:
-            st.cum_logprob += lp[0]
+            st.cum_logprob += lp.logprob
             if st.logprobs is not None:
                 k = self.params.logprobs or 0
-                st.logprobs.append(logprobs_dict(self.tokenizer, token_id, lp[0], lp[1], lp[2][:k], lp[3][:k]))
+                st.logprobs.append(logprobs_dict(self.tokenizer, token_id, lp.logprob, lp.rank, lp.top_ids[:k],
+                                                 lp.top_logprobs[:k]))
         if now is None:
             now = time.monotonic()
         metrics = self.metrics
@@ -86,13 +88,14 @@ class RequestGroup:
         metrics.last_token_time = now
         return st.detok.update(st.seq.output_token_ids)
 
-    def add_prompt_logprobs(self, entries: list[tuple]) -> None:
+    def add_prompt_logprobs(self, entries: list[PromptLogprob]) -> None:
         if self.prompt_logprobs is None:
             self.prompt_logprobs = [None]
         k = self.params.prompt_logprobs or 0
-        for pos, tok, lp, rank, top_ids, top_lps in entries:
-            if pos == len(self.prompt_logprobs):  # a recompute after preemption repeats positions
-                self.prompt_logprobs.append(logprobs_dict(self.tokenizer, tok, lp, rank, top_ids[:k], top_lps[:k]))
+        for e in entries:
+            if e.position == len(self.prompt_logprobs):  # a recompute after preemption repeats positions
+                self.prompt_logprobs.append(logprobs_dict(self.tokenizer, e.token_id, e.logprob, e.rank,
+                                                          e.top_ids[:k], e.top_logprobs[:k]))
 
     @property
     def finished(self) -> bool:

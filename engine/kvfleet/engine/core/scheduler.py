@@ -18,6 +18,7 @@ from typing import Any, Iterable, Optional
 
 from kvfleet.engine.core.kv_cache_manager import KVCacheManager
 from kvfleet.engine.core.request import Request, RequestStatus
+from kvfleet.engine.core.runner_output import ModelRunnerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -54,13 +55,6 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return not self.scheduled
-
-
-@dataclass
-class ModelRunnerOutput:
-    sampled_token_ids: dict[str, int] = field(default_factory=dict)   # request id -> next token
-    logprobs: dict[str, Any] = field(default_factory=dict)            # opaque to the scheduler
-    prompt_logprobs: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(slots=True)

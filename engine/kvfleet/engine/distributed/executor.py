@@ -1,14 +1,12 @@
 """The driver side of tensor parallelism: rank 0 in the engine process, workers in spawned processes.
 
-`start_tensor_parallel(...)` spawns ranks 1..N-1, joins the group as rank 0 and loads
-rank 0's shards; the returned `TensorParallelModel` has the model interface
-(`model(ids, positions, kv_caches, md)`, `compute_logits(rows)`), and mirrors every
-call to the workers (a message through each worker's pipe, then the step's tensors over the
-group) before running it locally; `expect_logits(rows)` before a step lets the workers compute
-their logits without a second message. The engine additionally calls
-`copy_blocks(pairs)` after its own copy-on-write copies and `shutdown()` at the end,
-sizes its KV cache with `num_kv_heads` (this rank's heads), and on CUDA captures decode
-graphs on every rank with `capture_graphs(...)`. A worker that dies
+`start_tensor_parallel(...)` spawns ranks 1..N-1, joins the group as rank 0 and loads rank 0's
+shards; the returned `TensorParallelExecutor` is the model runner's executor
+(`kvfleet.engine.model_executor.ModelExecutor`): it mirrors every call to the workers (a message
+through each worker's pipe, then the step's tensors over the group) before running it on its own
+shard. A step's forward tells the workers which rows' logits follow, so they compute theirs with
+the step and `compute_logits` sends nothing. On CUDA every rank captures the same decode graphs
+(`capture_graphs`); a replay is one "replay" message plus the packed inputs. A worker that dies
 makes a watchdog log the rank and exit code and end the process (`on_worker_death`).
 """
 
@@ -18,17 +16,31 @@ import logging
 import multiprocessing as mp
 import os
 import socket
+import sys
 import threading
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Sequence
+from multiprocessing.process import BaseProcess
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 
 from kvfleet.engine.attention.metadata import AttentionMetadata
-from kvfleet.engine.distributed.control import ControlSender
+from kvfleet.engine.cuda_graphs import CudaGraphRunner, tp_graph_mode
+from kvfleet.engine.distributed.control import (
+    CaptureGraphs,
+    ComputeLogits,
+    ControlSender,
+    CopyBlocks,
+    FreeCache,
+    Message,
+    Shutdown,
+    StepHeader,
+)
 from kvfleet.engine.distributed.parallel_state import arm_hang_dump, destroy_tensor_parallel, local_kv_heads
-from kvfleet.engine.distributed.worker import StepHeader, WorkerSpec, build_shard, pack_step, worker_main
+from kvfleet.engine.distributed.worker import WorkerSpec, build_shard, pack_step, worker_main
+from kvfleet.engine.kv_cache import block_pairs, copy_blocks
+from kvfleet.engine.models.base import CausalLM
 
 logger = logging.getLogger(__name__)
 
@@ -41,102 +53,94 @@ def free_loopback_port() -> int:
 
 def _die(message: str) -> None:
     logger.critical(message)
-    print(f"kvfleet: {message}", flush=True, file=__import__("sys").stderr)
+    print(f"kvfleet: {message}", flush=True, file=sys.stderr)
     os._exit(70)
 
 
-class TensorParallelModel:
-    """Rank 0's shard plus the broadcast that keeps the workers in step."""
+class TensorParallelExecutor:
+    """Rank 0's shard plus the messages that keep the workers in step (a `ModelExecutor`)."""
 
-    def __init__(self, model: torch.nn.Module, procs: list[Any], num_kv_heads: int, dtype: torch.dtype,
+    def __init__(self, model: CausalLM, procs: Sequence[BaseProcess], num_kv_heads: int, device: torch.device,
                  on_worker_death: Callable[[str], None] = _die, control: ControlSender | None = None) -> None:
         self.model = model
-        self.control = control or ControlSender([])
-        self._logit_rows: tuple[int, ...] = ()   # announced for the next step (expect_logits)
-        self._logits_announced = False
-        self.config = getattr(model, "config", None)
-        self.procs = procs
+        self.device = device
+        self.dtype = model.config.dtype
         self.num_kv_heads = num_kv_heads
-        self.dtype = dtype
+        self.graphs: Optional[CudaGraphRunner] = None
+        self.replays = 0   # decode steps replayed from the graphs (on every rank)
+        self.control = control or ControlSender([])
+        self._logits_announced = False   # the workers computed the logits of the last step's logit_rows
+        self.procs = procs
         self._closed = threading.Event()
         self._on_death = on_worker_death
         self._watchdog = threading.Thread(target=self._watch, name="tp-watchdog", daemon=True)
         self._watchdog.start()
 
-    # --- the model interface ------------------------------------------------------
-    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                 kv_caches: list[torch.Tensor], attn_metadata: AttentionMetadata) -> torch.Tensor:
-        return self.forward(input_ids, positions, kv_caches, attn_metadata)
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list[torch.Tensor], attn_metadata: AttentionMetadata) -> torch.Tensor:
-        self._send_step("forward", input_ids, positions, kv_caches, attn_metadata)
+    # --- the executor interface ---------------------------------------------------
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
+                attn_metadata: AttentionMetadata, logit_rows: Sequence[int] = (), *,
+                eager: bool = False) -> torch.Tensor:
+        graphs = self.graphs
+        if graphs is not None and not eager and graphs.can_run(input_ids.shape[0], attn_metadata):
+            self._send_step(True, input_ids, positions, kv_caches, attn_metadata, logit_rows)
+            self.replays += 1
+            return graphs.run(input_ids, positions, kv_caches, attn_metadata)
+        self._send_step(False, input_ids, positions, kv_caches, attn_metadata, logit_rows)
         return self.model(input_ids, positions, kv_caches, attn_metadata)
 
-    def expect_logits(self, rows: list[int]) -> None:
-        """The next step's caller will compute the logits of these rows of its hidden states: the workers
-        are told with the step and compute theirs right after it, so `compute_logits` then sends nothing
-        (no second message and no broadcast of the rows)."""
-        self._logit_rows = tuple(int(r) for r in rows)
-
-    def _send(self, msg: tuple[Any, ...]) -> None:
-        self._check_workers()
-        self.control.send(msg)
-
-    def _send_step(self, cmd: str, input_ids: torch.Tensor, positions: torch.Tensor,
-                   kv_caches: list[torch.Tensor], md: AttentionMetadata) -> None:
-        """Tell the workers to run `cmd` ("forward" eager, "replay" a captured graph) on this step."""
-        rows, self._logit_rows = self._logit_rows, ()
-        header = StepHeader(
-            num_tokens=int(input_ids.shape[0]), num_seqs=len(md.seq_lens_cpu),
-            table_width=int(md.block_tables.shape[1]), max_query_len=md.max_query_len, max_seq_len=md.max_seq_len,
-            query_start_loc_cpu=list(md.query_start_loc_cpu),
-            seq_lens_cpu=list(md.seq_lens_cpu), cache_shape=tuple(kv_caches[0].shape), num_layers=len(kv_caches),
-            logit_rows=rows,
-        )
-        self._send((cmd, header))  # host data only: no wait for the device
-        self._logits_announced = bool(rows)
-        dist.broadcast(pack_step(input_ids, positions, md), src=0)
-
-    def capture_graphs(self, kv_caches: list[torch.Tensor], max_batch: int, max_model_len: int, block_size: int,
-                       device: torch.device, piecewise: bool = False) -> "TensorParallelGraphRunner":
-        """Decode CUDA graphs on every rank: each captures the same batch sizes in the same order over
-        its own shard and KV cache, so the all-reduces inside the graphs pair up at replay (or, with
-        `piecewise`, the eager all-reduces between the graphs' parts)."""
-        from kvfleet.engine.cuda_graphs import CudaGraphRunner
-
-        self._send(("capture", tuple(kv_caches[0].shape), len(kv_caches), max_batch, max_model_len, block_size,
-                    piecewise))
-        local = CudaGraphRunner(self.model, kv_caches, max_batch, max_model_len, block_size, device)
-        local.capture(capture_error_mode="thread_local", piecewise=piecewise)  # NCCL's threads keep running
-        return TensorParallelGraphRunner(self, local)
-
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self._logits_announced:   # the workers did theirs after the step (expect_logits)
+        if self._logits_announced:   # the workers did theirs after the step
             self._logits_announced = False
             return self.model.compute_logits(hidden)
-        self._send(("logits", tuple(hidden.shape)))
+        self._send(ComputeLogits(tuple(hidden.shape)))
         rows = hidden.to(self.dtype).contiguous()
         dist.broadcast(rows, src=0)
         return self.model.compute_logits(rows)
 
-    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
-        """Mirror the engine's copy-on-write block copies in the workers' caches."""
-        if pairs:
-            self._send(("copy_blocks", torch.tensor([p[0] for p in pairs]), torch.tensor([p[1] for p in pairs])))
+    def copy_blocks(self, kv_caches: list[torch.Tensor], pairs: Sequence[tuple[int, int]]) -> None:
+        """The copies in this rank's cache and, mirrored, in the workers' caches."""
+        if not pairs:
+            return
+        src, dst = block_pairs(pairs, torch.device("cpu"))
+        self._send(CopyBlocks(src, dst))
+        copy_blocks(kv_caches, src.to(self.device), dst.to(self.device))
+
+    def capture_graphs(self, kv_caches: list[torch.Tensor], max_batch: int, max_model_len: int,
+                       block_size: int) -> None:
+        """Decode CUDA graphs on every rank: each captures the same batch sizes in the same order over
+        its own shard and KV cache, so the all-reduces inside the graphs pair up at replay (or, with
+        KVFLEET_TP_CUDA_GRAPHS=piecewise, the eager all-reduces between the graphs' parts)."""
+        mode = tp_graph_mode()
+        if mode == "eager":
+            logger.info("tensor parallel: decode steps run eager (KVFLEET_TP_CUDA_GRAPHS=0)")
+            return
+        piecewise = mode == "piecewise"
+        self._send(CaptureGraphs(tuple(kv_caches[0].shape), len(kv_caches), max_batch, max_model_len, block_size,
+                                 piecewise))
+        graphs = CudaGraphRunner(self.model, kv_caches, max_batch, max_model_len, block_size, self.device)
+        graphs.capture(capture_error_mode="thread_local", piecewise=piecewise)  # NCCL's threads keep running
+        self.graphs = graphs
 
     def free_cache(self) -> None:
-        self._send(("free_cache",))
+        self._send(FreeCache())
 
-    def parameters(self, *args: Any, **kwargs: Any) -> Any:
-        return self.model.parameters(*args, **kwargs)
+    def _send(self, msg: Message) -> None:
+        self._check_workers()
+        self.control.send(msg)
 
-    def named_parameters(self, *args: Any, **kwargs: Any) -> Any:
-        return self.model.named_parameters(*args, **kwargs)
-
-    @property
-    def lm_head(self) -> Any:
-        return getattr(self.model, "lm_head", None)
+    def _send_step(self, replay: bool, input_ids: torch.Tensor, positions: torch.Tensor,
+                   kv_caches: list[torch.Tensor], md: AttentionMetadata, logit_rows: Sequence[int]) -> None:
+        """Tell the workers to run this step (eager, or `replay` of a captured graph)."""
+        header = StepHeader(
+            num_tokens=int(input_ids.shape[0]), num_seqs=len(md.seq_lens_cpu),
+            table_width=int(md.block_tables.shape[1]), max_query_len=md.max_query_len, max_seq_len=md.max_seq_len,
+            query_start_loc_cpu=list(md.query_start_loc_cpu), seq_lens_cpu=list(md.seq_lens_cpu),
+            cache_shape=tuple(kv_caches[0].shape), num_layers=len(kv_caches),
+            logit_rows=tuple(int(r) for r in logit_rows), replay=replay,
+        )
+        self._send(header)  # host data only: no wait for the device
+        self._logits_announced = bool(header.logit_rows)
+        dist.broadcast(pack_step(input_ids, positions, md), src=0)
 
     # --- life cycle ---------------------------------------------------------------
     def _check_workers(self) -> None:
@@ -154,13 +158,18 @@ class TensorParallelModel:
                     return
 
     def shutdown(self, timeout_s: float = 30.0) -> None:
+        # CUDA graphs go first: NCCL's destroy waits for every live graph that captured its communicator
+        # (the workers release theirs on Shutdown)
+        if self.graphs is not None:
+            self.graphs.release()
+            self.graphs = None
         if self._closed.is_set():
             alive = [p for p in self.procs if p.exitcode is None]
         else:
             self._closed.set()
             alive = list(self.procs)
             try:
-                self.control.send(("shutdown",))
+                self.control.send(Shutdown())
             except Exception as exc:  # a dead peer: nothing left to tell
                 logger.warning("tensor parallel shutdown broadcast failed: %s", exc)
         # leave the group before waiting: the workers leave it too on their way out (NCCL pairs them)
@@ -174,29 +183,7 @@ class TensorParallelModel:
                 proc.join(5)
 
 
-class TensorParallelGraphRunner:
-    """The model runner's `graph_runner` under tensor parallelism: the step's inputs go to the
-    workers, then every rank replays its own graph of the same batch size."""
-
-    def __init__(self, tp: TensorParallelModel, local: Any) -> None:
-        self.tp, self.local = tp, local
-        self.sizes = local.sizes
-        self.replays = 0
-
-    def can_run(self, num_tokens: int, attn_metadata: AttentionMetadata) -> bool:
-        return bool(self.local.can_run(num_tokens, attn_metadata))
-
-    def release(self) -> None:
-        self.local.release()   # the workers release theirs on "shutdown"
-
-    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
-            attn_metadata: AttentionMetadata) -> torch.Tensor:
-        self.tp._send_step("replay", input_ids, positions, kv_caches, attn_metadata)
-        self.replays += 1
-        return self.local.run(input_ids, positions, kv_caches, attn_metadata)
-
-
-def _watch_startup(procs: list[Any], started: threading.Event, on_death: Callable[[str], None]) -> None:
+def _watch_startup(procs: Sequence[BaseProcess], started: threading.Event, on_death: Callable[[str], None]) -> None:
     """A worker that fails while loading would leave rank 0 waiting in the rendezvous: report it instead."""
     while not started.wait(0.5):
         for rank, proc in enumerate(procs, start=1):
@@ -216,8 +203,8 @@ def start_tensor_parallel(
     seed: int = 0,
     timeout_s: float = 300.0,
     on_worker_death: Callable[[str], None] = _die,
-) -> TensorParallelModel:
-    """Spawn ranks 1..tp_size-1, become rank 0, load every rank's shards; -> the driver model."""
+) -> TensorParallelExecutor:
+    """Spawn ranks 1..tp_size-1, become rank 0, load every rank's shards; -> rank 0's executor."""
     if tp_size < 2:
         raise ValueError(f"tensor_parallel_size: {tp_size} needs no workers (use the plain model)")
     if device_type == "cuda" and torch.cuda.device_count() < tp_size:
@@ -237,7 +224,7 @@ def start_tensor_parallel(
     started = threading.Event()
     threading.Thread(target=_watch_startup, args=(procs, started, on_worker_death), daemon=True).start()
     try:
-        shard, _ = build_shard(spec, 0)  # blocks until every rank has joined the group
+        shard, device = build_shard(spec, 0)  # blocks until every rank has joined the group
     except BaseException:
         for proc in procs:
             proc.kill()
@@ -247,7 +234,7 @@ def start_tensor_parallel(
         raise
     finally:
         started.set()
-    cfg = shard.config  # type: ignore[attr-defined]
-    logger.info("tensor parallel %d: %d KV heads per rank", tp_size, local_kv_heads(cfg.num_kv_heads, tp_size))
-    return TensorParallelModel(shard, procs, local_kv_heads(cfg.num_kv_heads, tp_size), dtype, on_worker_death,
-                               ControlSender([writer for _, writer in pipes]))
+    heads = local_kv_heads(shard.config.num_kv_heads, tp_size)
+    logger.info("tensor parallel %d: %d KV heads per rank", tp_size, heads)
+    return TensorParallelExecutor(shard, procs, heads, device, on_worker_death,
+                                  ControlSender([writer for _, writer in pipes]))

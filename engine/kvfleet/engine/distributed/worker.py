@@ -3,11 +3,10 @@
 The driver (rank 0, inside the engine) sends one control message per call on
 the model; the worker runs the same call on its shards so the collectives inside
 the forward pair up. Control messages (small, host-only, through a pipe: control.py):
-("forward", StepHeader), ("replay", StepHeader) (a captured decode graph; a header with
+a `StepHeader` per forward (eager, or the replay of a captured decode graph; a header with
 `logit_rows` also has the worker compute those rows' logits right after, as the driver will),
-("capture", cache_shape, num_layers, max_batch, max_model_len, block_size, piecewise),
-("logits", rows_shape), ("copy_blocks", src, dst), ("free_cache",), ("shutdown",). The step's tensors follow a
-"forward" header as one packed int64 tensor broadcast over the tensor group (NCCL on GPUs), so the driver
+`CaptureGraphs`, `ComputeLogits`, `CopyBlocks`, `FreeCache`, `Shutdown`. The step's tensors follow
+a header as one packed int64 tensor broadcast over the tensor group (NCCL on GPUs), so the driver
 never waits for the device to build a message.
 """
 
@@ -20,14 +19,28 @@ import threading
 import time
 import traceback
 from dataclasses import dataclass
-from typing import Any
+from multiprocessing.connection import Connection
 
 import torch
 import torch.distributed as dist
 
 from kvfleet.engine.attention.metadata import AttentionMetadata
-from kvfleet.engine.distributed.control import receive
+from kvfleet.engine.cuda_graphs import CudaGraphRunner
+from kvfleet.engine.distributed.control import (
+    CaptureGraphs,
+    ComputeLogits,
+    CopyBlocks,
+    FreeCache,
+    Message,
+    Shutdown,
+    StepHeader,
+    receive,
+)
 from kvfleet.engine.distributed.parallel_state import arm_hang_dump, destroy_tensor_parallel, init_tensor_parallel
+from kvfleet.engine.kv_cache import allocate_kv_cache, copy_blocks
+from kvfleet.engine.model_config import ModelConfig
+from kvfleet.engine.model_loader import load_model
+from kvfleet.engine.models.base import CausalLM
 
 logger = logging.getLogger(__name__)
 
@@ -45,26 +58,6 @@ class WorkerSpec:
     tp_size: int
     init_method: str          # tcp://127.0.0.1:PORT
     timeout_s: float = 300.0
-
-
-@dataclass(frozen=True)
-class StepHeader:
-    """Host-side shape of one forward; the tensors travel packed (see pack_step)."""
-
-    num_tokens: int
-    num_seqs: int
-    table_width: int
-    max_query_len: int
-    max_seq_len: int
-    query_start_loc_cpu: list[int]
-    seq_lens_cpu: list[int]
-    cache_shape: tuple[int, ...]
-    num_layers: int
-    logit_rows: tuple[int, ...] = ()   # rows whose logits the driver computes after this forward
-
-    @property
-    def packed_len(self) -> int:
-        return 3 * self.num_tokens + 2 * self.num_seqs + 1 + self.num_seqs * self.table_width
 
 
 def pack_step(input_ids: torch.Tensor, positions: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
@@ -88,33 +81,29 @@ def rank_device(device_type: str, rank: int) -> torch.device:
     return torch.device("cuda", rank) if device_type == "cuda" else torch.device("cpu")
 
 
-def build_shard(spec: WorkerSpec, rank: int) -> tuple[torch.nn.Module, torch.device]:
+def build_shard(spec: WorkerSpec, rank: int) -> tuple[CausalLM, torch.device]:
     """Join the group as `rank` and load this rank's shards (only those are read from disk)."""
-    from kvfleet.engine.model_config import ModelConfig
-    from kvfleet.engine.model_loader import load_model
-
     device = rank_device(spec.device_type, rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     init_tensor_parallel(rank, spec.tp_size, spec.init_method, device=device, timeout_s=spec.timeout_s)
     cfg = ModelConfig.from_pretrained(spec.model, spec.max_model_len, spec.dtype, device)
-    model = load_model(cfg, device=device, dtype=spec.dtype, load_format=spec.load_format, quiet=True,
-                       seed=spec.seed)
+    model = load_model(cfg, device, load_format=spec.load_format, seed=spec.seed, quiet=True)
     return model, device
 
 
 class ShardWorker:
-    def __init__(self, model: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> None:
+    def __init__(self, model: CausalLM, device: torch.device, dtype: torch.dtype) -> None:
         self.model, self.device, self.dtype = model, device, dtype
         self.kv_caches: list[torch.Tensor] = []
         self.hidden: torch.Tensor | None = None
-        self.graphs: Any = None  # CudaGraphRunner over this rank's shard and cache, once captured
+        self.graphs: CudaGraphRunner | None = None  # over this rank's shard and cache, once captured
 
     def _ensure_cache(self, shape: tuple[int, ...], num_layers: int) -> None:
         if not self.kv_caches or tuple(self.kv_caches[0].shape) != tuple(shape):
             self.graphs = None   # they read the old cache
             self.kv_caches = []  # free the old pool before taking the new one
-            self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(num_layers)]
+            self.kv_caches = allocate_kv_cache(num_layers, shape, self.dtype, self.device)
 
     def _receive_step(self, header: StepHeader) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         packed = torch.empty(header.packed_len, dtype=torch.int64, device=self.device)
@@ -122,51 +111,45 @@ class ShardWorker:
         self._ensure_cache(header.cache_shape, header.num_layers)
         return unpack_step(packed, header)
 
-    def handle(self, msg: tuple[Any, ...]) -> bool:
+    def handle(self, msg: Message) -> bool:
         """Run one driver call; False on shutdown."""
-        cmd = msg[0]
-        if cmd in ("forward", "replay"):
-            header: StepHeader = msg[1]
-            ids, positions, md = self._receive_step(header)
-            if cmd == "forward":
+        if isinstance(msg, StepHeader):   # first: one per step
+            ids, positions, md = self._receive_step(msg)
+            if not msg.replay:
                 self.hidden = self.model(ids, positions, self.kv_caches, md)
             elif self.graphs is None:
                 raise RuntimeError("tensor parallel worker: asked to replay a CUDA graph it has not captured")
             else:
                 self.hidden = self.graphs.run(ids, positions, self.kv_caches, md)
-            if header.logit_rows:  # the driver's compute_logits of these rows pairs with this one
-                rows = torch.tensor(header.logit_rows, dtype=torch.long).to(self.device, non_blocking=True)
+            if msg.logit_rows:  # the driver's compute_logits of these rows pairs with this one
+                rows = torch.tensor(msg.logit_rows, dtype=torch.long).to(self.device, non_blocking=True)
                 self.model.compute_logits(self.hidden[rows])
-        elif cmd == "capture":
-            from kvfleet.engine.cuda_graphs import CudaGraphRunner
-
-            shape, num_layers, max_batch, max_model_len, block_size, piecewise = msg[1:]
-            self._ensure_cache(shape, num_layers)
-            graphs = CudaGraphRunner(self.model, self.kv_caches, max_batch, max_model_len, block_size, self.device)
-            graphs.capture(capture_error_mode="thread_local", piecewise=piecewise)
+        elif isinstance(msg, CaptureGraphs):
+            self._ensure_cache(msg.cache_shape, msg.num_layers)
+            graphs = CudaGraphRunner(self.model, self.kv_caches, msg.max_batch, msg.max_model_len, msg.block_size,
+                                     self.device)
+            graphs.capture(capture_error_mode="thread_local", piecewise=msg.piecewise)
             self.graphs = graphs
-        elif cmd == "logits":
-            rows = torch.empty(msg[1], dtype=self.dtype, device=self.device)
-            dist.broadcast(rows, src=0)
-            self.model.compute_logits(rows)
-        elif cmd == "copy_blocks":
-            src, dst = msg[1].to(self.device), msg[2].to(self.device)
-            for cache in self.kv_caches:
-                cache[:, dst] = cache[:, src]
-        elif cmd == "free_cache":
+        elif isinstance(msg, ComputeLogits):
+            hidden = torch.empty(msg.rows_shape, dtype=self.dtype, device=self.device)
+            dist.broadcast(hidden, src=0)
+            self.model.compute_logits(hidden)
+        elif isinstance(msg, CopyBlocks):
+            copy_blocks(self.kv_caches, msg.src.to(self.device), msg.dst.to(self.device))
+        elif isinstance(msg, FreeCache):
             self.graphs = None
             self.kv_caches = []
-        elif cmd == "shutdown":
+        elif isinstance(msg, Shutdown):
             if self.graphs is not None:   # before the communicators are destroyed (see destroy_tensor_parallel)
                 self.graphs.release()
                 self.graphs = None
             return False
         else:
-            raise ValueError(f"tensor parallel worker: unknown command {cmd!r}")
+            raise TypeError(f"tensor parallel worker: unknown message {type(msg).__name__}")
         return True
 
     @torch.inference_mode()
-    def serve(self, conn: Any) -> None:
+    def serve(self, conn: Connection) -> None:
         while self.handle(receive(conn)):
             pass
 
@@ -179,7 +162,7 @@ def _exit_when_orphaned(parent: int) -> None:
             os._exit(3)
 
 
-def worker_main(rank: int, spec: WorkerSpec, parent_pid: int, conn: Any) -> None:
+def worker_main(rank: int, spec: WorkerSpec, parent_pid: int, conn: Connection) -> None:
     """Entry point of a spawned worker process; `conn`: the read end of its control pipe."""
     logging.basicConfig(level=os.environ.get("KVFLEET_LOG_LEVEL", "WARNING"))
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -191,7 +174,7 @@ def worker_main(rank: int, spec: WorkerSpec, parent_pid: int, conn: Any) -> None
     arm_hang_dump()
     model, device = build_shard(spec, rank)
     try:
-        ShardWorker(model, device, spec.dtype).serve(conn)   # releases its graphs on "shutdown"
+        ShardWorker(model, device, spec.dtype).serve(conn)   # releases its graphs on Shutdown
     except BaseException:
         # Say why, then leave at once: leaving the group with collectives in flight can block, and the
         # driver (whose watchdog ends the engine when a worker exits) would wait for this one forever.

@@ -1,4 +1,4 @@
-"""Rotary position embedding (Neox / "rotate half" layout), with Llama-3 frequency scaling.
+"""Rotary position embedding (Neox / "rotate half" layout).
 
 ``cos_sin_cache[pos] = [cos(pos * inv_freq), sin(pos * inv_freq)]`` (float32,
 ``[max_pos, head_dim]``); the kernel rotates ``q`` and ``k`` in place, in
@@ -7,24 +7,11 @@ float32, for every head of every token.
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 import triton
 import triton.language as tl
 
 from ._common import SUPPORTED_DTYPES, check_tensor, fail, next_pow2
-
-
-def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None = None) -> torch.Tensor:
-    """Inverse frequencies (default, linear or Llama-3 scaling): the model code's own, arguments checked."""
-    if not (head_dim > 0 and head_dim % 2 == 0):
-        fail("head_dim", f"must be positive and even, got {head_dim}")
-    if not (theta > 0):
-        fail("rope_theta", f"must be > 0, got {theta}")
-    from kvfleet.engine.models.layers import rope_inv_freq as model_rope_inv_freq  # no import cycle at load
-
-    return model_rope_inv_freq(head_dim, theta, scaling)
 
 
 def build_cos_sin_cache(inv_freq: torch.Tensor, max_positions: int, device: torch.device | str = "cpu",

@@ -13,13 +13,12 @@ FP8 rate.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
-if TYPE_CHECKING:
-    from kvfleet.engine.models.linear import ColumnParallelLinear, RowParallelLinear
+from kvfleet.engine.distributed.parallel_state import tp_all_reduce
+from kvfleet.engine.models.linear import ColumnParallelLinear, RowParallelLinear
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)   # 448
@@ -131,9 +130,6 @@ class Fp8Linear(nn.Module):
 def quantize_linear(layer: ColumnParallelLinear | RowParallelLinear | nn.Linear,
                     use_cuda_kernel: bool | None = None) -> Fp8Linear:
     """An Fp8Linear equivalent to one of kvfleet's linear layers (models/linear.py) or an nn.Linear."""
-    from kvfleet.engine.distributed.parallel_state import tp_all_reduce
-    from kvfleet.engine.models.linear import ColumnParallelLinear, RowParallelLinear
-
     if not isinstance(layer, (ColumnParallelLinear, RowParallelLinear, nn.Linear)):
         raise ValueError(f"quantization: no FP8 form for {type(layer).__name__}")
     weight = layer.weight.data
@@ -151,8 +147,6 @@ def quantize_linear(layer: ColumnParallelLinear | RowParallelLinear | nn.Linear,
 def quantize_model_fp8(model: nn.Module, use_cuda_kernel: bool | None = None) -> int:
     """Replace every linear layer of the decoder (not the LM head, not the embedding) by its Fp8Linear, in
     place; the bf16 weights are freed. Returns the number of layers quantized."""
-    from kvfleet.engine.models.linear import ColumnParallelLinear, RowParallelLinear
-
     todo = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
             if isinstance(child, (ColumnParallelLinear, RowParallelLinear))]
     for parent, name, child in todo:

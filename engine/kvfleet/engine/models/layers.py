@@ -1,17 +1,22 @@
 """Small building blocks of the decoder: RMSNorm, rotary embedding, SiLU-and-mul.
 
 Numerics follow transformers' Llama code step by step (float32 norm statistics,
-cos/sin computed in float32 then cast) so float32 results match it closely.
+cos/sin computed in float32 then cast) so float32 results match it closely. On CUDA
+tensors each runs as one fused Triton kernel (`kvfleet.engine.kernels`, same numerics)
+unless KVFLEET_FUSED_KERNELS=0 (kept for A/B checks against the torch path).
 """
 
 from __future__ import annotations
 
-import math
+import os
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from kvfleet.engine import kernels
+from kvfleet.engine.rope import rope_inv_freq
 
 
 class RMSNorm(nn.Module):
@@ -21,10 +26,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if _fused(x):  # one Triton kernel on CUDA (kvfleet.engine.kernels.rms_norm), same numerics
-            from kvfleet.engine.kernels import rms_norm
-
-            return rms_norm(x, self.weight, self.eps)
+        if _fused(x):
+            return kernels.rms_norm(x, self.weight, self.eps)
         dtype = x.dtype
         h = x.to(torch.float32)
         variance = h.pow(2).mean(-1, keepdim=True)
@@ -34,59 +37,28 @@ class RMSNorm(nn.Module):
     def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """h = x + residual -> (norm(h), h); one fused kernel on CUDA."""
         if _fused(x):
-            from kvfleet.engine.kernels import fused_add_rms_norm
-
-            return fused_add_rms_norm(x, residual, self.weight, self.eps)
+            return kernels.fused_add_rms_norm(x, residual, self.weight, self.eps)
         h = residual + x
         return self.forward(h), h
 
 
 def _fused(x: torch.Tensor) -> bool:
-    """Use the Triton kernels (kvfleet.engine.kernels) for CUDA tensors unless KVFLEET_FUSED_KERNELS=0."""
-    if not x.is_cuda:
-        return False
-    from kvfleet.engine.kernels import fused_kernels_enabled
-
-    return fused_kernels_enabled(x)
+    """Use the Triton kernels for CUDA tensors unless KVFLEET_FUSED_KERNELS=0."""
+    return x.is_cuda and os.environ.get("KVFLEET_FUSED_KERNELS", "1") != "0"
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """x = [gate | up] along the last dim -> silu(gate) * up."""
     if _fused(x):
-        from kvfleet.engine.kernels import silu_and_mul as fused_silu_and_mul
-
-        return fused_silu_and_mul(x)
+        return kernels.silu_and_mul(x)
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up
 
 
-def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
-    """Inverse frequencies for rotary embedding (default, linear, or Llama-3 scaling); float32 [head_dim/2]."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float32) / head_dim))
-    if not scaling:
-        return inv_freq
-    kind = scaling.get("rope_type", scaling.get("type", "default"))
-    if kind == "default":
-        return inv_freq
-    if kind == "linear":
-        return inv_freq / float(scaling["factor"])
-    if kind != "llama3":
-        raise ValueError(f"rope_scaling: rope type {kind!r} is not supported")
-    factor = float(scaling["factor"])
-    low_ff = float(scaling["low_freq_factor"])
-    high_ff = float(scaling["high_freq_factor"])
-    old_len = float(scaling["original_max_position_embeddings"])
-    low_wavelen, high_wavelen = old_len / low_ff, old_len / high_ff
-    wavelen = 2 * math.pi / inv_freq
-    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
-    smooth = (old_len / wavelen - low_ff) / (high_ff - low_ff)
-    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-    is_medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
-    return torch.where(is_medium, smoothed, scaled)
-
-
 class RotaryEmbedding(nn.Module):
     """cos/sin per position, computed on the fly (no max-length cache to size)."""
+
+    inv_freq: torch.Tensor
 
     def __init__(self, head_dim: int, theta: float, scaling: dict[str, Any] | None = None) -> None:
         super().__init__()
@@ -115,8 +87,6 @@ def apply_rotary_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
                     sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate q [T, Hq, D] and k [T, Hkv, D]; on CUDA in place by one Triton kernel."""
     if _fused(q):
-        from kvfleet.engine.kernels import apply_rotary_cos_sin
-
-        apply_rotary_cos_sin(q, k, cos, sin)
+        kernels.apply_rotary_cos_sin(q, k, cos, sin)
         return q, k
     return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)

@@ -16,6 +16,7 @@ from torch import nn
 from kvfleet.engine.attention import get_attention_backend
 from kvfleet.engine.attention.metadata import AttentionMetadata
 from kvfleet.engine.model_config import ModelConfig
+from kvfleet.engine.models.base import CausalLM
 from kvfleet.engine.models.layers import RMSNorm, RotaryEmbedding, apply_rotary_qk, silu_and_mul
 from kvfleet.engine.models.linear import (
     ColumnParallelLinear,
@@ -109,10 +110,9 @@ class LlamaModel(nn.Module):
         return self.norm(hidden)
 
 
-class LlamaForCausalLM(nn.Module):
+class LlamaForCausalLM(CausalLM):
     def __init__(self, cfg: ModelConfig, attention_fn: Any = None, device: str | torch.device = "cpu") -> None:
-        super().__init__()
-        self.config = cfg
+        super().__init__(cfg, device)
         attention_fn = attention_fn or get_attention_backend(device)
         self.model = LlamaModel(cfg, attention_fn)
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size)

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-from torch import nn
-
+from kvfleet.engine.models.base import CausalLM
 from kvfleet.engine.models.llama import LlamaForCausalLM
 
-MODEL_REGISTRY: dict[str, type[nn.Module]] = {
+MODEL_REGISTRY: dict[str, type[CausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
@@ -14,7 +13,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
 }
 
 
-def get_model_class(architecture: str) -> type[nn.Module]:
+def get_model_class(architecture: str) -> type[CausalLM]:
     if architecture not in MODEL_REGISTRY:
         raise ValueError(f"model: architecture {architecture!r} is not supported ({', '.join(MODEL_REGISTRY)})")
     return MODEL_REGISTRY[architecture]
