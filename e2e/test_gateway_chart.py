@@ -66,7 +66,9 @@ def test_the_gateway_runs_as_the_charts_service_account(cluster: Any, kube: Kube
     sfx = uuid.uuid4().hex[:5]
     release, ns = f"gw-{sfx}", f"gw-system-{sfx}"
     vals = tmp_path / "values.yaml"
-    vals.write_text(yaml.safe_dump({"operator": {"enabled": False}, "resourceFlavors": []}))
+    # (the peering object is cluster-scoped: its own name, beside another release such as `make demo`'s)
+    vals.write_text(yaml.safe_dump({"operator": {"enabled": False, "peeringName": f"kvfleet-gw-{sfx}"},
+                                    "resourceFlavors": []}))
     try:
         helm(cluster, "install", release, str(CHART), "--namespace", ns, "--create-namespace", "-f", str(vals),
              "--wait", "--timeout", "90s")

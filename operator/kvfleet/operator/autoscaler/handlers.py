@@ -24,6 +24,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
+import httpx
 import kopf
 
 from kvfleet.operator.autoscaler.demand import gateway_waiting
@@ -166,7 +167,12 @@ async def _tick(namespace: str | None, name: str) -> None:
     from kvfleet.operator import handlers as operator_handlers
 
     namespace = operator_handlers.namespaced(namespace)
-    decision = await autoscale_once(operator_handlers.kube(), namespace, name, SETTINGS)
+    try:
+        decision = await autoscale_once(operator_handlers.kube(), namespace, name, SETTINGS)
+    except (KubeError, httpx.TransportError) as exc:
+        # The apiserver restarting or busy: decide again at the next tick, one log line (an unhandled exception
+        # would log a traceback and back the timer off for a minute).
+        raise kopf.TemporaryError(f"autoscaler {namespace}/{name}: {exc!r}", delay=SETTINGS.interval) from exc
     if decision is not None and decision.desired != decision.current:
         await asyncio.to_thread(operator_handlers.reconcile_now, namespace, name)
 
