@@ -48,7 +48,8 @@ WORKLOADS_AB=${WORKLOADS_AB:-long-prompt shared-prefix}
 PREFILL_AB=${PREFILL_AB:-KVFLEET_PREFILL_TILE=128,64,4,3}
 KV_ENV=${KV_ENV:-}
 LABEL=${LABEL:-}
-c=$(git rev-parse HEAD 2>/dev/null) && echo "$c" > bench/.commit
+# KVFLEET_COMMIT names the commit of the files that travelled (the copy's .git may point elsewhere)
+c=${KVFLEET_COMMIT:-$(git rev-parse HEAD 2>/dev/null)} && echo "$c" > bench/.commit
 
 left() { echo $(( BUDGET_S - ($(date +%s) - START) )); }
 step() {  # step NAME MAX_SECONDS CMD...: run if it can finish inside the budget, log everything

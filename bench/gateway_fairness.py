@@ -41,6 +41,8 @@ import yaml
 
 from kvfleet.gateway.testing import Engine, GatewayProcess, start_engines
 
+from provenance import git_describe
+
 QUIET_KEY, FLOOD_KEY = "quiet-key-0123456789abcdef", "flood-key-0123456789abcdef"
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results" / "gateway"
@@ -272,7 +274,8 @@ def main() -> int:
             if solo and name != "solo" and f"{name}#{rep}" in phases:
                 ratios.setdefault(name, []).append(phases[f"{name}#{rep}"]["quiet_ttft_ms"]["p50"] / solo)
     summary = {n: {"median": statistics.median(r), "each": r} for n, r in ratios.items()}
-    result = {"label": args.label, "where": "local cluster" if args.on_cluster else "static config",
+    result = {"label": args.label, "git": git_describe(),
+              "where": "local cluster" if args.on_cluster else "static config",
               "args": {k: str(v) for k, v in vars(args).items()}, "phases": phases,
               "quiet_ttft_p50_ratio_to_solo": summary, "goal": "vtc ratio <= 1.5",
               "host": {"platform": platform.platform(), "cpus": os.cpu_count(),

@@ -36,6 +36,8 @@ import yaml
 
 from kvfleet.gateway.testing import GatewayProcess, free_port, wait_until
 
+from provenance import git_describe
+
 KEY = "bench-key-0123456789abcdef"
 RESULTS = Path(__file__).resolve().parent / "results" / "gateway"
 
@@ -154,7 +156,7 @@ def main() -> int:
         gw.stop()
         upstream.terminate()
         upstream.wait(10)
-    out = {"label": args.label, "cpus": os.cpu_count(), "python": platform.python_version(),
+    out = {"label": args.label, "git": git_describe(), "cpus": os.cpu_count(), "python": platform.python_version(),
            "machine": platform.machine(), "concurrency": args.concurrency, "seconds": args.seconds,
            "note": "client, upstream and gateway share this machine's cores; other work on it adds noise",
            "results": results}

@@ -32,7 +32,6 @@ import argparse
 import json
 import logging
 import os
-import subprocess
 import sys
 import time
 import uuid
@@ -44,14 +43,14 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "e2e" / "cluster"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from opscale import kwok_engines, procstat, profile, scrape, stages  # noqa: E402
-
 from kvfleet.operator.kube import Kube  # noqa: E402
 from kvfleet.operator.testing import OperatorProcess, install_crds, wait_for  # noqa: E402
 
 from localcluster import components as comps  # noqa: E402
 from localcluster import control, procs  # noqa: E402
 from localcluster.layout import Layout  # noqa: E402
+from opscale import kwok_engines, procstat, profile, scrape, stages  # noqa: E402
+from provenance import git_describe  # noqa: E402
 
 log = logging.getLogger("operator_scale")
 
@@ -155,13 +154,6 @@ def pids(layout: Layout, operator: OperatorProcess) -> dict[str, int]:
 
 def cpu_now(pid_of: dict[str, int]) -> dict[str, procstat.ProcSample | None]:
     return {name: procstat.sample(pid) for name, pid in pid_of.items()}
-
-
-def git_describe() -> dict[str, Any]:
-    def git(*args: str) -> str:
-        return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, check=False).stdout.strip()
-    return {"commit": git("rev-parse", "--short", "HEAD"), "branch": git("rev-parse", "--abbrev-ref", "HEAD"),
-            "dirty": bool(git("status", "--porcelain", "--untracked-files=no"))}
 
 
 def teardown(kube: Kube, layout: Layout, names: list[str], timeout: float = 600) -> None:

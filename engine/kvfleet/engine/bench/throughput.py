@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import platform
 import subprocess
 import sys
@@ -85,6 +86,11 @@ def _check_args(args: argparse.Namespace) -> None:
 
 
 def git_commit() -> str | None:
+    """The commit measured: KVFLEET_COMMIT when the caller names it (a tree copied to the GPU machine may carry a
+    `.git` whose HEAD is not the commit of the files that travelled), else git, else bench/.commit."""
+    named = os.environ.get("KVFLEET_COMMIT", "").strip()
+    if named:
+        return named
     here = Path(__file__).resolve()
     try:
         out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here.parent, capture_output=True, text=True,
