@@ -96,18 +96,32 @@ def autoscaled(ns: str, flavor: str, **engine: Any) -> dict[str, Any]:
                                          "scaleDownDelaySeconds": DELAY_S})
 
 
-def test_wakes_from_zero_and_goes_back(kube: Kube, tenants: Any, flavors: dict[str, str], cluster: Any,
-                                       kubeconfig: str, keys_ns: KeyNamespace) -> None:
-    key = keys_ns.write("fz-keys")
-    _, ns = tenants.create("fz-wake", [{"flavor": flavors["h200"], "nominal": 1}],
-                           gateway={"apiKeySecrets": [{"name": "fz-keys"}]})
+def model_at_zero_behind_a_gateway(kube: Kube, tenants: Any, flavors: dict[str, str], cluster: Any, kubeconfig: str,
+                                   keys_ns: KeyNamespace, *, tenant: str, keys: str, gpus: int,
+                                   label: str) -> tuple[str, str, GatewayProcess]:
+    """A tenant with `gpus` H200s of quota and a key, its autoscaled ModelDeployment at zero, and a gateway that lists
+    the model: -> (key, namespace, gateway); the caller stops the gateway."""
+    key = keys_ns.write(keys)
+    _, ns = tenants.create(tenant, [{"flavor": flavors["h200"], "nominal": gpus}],
+                           gateway={"apiKeySecrets": [{"name": keys}]})
     kube.apply(autoscaled(ns, flavors["h200"]))
     wait_for("the model at zero", lambda: at_zero(kube, ns), timeout=60)
-    gw = start_gateway(cluster, kubeconfig, keys_ns, "wake")
+    gw = start_gateway(cluster, kubeconfig, keys_ns, label)
     try:
         wait_for("the gateway lists the model", lambda: httpx.get(
             f"{gw.url}/v1/models", headers={"Authorization": f"Bearer {key}"}, trust_env=False).json().get("data"),
             timeout=60)
+    except BaseException:
+        gw.stop()
+        raise
+    return key, ns, gw
+
+
+def test_wakes_from_zero_and_goes_back(kube: Kube, tenants: Any, flavors: dict[str, str], cluster: Any,
+                                       kubeconfig: str, keys_ns: KeyNamespace) -> None:
+    key, ns, gw = model_at_zero_behind_a_gateway(kube, tenants, flavors, cluster, kubeconfig, keys_ns,
+                                                 tenant="fz-wake", keys="fz-keys", gpus=1, label="wake")
+    try:
         marks: dict[str, float] = {}
         stop = threading.Event()
 
@@ -159,16 +173,9 @@ def test_wakes_from_zero_and_goes_back(kube: Kube, tenants: Any, flavors: dict[s
 
 def test_quota_refusal_from_zero(kube: Kube, tenants: Any, flavors: dict[str, str], cluster: Any, kubeconfig: str,
                                  keys_ns: KeyNamespace) -> None:
-    key = keys_ns.write("fz-nokeys")
-    _, ns = tenants.create("fz-noq", [{"flavor": flavors["h200"], "nominal": 0}],
-                           gateway={"apiKeySecrets": [{"name": "fz-nokeys"}]})
-    kube.apply(autoscaled(ns, flavors["h200"]))
-    wait_for("the model at zero", lambda: at_zero(kube, ns), timeout=60)
-    gw = start_gateway(cluster, kubeconfig, keys_ns, "quota")
+    key, ns, gw = model_at_zero_behind_a_gateway(kube, tenants, flavors, cluster, kubeconfig, keys_ns,
+                                                 tenant="fz-noq", keys="fz-nokeys", gpus=0, label="quota")
     try:
-        wait_for("the gateway lists the model", lambda: httpx.get(
-            f"{gw.url}/v1/models", headers={"Authorization": f"Bearer {key}"}, trust_env=False).json().get("data"),
-            timeout=60)
         start = time.monotonic()
         resp = chat(gw, key, timeout=120)
         waited = time.monotonic() - start

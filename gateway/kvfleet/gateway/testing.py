@@ -56,6 +56,18 @@ def metric_sum(text: str, name: str, **labels: str) -> float:
                if n == name and all(dict(lab).get(k) == want for k, want in labels.items()))
 
 
+def stop_process(proc: subprocess.Popen[bytes], timeout: float) -> int:
+    """SIGTERM (the process drains), SIGKILL past `timeout`; -> its exit code."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    return int(proc.returncode)
+
+
 class GatewayProcess:
     def __init__(self, log_path: Path, *, config: Path | None = None, kubeconfig: str | None = None,
                  args: Sequence[str] = (), env: Mapping[str, str] | None = None,
@@ -100,14 +112,7 @@ class GatewayProcess:
     def stop(self, timeout: float = 20) -> int:
         if self.proc is None:
             return 0
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        return int(self.proc.returncode)
+        return stop_process(self.proc, timeout)
 
     def __enter__(self) -> "GatewayProcess":
         return self.start()
@@ -141,12 +146,7 @@ class Engine:
             self.proc.wait(10)
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.kill()
+        stop_process(self.proc, 30)
 
 
 def start_engines(model: Path, logs: Path, n: int, *extra: str, served: str = "tiny",
