@@ -99,16 +99,25 @@ def default_block_m(max_query_len: int, dtype: torch.dtype) -> int:
 
 
 def prefill_work(query_start_loc_cpu: list[int], block_m: int, skip_decode: bool,
-                 device: torch.device | str) -> torch.Tensor:
-    """int32 ``[n, 2]`` (sequence, query tile) pairs that have work, from the host copy of query_start_loc."""
-    pairs: list[int] = []
+                 device: torch.device | str, seq_lens_cpu: list[int] | None = None) -> torch.Tensor:
+    """int32 ``[n, 2]`` (sequence, query tile) pairs that have work, from the host copy of query_start_loc.
+
+    With ``seq_lens_cpu`` the pairs come heaviest first (most keys to read: cached prefix plus the tile's
+    causal span), so the longest programs of a causal prompt start first instead of last (v2's order)."""
+    pairs: list[tuple[int, int]] = []
     for b in range(len(query_start_loc_cpu) - 1):
         q_len = query_start_loc_cpu[b + 1] - query_start_loc_cpu[b]
         if q_len == 0 or (skip_decode and q_len == 1):
             continue
-        for t in range(-(-q_len // block_m)):
-            pairs += (b, t)
-    return torch.tensor(pairs, dtype=torch.int32).view(-1, 2).to(device, non_blocking=True)
+        pairs += ((b, t) for t in range(-(-q_len // block_m)))
+    if seq_lens_cpu is not None:
+        def keys(pair: tuple[int, int]) -> int:
+            b, t = pair
+            q_len = query_start_loc_cpu[b + 1] - query_start_loc_cpu[b]
+            return seq_lens_cpu[b] - q_len + min((t + 1) * block_m, q_len)
+        pairs.sort(key=keys, reverse=True)   # stable: ties keep sequence order
+    flat = [x for pair in pairs for x in pair]
+    return torch.tensor(flat, dtype=torch.int32).view(-1, 2).to(device, non_blocking=True)
 
 
 def prefill_attention(

@@ -1,0 +1,243 @@
+"""Causal prefill attention over the paged KV cache, second version (issue 16's long-prompt row).
+
+Same inputs and results as `prefill_attention` (v1), arranged the way FlashAttention-style Triton kernels run
+fast on Hopper:
+
+* the key loop is split in two: the keys below the tile's first query position are seen by every row of the
+  tile, so that part runs with no causal ``where`` and no key mask (the bulk of a long prompt's work); only the
+  last one or two key tiles (the diagonal) are masked (the fused-attention tutorial's STAGE split);
+* the softmax scale is folded into log2 space once and applied by one multiply-subtract per score; the
+  ``P @ V`` product accumulates in place (``tl.dot(p, v, acc)``);
+* one flat grid with the query head fastest: the G query heads of a KV head, and the heads of neighbouring
+  query tiles, run side by side and read the same K/V tiles from L2;
+* the work list comes heaviest first (``prefill_work(..., seq_lens=...)``: most keys first), so a causal
+  prompt's long last tiles do not start last and leave the GPU idle at the tail; without a list, the
+  program order still runs the last query tiles first.
+
+Optionally (``k``/``v`` given) the keys and values are read from the step's contiguous K/V projections instead of
+the paged cache: only valid when no sequence the kernel serves has anything cached (a fresh prompt), and then
+no block-table lookup is made.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import check_paged_attention_args, check_tensor, dot_precision, fail, next_pow2, upcast_dots
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _kv_offsets(bt_row, offs_n, q_start, stride_c_blk, stride_c_slot, stride_kt,
+                BLOCK_SIZE: tl.constexpr, KV_CONTIG: tl.constexpr, N_MASK: tl.constexpr, end_n):
+    """Row offsets (elements) of key positions ``offs_n`` from the head's base pointer."""
+    if KV_CONTIG:
+        return (q_start + offs_n).to(tl.int64) * stride_kt
+    if N_MASK:
+        blk = tl.load(bt_row + offs_n // BLOCK_SIZE, mask=offs_n < end_n, other=0).to(tl.int64)
+    else:
+        blk = tl.load(bt_row + offs_n // BLOCK_SIZE).to(tl.int64)
+    return blk * stride_c_blk + (offs_n % BLOCK_SIZE) * stride_c_slot
+
+
+@triton.jit
+def _load_rows(ptrs, nmask, dmask, N_MASK: tl.constexpr, D_MASK: tl.constexpr):
+    if N_MASK:
+        if D_MASK:
+            return tl.load(ptrs, mask=nmask[:, None] & dmask[None, :], other=0.0)
+        return tl.load(ptrs, mask=nmask[:, None], other=0.0)
+    if D_MASK:
+        return tl.load(ptrs, mask=dmask[None, :], other=0.0)
+    return tl.load(ptrs)
+
+
+# stride_bt, batch and num_tiles change from step to step: specializing on them (== 1, multiple of 16) would
+# compile new variants on live requests' time (issue 16's TTFT p99); nothing in the kernel gains from it.
+@triton.jit(do_not_specialize=["stride_bt", "batch", "num_tiles"])
+def _prefill_kernel_v2(
+    q_ptr, cache_ptr, k_ptr, v_ptr, block_tables_ptr, seq_lens_ptr, qsl_ptr, out_ptr, work_ptr,
+    scale_log2, batch, num_tiles,
+    stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_c_kv, stride_c_blk, stride_c_slot, stride_c_head, stride_bt, stride_kt, stride_kh,
+    HQ: tl.constexpr, G: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    SKIP_DECODE: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr, USE_WORK: tl.constexpr,
+    KV_CONTIG: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    h = pid % HQ          # query head fastest: programs sharing K/V tiles run together (L2)
+    w = pid // HQ
+    if USE_WORK:          # (sequence, query tile), heaviest first
+        b = tl.load(work_ptr + 2 * w)
+        tile = tl.load(work_ptr + 2 * w + 1)
+    else:                 # every (tile, sequence) pair, the last (longest) query tiles first
+        b = w % batch
+        tile = num_tiles - 1 - w // batch
+    q_start = tl.load(qsl_ptr + b)
+    q_len = tl.load(qsl_ptr + b + 1) - q_start
+    if tile * BLOCK_M >= q_len:
+        return
+    if SKIP_DECODE:
+        if q_len == 1:
+            return
+    seq_len = tl.load(seq_lens_ptr + b)
+    ctx = seq_len - q_len
+    kvh = h // G
+    D_MASK: tl.constexpr = HEAD_DIM != D_PAD
+
+    offs_m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    d = tl.arange(0, D_PAD)
+    mmask = offs_m < q_len
+    dmask = d < HEAD_DIM
+    rows = (q_start + offs_m).to(tl.int64)
+    q = _load_rows(q_ptr + rows[:, None] * stride_qt + h * stride_qh + d[None, :], mmask, dmask, True, D_MASK)
+    if UPCAST:
+        q = q.to(tl.float32)
+    q_pos = ctx + offs_m
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
+    if KV_CONTIG:
+        k_base = k_ptr + kvh * stride_kh
+        v_base = v_ptr + kvh * stride_kh
+    else:
+        k_base = cache_ptr + kvh * stride_c_head
+        v_base = k_base + stride_c_kv
+    bt_row = block_tables_ptr + b.to(tl.int64) * stride_bt
+    arange_n = tl.arange(0, BLOCK_N)
+
+    # 1. keys every row of the tile sees (below its first query position, whole key tiles): no masks at all
+    full_end = ((ctx + tile * BLOCK_M) // BLOCK_N) * BLOCK_N
+    for n0 in range(0, full_end, BLOCK_N):
+        offs_n = n0 + arange_n
+        row = _kv_offsets(bt_row, offs_n, q_start, stride_c_blk, stride_c_slot, stride_kt,
+                          BLOCK_SIZE, KV_CONTIG, False, full_end)
+        k = _load_rows(k_base + row[:, None] + d[None, :], offs_n, dmask, False, D_MASK)
+        v = _load_rows(v_base + row[:, None] + d[None, :], offs_n, dmask, False, D_MASK)
+        if UPCAST:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        qk = tl.dot(q, tl.trans(k), input_precision=PREC)
+        m_new = tl.maximum(m_i, tl.max(qk, 1) * scale_log2)
+        p = tl.math.exp2(qk * scale_log2 - m_new[:, None])
+        alpha = tl.math.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=PREC)
+        m_i = m_new
+
+    # 2. the diagonal: causal mask and the sequence's end
+    end_n = tl.minimum(seq_len, ctx + (tile + 1) * BLOCK_M)
+    for n0 in range(full_end, end_n, BLOCK_N):
+        offs_n = n0 + arange_n
+        nmask = offs_n < end_n
+        row = _kv_offsets(bt_row, offs_n, q_start, stride_c_blk, stride_c_slot, stride_kt,
+                          BLOCK_SIZE, KV_CONTIG, True, end_n)
+        k = _load_rows(k_base + row[:, None] + d[None, :], nmask, dmask, True, D_MASK)
+        v = _load_rows(v_base + row[:, None] + d[None, :], nmask, dmask, True, D_MASK)
+        if UPCAST:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        qk = tl.dot(q, tl.trans(k), input_precision=PREC)
+        # every row sees key full_end (<= its position) in the first of these tiles: m_new is finite
+        s = tl.where((offs_n[None, :] <= q_pos[:, None]) & nmask[None, :], qk * scale_log2, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.math.exp2(s - m_new[:, None])
+        alpha = tl.math.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=PREC)
+        m_i = m_new
+
+    out = acc / l_i[:, None]   # l_i >= 1: the row's maximum contributes exp2(0)
+    ptrs = out_ptr + rows[:, None] * stride_ot + h * stride_oh + d[None, :]
+    if D_MASK:
+        tl.store(ptrs, out.to(out_ptr.dtype.element_ty), mask=mmask[:, None] & dmask[None, :])
+    else:
+        tl.store(ptrs, out.to(out_ptr.dtype.element_ty), mask=mmask[:, None])
+
+
+def default_tile_v2(max_query_len: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages): 128-row tiles (two wgmma M=64 blocks per warpgroup) for long
+    chunks in 16-bit; 16 rows for short chunks; 32 in float32 (the interpreter's tests, no tensor cores)."""
+    if max_query_len <= 16:
+        return 16, 64, 4, 2
+    if dtype == torch.float32:
+        return 32, 32, 4, 2
+    return 128, 64, 4, 3
+
+
+def prefill_attention_v2(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    max_query_len: int,
+    scale: float,
+    out: torch.Tensor,
+    skip_decode: bool = False,
+    block_m: int | None = None,
+    block_n: int | None = None,
+    work: torch.Tensor | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+    k: torch.Tensor | None = None,
+    v: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Causal varlen attention of ``q`` ``[T, Hq, D]`` over the paged cache into ``out`` (as v1's).
+
+    ``work``: optional ``prefill_work(...)`` list built with the same ``block_m`` and ``skip_decode`` (pass
+    ``seq_lens`` to it for the heaviest-first order); without it the grid covers every (tile, sequence) pair.
+    ``k``/``v`` ``[T, Hkv, D]`` (both or neither): read keys/values from them, not the cache; the caller
+    guarantees that every sequence served (decode rows excepted under ``skip_decode``) has nothing cached.
+    Tile arguments left as None take `default_tile_v2`'s.
+    """
+    block_size, hkv, d, hq, batch = check_paged_attention_args(q, out, kv_cache, block_tables, seq_lens,
+                                                                query_start_loc)
+    if not (max_query_len >= 0):
+        fail("max_query_len", "must be >= 0")
+    if batch == 0 or max_query_len == 0:
+        return out
+    dm, dn, dw, ds = default_tile_v2(max_query_len, q.dtype)
+    block_m = dm if block_m is None else block_m
+    block_n = dn if block_n is None else block_n
+    num_warps = dw if num_warps is None else num_warps
+    num_stages = ds if num_stages is None else num_stages
+    if (k is None) != (v is None):
+        fail("k" if k is None else "v", "k and v come together")
+    if k is not None and v is not None:
+        for name, t in (("k", k), ("v", v)):
+            check_tensor(name, t, ndim=3, dtype=q.dtype, device=q.device)
+            if not (t.shape == (q.shape[0], hkv, d)):
+                fail(name, f"expected shape {(q.shape[0], hkv, d)}, got {tuple(t.shape)}")
+        if not (k.stride() == v.stride()):
+            fail("v", f"strides {v.stride()} differ from k's {k.stride()}")
+    num_tiles = triton.cdiv(max_query_len, block_m)
+    if work is not None:
+        check_tensor("work", work, ndim=2, dtype=torch.int32, device=q.device)
+        if not (work.shape[1] == 2):
+            fail("work", f"expected [n, 2] (sequence, tile), got {tuple(work.shape)}")
+        if work.shape[0] == 0:
+            return out
+        programs = work.shape[0] * hq
+    else:
+        programs = num_tiles * batch * hq
+    contig = k is not None and v is not None
+    _prefill_kernel_v2[(programs,)](
+        q, kv_cache, k if contig else q, v if contig else q, block_tables, seq_lens, query_start_loc, out,
+        work if work is not None else seq_lens,
+        scale * LOG2E, batch, num_tiles,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3), block_tables.stride(0),
+        k.stride(0) if k is not None else 0, k.stride(1) if k is not None else 0,
+        HQ=hq, G=hq // hkv, HEAD_DIM=d, D_PAD=next_pow2(d),
+        BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_N=block_n,
+        SKIP_DECODE=skip_decode, UPCAST=upcast_dots(q.dtype), PREC=dot_precision(q.dtype),
+        USE_WORK=work is not None, KV_CONTIG=contig, num_warps=num_warps, num_stages=num_stages,
+    )
+    return out

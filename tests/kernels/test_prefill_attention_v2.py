@@ -1,0 +1,86 @@
+"""The second prefill kernel (`prefill_attention_v2`) against the PyTorch paged-attention reference."""
+
+import pytest
+import torch
+
+from kvfleet.engine.kernels import paged_attention_ref, reshape_and_cache
+from kvfleet.engine.kernels.prefill_attention import prefill_work
+from kvfleet.engine.kernels.prefill_attention_v2 import prefill_attention_v2
+
+from .paged import TOL, make_batch, rel_err
+
+# fresh prompts (one a multiple of the tiles, one not), chunks after cached prefixes (one ending mid-block,
+# one whose prefix is shorter than a key tile), a single-token decode row
+Q_LENS = [19, 7, 1, 40, 32, 3]
+PREFIX = [0, 30, 25, 9, 0, 70]
+
+
+@pytest.mark.parametrize("dtype,hq,hkv,d,tile,use_work,skip_decode", [
+    (torch.float32, 4, 4, 64, (16, 16, 4, 2), True, True),     # GQA group 1
+    (torch.bfloat16, 8, 2, 128, (32, 16, 4, 2), True, False),  # group 4, D 128, the decode row as a 1-row prefill
+    (torch.float32, 4, 1, 48, (16, 32, 4, 2), False, True),    # padded head dim, key tile wider than the query tile
+    (torch.bfloat16, 4, 1, 64, (64, 32, 4, 3), False, False),  # query tile longer than most chunks
+    (torch.float32, 2, 2, 32, (128, 64, 8, 3), True, True),    # the H200 tile
+])
+def test_prefill_v2_matches_reference(dtype: torch.dtype, hq: int, hkv: int, d: int,
+                                      tile: tuple[int, int, int, int], use_work: bool, skip_decode: bool) -> None:
+    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    seq_lens = [p + q for p, q in zip(PREFIX, Q_LENS, strict=True)]
+    batch = make_batch(gen, seq_lens, Q_LENS, hq=hq, hkv=hkv, d=d, block_size=8, dtype=dtype)
+    reshape_and_cache(batch.k, batch.v, batch.kv_cache, batch.slot_mapping)
+    bm, bn, warps, stages = tile
+    out = torch.full_like(batch.q, float("nan"))   # poison: every served row must be written
+    qsl = batch.query_start_loc.tolist()
+    work = prefill_work(qsl, bm, skip_decode, "cpu", seq_lens) if use_work else None
+    prefill_attention_v2(batch.q, batch.kv_cache, batch.block_tables, batch.seq_lens, batch.query_start_loc,
+                         batch.max_query_len, d ** -0.5, out, skip_decode=skip_decode, block_m=bm, block_n=bn,
+                         work=work, num_warps=warps, num_stages=stages)
+    ref = paged_attention_ref(batch.q, batch.kv_cache, batch.block_tables, batch.seq_lens,
+                              batch.query_start_loc, d ** -0.5)
+    decode_row = qsl[Q_LENS.index(1)]
+    served = torch.ones(batch.q.shape[0], dtype=torch.bool)
+    if skip_decode:
+        assert torch.isnan(out[decode_row]).all()   # left to the decode kernel
+        served[decode_row] = False
+    assert rel_err(out[served], ref[served]) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype,skip_decode", [(torch.float32, False), (torch.bfloat16, True)])
+def test_prefill_v2_reads_fresh_prompts_from_contiguous_kv(dtype: torch.dtype, skip_decode: bool) -> None:
+    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    q_lens, prefix = [19, 40, 5] + ([1] if skip_decode else []), [0, 0, 0] + ([44] if skip_decode else [])
+    seq_lens = [p + q for p, q in zip(prefix, q_lens, strict=True)]
+    batch = make_batch(gen, seq_lens, q_lens, hq=8, hkv=2, d=32, block_size=4, dtype=dtype)
+    reshape_and_cache(batch.k, batch.v, batch.kv_cache, batch.slot_mapping)
+    ref = paged_attention_ref(batch.q, batch.kv_cache, batch.block_tables, batch.seq_lens,
+                              batch.query_start_loc, 0.2)
+    # a K/V view with padded rows (as the split of a fused qkv projection): strides are honoured
+    kv = torch.randn(batch.q.shape[0], 2, 3, 32, generator=gen).to(dtype)
+    kv[:, 0, :2], kv[:, 1, :2] = batch.k, batch.v
+    k, v = kv[:, 0, :2], kv[:, 1, :2]
+    batch.kv_cache.fill_(float("nan"))   # the cache must not be read
+    out = torch.full_like(batch.q, float("nan"))
+    work = prefill_work(batch.query_start_loc.tolist(), 16, skip_decode, "cpu", seq_lens)
+    prefill_attention_v2(batch.q, batch.kv_cache, batch.block_tables, batch.seq_lens, batch.query_start_loc,
+                         batch.max_query_len, 0.2, out, skip_decode=skip_decode, block_m=16, block_n=16,
+                         work=work, k=k, v=v)
+    n = sum(q_lens[:3])
+    assert rel_err(out[:n], ref[:n]) < TOL[dtype]
+
+
+def test_work_list_heaviest_first() -> None:
+    # sequence 0: 40 fresh tokens (tiles of 16: 16, 32, 40 keys); 1: decode; 2: 20 tokens after 30 cached (46, 50)
+    work = prefill_work([0, 40, 41, 61], 16, True, "cpu", [40, 90, 50])
+    assert work.tolist() == [[2, 1], [2, 0], [0, 2], [0, 1], [0, 0]]
+    assert prefill_work([0, 40, 41, 61], 16, True, "cpu").tolist() == [[0, 0], [0, 1], [0, 2], [2, 0], [2, 1]]
+
+
+def test_prefill_v2_rejects_bad_kv() -> None:
+    gen = torch.Generator().manual_seed(0)
+    batch = make_batch(gen, [10], [10], hq=4, hkv=2, d=16, block_size=8, dtype=torch.float32)
+    out = torch.empty_like(batch.q)
+    args = (batch.q, batch.kv_cache, batch.block_tables, batch.seq_lens, batch.query_start_loc, 10, 1.0, out)
+    with pytest.raises(ValueError, match="^v:"):
+        prefill_attention_v2(*args, k=batch.k)
+    with pytest.raises(ValueError, match="^k:"):
+        prefill_attention_v2(*args, k=batch.k[:, :1], v=batch.v[:, :1])
