@@ -113,8 +113,13 @@ def _varied_workload(engine: LLMEngine, seed: int) -> None:
         engine.step()
 
 
-@pytest.mark.parametrize("async_scheduling", [False, True])
-def test_warmup_covers_every_kernel_variant_of_a_varied_workload(triton_engine: Any, async_scheduling: bool) -> None:
+@pytest.mark.parametrize("async_scheduling,kernel", [(False, "v1"), (True, "v1"), (False, "v2")])
+def test_warmup_covers_every_kernel_variant_of_a_varied_workload(triton_engine: Any, async_scheduling: bool,
+                                                                 kernel: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvfleet.engine.attention import triton_backend
+
+    monkeypatch.setattr(triton_backend, "PREFILL_KERNEL", kernel)   # KVFLEET_PREFILL_KERNEL, read at import
+    prefill_kernel = {"v1": "_prefill_kernel", "v2": "_prefill_kernel_v2"}[kernel]
     make, recorder = triton_engine
     engine = make(async_scheduling=async_scheduling)
     recorder.keys.clear()   # start-up's own launches (the profiling forward) are not the warm-up's merit
@@ -122,10 +127,10 @@ def test_warmup_covers_every_kernel_variant_of_a_varied_workload(triton_engine: 
     warmed = set(recorder.keys)
     assert report.requests == 4 and report.steps > 4
     names = {k[0] for k in warmed}
-    assert {"_prefill_kernel", "_decode_kernel", "_reshape_and_cache_kernel"} <= names
+    assert {prefill_kernel, "_decode_kernel", "_reshape_and_cache_kernel"} <= names
     # both prefill tiles, each alone and beside decode rows
     prefill = {(dict((s[0], s[2]) for s in k[1])["BLOCK_M"], dict((s[0], s[2]) for s in k[1])["SKIP_DECODE"])
-               for k in warmed if k[0] == "_prefill_kernel"}
+               for k in warmed if k[0] == prefill_kernel}
     assert prefill == {(16, False), (32, False), (16, True), (32, True)}
     for seed in range(2):
         recorder.keys.clear()

@@ -19,6 +19,7 @@ import torch
 from kvfleet.engine.attention.metadata import AttentionMetadata
 from kvfleet.engine.kernels.paged_decode import choose_num_splits, paged_decode_attention
 from kvfleet.engine.kernels.prefill_attention import default_block_m, prefill_attention, prefill_work
+from kvfleet.engine.kernels.prefill_attention_v2 import default_tile_v2, prefill_attention_v2
 from kvfleet.engine.kernels.reshape_and_cache import reshape_and_cache
 
 
@@ -32,7 +33,8 @@ def _num_sms(device: torch.device) -> int:
 @functools.lru_cache(maxsize=4)
 def prefill_tile(raw: str) -> tuple[int, int, int, int] | None:
     """KVFLEET_PREFILL_TILE="BLOCK_M,BLOCK_N,num_warps,num_stages" for query chunks over 16 tokens (the A/B
-    of issue 16's long-prompt rows); unset: the kernel's defaults (64, 64, 4, 2: the v1 sweep's best at 8 x 1024)."""
+    of issue 16's long-prompt rows), for either kernel; unset: the kernel's defaults (v1: 64, 64, 4, 2, the v1
+    sweep's best at 8 x 1024; v2: `default_tile_v2`)."""
     if not raw.strip():
         return None
     try:
@@ -45,10 +47,27 @@ def prefill_tile(raw: str) -> tuple[int, int, int, int] | None:
     return bm, bn, warps, stages
 
 
+PREFILL_KERNELS = ("v1", "v2")
+
+
+def prefill_kernel_choice(raw: str) -> str:
+    """KVFLEET_PREFILL_KERNEL: "v1" (the first kernel, the default) or "v2" (`prefill_attention_v2`: split
+    causal loop, heaviest-first work, GQA-ordered grid; issue 16's A/B on the GPU)."""
+    choice = raw.strip() or "v1"
+    if choice not in PREFILL_KERNELS:
+        raise ValueError(f"KVFLEET_PREFILL_KERNEL: expected one of {', '.join(PREFILL_KERNELS)}, got {raw!r}")
+    return choice
+
+
+# Read once: the choice is the process's, like the compiled kernels it selects.
+PREFILL_KERNEL = prefill_kernel_choice(os.environ.get("KVFLEET_PREFILL_KERNEL", ""))
+
+
 class PrefillPlan(NamedTuple):
     """How a step with prefill runs its attention: computed once per step (the first layer)."""
 
     mixed: bool                        # single-token (decode) rows too: the decode kernel runs after the prefill
+    kernel: str                        # PREFILL_KERNELS
     tile: tuple[int, int, int, int]    # BLOCK_M, BLOCK_N, num_warps, num_stages
     work: torch.Tensor                 # the prefill kernel's work list
 
@@ -60,12 +79,17 @@ def _prefill_plan(md: AttentionMetadata, dtype: torch.dtype, device: torch.devic
         return plan
     qsl = md.query_start_loc_cpu
     mixed = any(qsl[i + 1] - qsl[i] == 1 for i in range(len(qsl) - 1))
-    block_m = default_block_m(md.max_query_len, dtype)
-    tile = (block_m, 64, 4, 2)
+    kernel = PREFILL_KERNEL
+    if kernel == "v2":
+        tile = default_tile_v2(md.max_query_len, dtype)
+    else:
+        tile = (default_block_m(md.max_query_len, dtype), 64, 4, 2)
     custom = prefill_tile(os.environ.get("KVFLEET_PREFILL_TILE", ""))
     if custom is not None and md.max_query_len > 16:
         tile = custom
-    md.plans["triton_prefill"] = plan = PrefillPlan(mixed, tile, prefill_work(qsl, tile[0], mixed, device))
+    # v2 takes its work heaviest first (the sequences' key counts)
+    work = prefill_work(qsl, tile[0], mixed, device, md.seq_lens_cpu if kernel == "v2" else None)
+    md.plans["triton_prefill"] = plan = PrefillPlan(mixed, kernel, tile, work)
     return plan
 
 
@@ -90,10 +114,14 @@ def triton_paged_attention(
         splits = choose_num_splits(batch, kv_cache.shape[3], md.max_seq_len, _num_sms(q.device))
         return paged_decode_attention(q, kv_cache, md.block_tables, md.seq_lens, md.query_start_loc,
                                       scale, out, num_splits=splits)
-    mixed, (block_m, block_n, warps, stages), work = _prefill_plan(md, q.dtype, q.device)
-    prefill_attention(q, kv_cache, md.block_tables, md.seq_lens, md.query_start_loc, md.max_query_len,
-                      scale, out, skip_decode=mixed, block_m=block_m, block_n=block_n, work=work,
-                      num_warps=warps, num_stages=stages)
+    mixed, kernel, (block_m, block_n, warps, stages), work = _prefill_plan(md, q.dtype, q.device)
+    args = (q, kv_cache, md.block_tables, md.seq_lens, md.query_start_loc, md.max_query_len, scale, out)
+    if kernel == "v2":
+        prefill_attention_v2(*args, skip_decode=mixed, block_m=block_m, block_n=block_n, work=work,
+                             num_warps=warps, num_stages=stages)
+    else:
+        prefill_attention(*args, skip_decode=mixed, block_m=block_m, block_n=block_n, work=work,
+                          num_warps=warps, num_stages=stages)
     if mixed:
         # decode rows of a mixed step: enough programs already come from the batch, no split
         paged_decode_attention(q, kv_cache, md.block_tables, md.seq_lens, md.query_start_loc, scale, out)
