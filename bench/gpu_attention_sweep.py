@@ -1,0 +1,290 @@
+"""Prefill attention on the GPU (issue 16, long-prompt row): kernel v1 against v2 at several tiles, and PyTorch's
+flash SDPA on contiguous K/V as the FlashAttention-class reference. Usage:
+    python bench/gpu_attention_sweep.py OUT_DIR          (KVFLEET_GPU_DRYRUN=1: tiny sizes on CPU, interpreted)
+
+Llama-3.1-8B's attention (32 query heads, 8 KV heads, D 128), bf16, paged cache of 16-token blocks in shuffled
+physical order. Cases: 1 x 8192, 2 x 4096, 8 x 2048 fresh prompts; a 2048-token chunk over 6144 cached tokens;
+16 x 384 new tokens over 2048 cached each (the shared-prefix row). Each implementation: median ms (CUDA events),
+TFLOP/s of the causal work (4 D FLOPs per visible (query, key, head)), and its error against a float32
+reference computed from the same bf16 cache (max abs and relative Frobenius). One failing configuration (a tile
+that does not compile, say) is recorded as an error and the sweep goes on. Writes OUT_DIR/attention_sweep.json
+(after every case, so a crash leaves what ran) and OUT_DIR/attention_sweep.txt.
+
+Implementations (`impl` in the results):
+  v1 BM,BN,W,S             the first kernel (`prefill_attention`; the engine's default: 64,64,4,2)
+  v2 BM,BN,W,S             `prefill_attention_v2` with its heaviest-first work list (KVFLEET_PREFILL_KERNEL=v2)
+  v2 ... grid order        v2 without a work list (the grid itself runs the last query tiles first)
+  v2 ... unsorted work     v2 with v1's work order: isolates the heaviest-first order
+  v2 ... contiguous kv     v2 reading fresh prompts' K/V from the contiguous projections (fresh cases only)
+  torch SDPA flash         F.scaled_dot_product_attention, flash backend, contiguous K/V with the KV heads
+                           expanded (not counted), causal aligned to the last key
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Callable
+
+DRY = os.environ.get("KVFLEET_GPU_DRYRUN") == "1"
+if DRY:
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from provenance import git_describe  # noqa: E402
+
+from kvfleet.engine.attention import build_attention_metadata  # noqa: E402
+from kvfleet.engine.kernels import reshape_and_cache  # noqa: E402
+from kvfleet.engine.kernels.prefill_attention import prefill_attention, prefill_work  # noqa: E402
+from kvfleet.engine.kernels.prefill_attention_v2 import prefill_attention_v2  # noqa: E402
+
+DEV = torch.device("cpu" if DRY else "cuda")
+BF16 = torch.bfloat16
+HQ, HKV, D, BLOCK_SIZE = 32, 8, 128, 16
+SCALE = D ** -0.5
+BUDGET_S = float(os.environ.get("SWEEP_BUDGET_S", "900" if DRY else "150"))   # configurations past it are skipped, not cut
+
+V1_TILES = [(64, 64, 4, 2), (128, 64, 4, 3)]
+V2_TILES = [(128, 64, 4, 3), (128, 64, 4, 2), (128, 64, 4, 4), (128, 64, 8, 3), (128, 128, 8, 2),
+            (128, 128, 8, 3), (64, 64, 4, 3)]
+V2_DEFAULT = V2_TILES[0]
+V2_CONTIG_TILES = [(128, 64, 4, 3), (128, 128, 8, 2)]
+
+
+def S(n: int) -> int:
+    """Problem sizes: real on the GPU, divided by 128 in a dry run."""
+    return max(1, n // 128) if DRY else n
+
+
+CASES: list[tuple[str, list[int], list[int]]] = [
+    ("1 x 8192 new", [S(8192)], [0]),
+    ("2 x 4096 new", [S(4096)] * 2, [0, 0]),
+    ("8 x 2048 new", [S(2048)] * 8, [0] * 8),
+    ("chunk 2048 over 6144 cached", [S(2048)], [S(6144)]),
+    ("16 x 384 over 2048 cached (shared prefix)", [S(384)] * 16, [S(2048)] * 16),
+]
+
+
+def bench_ms(fn: Callable[[], Any], iters: int = 20) -> float:
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return sorted(times)[len(times) // 2]
+
+
+def causal_flops(q_lens: list[int], ctx: list[int]) -> float:
+    # query row i of a chunk after c cached tokens sees c + i + 1 keys; QK^T and PV: 4 D FLOPs per (row, key, head)
+    return float(sum(4 * D * HQ * (q * c + q * (q + 1) // 2) for q, c in zip(q_lens, ctx, strict=True)))
+
+
+def build_case(q_lens: list[int], ctx: list[int], gen: torch.Generator) -> dict[str, Any]:
+    """A paged cache in shuffled blocks holding random cached prefixes, the new tokens' K/V written into it."""
+    seq = [c + q for c, q in zip(ctx, q_lens, strict=True)]
+    nb = [math.ceil(s / BLOCK_SIZE) for s in seq]
+    perm = torch.randperm(sum(nb) + 4, generator=gen).tolist()
+    tables, i = [], 0
+    for n in nb:
+        tables.append(perm[i:i + n])
+        i += n
+    md = build_attention_metadata(q_lens, seq, tables, BLOCK_SIZE, DEV)
+    t = sum(q_lens)
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen).to(BF16).to(DEV)
+
+    # k and v as views of one fused qkv projection, as the model's split hands them over
+    qkv = randn(t, HQ + 2 * HKV, D)
+    q, k, v = qkv[:, :HQ].contiguous(), qkv[:, HQ:HQ + HKV], qkv[:, HQ + HKV:]
+    cache = randn(2, sum(nb) + 4, BLOCK_SIZE, HKV, D)
+    reshape_and_cache(k, v, cache, md.slot_mapping)
+    return {"md": md, "q": q, "k": k, "v": v, "cache": cache, "seq": seq, "q_lens": q_lens, "ctx": ctx,
+            "tables": tables}
+
+
+def gathered_kv(c: dict[str, Any], b: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sequence b's keys and values [S, Hkv, D] read out of the paged cache."""
+    blocks = torch.tensor(c["tables"][b], device=DEV)
+    s = c["seq"][b]
+    return (c["cache"][0, blocks].reshape(-1, HKV, D)[:s], c["cache"][1, blocks].reshape(-1, HKV, D)[:s])
+
+
+def reference(c: dict[str, Any]) -> torch.Tensor:
+    """float32 causal attention (aligned to the last key) from the bf16 cache, 8 heads at a time."""
+    out = torch.empty(c["q"].shape, dtype=torch.float32, device=DEV)
+    qsl = c["md"].query_start_loc_cpu
+    g = HQ // HKV
+    for b, (q_len, ctx) in enumerate(zip(c["q_lens"], c["ctx"], strict=True)):
+        k, v = (x.float().repeat_interleave(g, dim=1).transpose(0, 1) for x in gathered_kv(c, b))   # [Hq, S, D]
+        q = c["q"][qsl[b]:qsl[b + 1]].float().transpose(0, 1)                                       # [Hq, q, D]
+        visible = (torch.arange(k.shape[1], device=DEV)[None, :]
+                   <= ctx + torch.arange(q_len, device=DEV)[:, None])
+        for h0 in range(0, HQ, 8):
+            s = (q[h0:h0 + 8] @ k[h0:h0 + 8].transpose(1, 2)) * SCALE
+            p = torch.softmax(s.masked_fill(~visible, float("-inf")), dim=-1)
+            out[qsl[b]:qsl[b + 1], h0:h0 + 8] = (p @ v[h0:h0 + 8]).transpose(0, 1)
+            del s, p
+    return out
+
+
+def sdpa_runner(c: dict[str, Any]) -> tuple[Callable[[], Any], Callable[[], torch.Tensor]]:
+    """PyTorch flash SDPA on contiguous K/V (every sequence of a case has the same lengths: one batch)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.attention.bias import causal_lower_right
+
+    n, q_len, s = len(c["q_lens"]), c["q_lens"][0], c["seq"][0]
+    q = c["q"].view(n, q_len, HQ, D).transpose(1, 2)
+    kv = [gathered_kv(c, b) for b in range(n)]
+    k = torch.stack([x[0] for x in kv]).transpose(1, 2).repeat_interleave(HQ // HKV, dim=1).contiguous()
+    v = torch.stack([x[1] for x in kv]).transpose(1, 2).repeat_interleave(HQ // HKV, dim=1).contiguous()
+    result: list[torch.Tensor] = []
+
+    def run() -> None:
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            if s == q_len:
+                o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=SCALE)
+            else:
+                o = F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(q_len, s), scale=SCALE)
+        result[:] = [o]
+
+    return run, lambda: result[0].transpose(1, 2).reshape(-1, HQ, D)
+
+
+def kernel_runner(c: dict[str, Any], impl: str, tile: tuple[int, int, int, int],
+                  ) -> tuple[Callable[[], Any], Callable[[], torch.Tensor]]:
+    md, q_lens = c["md"], c["q_lens"]
+    bm, bn, warps, stages = tile
+    out = torch.full_like(c["q"], float("nan"))
+    common = (c["q"], c["cache"], md.block_tables, md.seq_lens, md.query_start_loc, max(q_lens), SCALE, out)
+    qsl = md.query_start_loc_cpu
+    if impl == "v1":
+        work = prefill_work(qsl, bm, False, DEV)
+
+        def run() -> None:
+            prefill_attention(*common, block_m=bm, block_n=bn, work=work, num_warps=warps, num_stages=stages)
+    else:
+        grid_order, unsorted, contig = "grid order" in impl, "unsorted" in impl, "contiguous" in impl
+        work2 = None if grid_order else prefill_work(qsl, bm, False, DEV, None if unsorted else md.seq_lens_cpu)
+        kv = {"k": c["k"], "v": c["v"]} if contig else {}
+
+        def run() -> None:
+            prefill_attention_v2(*common, block_m=bm, block_n=bn, work=work2, num_warps=warps,
+                                 num_stages=stages, **kv)
+    return run, lambda: out
+
+
+def configs(fresh: bool) -> list[tuple[str, tuple[int, int, int, int] | None]]:
+    if DRY:   # the interpreter: check the script end to end, one configuration of each kind
+        out: list[tuple[str, tuple[int, int, int, int] | None]] = [("v1", V1_TILES[0]), ("v2", V2_DEFAULT),
+                                                                   ("v2 grid order", V2_DEFAULT)]
+        return out + ([("v2 contiguous kv", V2_DEFAULT)] if fresh else [])
+    out = [("v1", t) for t in V1_TILES] + [("torch SDPA flash", None)] + [("v2", t) for t in V2_TILES]
+    out += [("v2 grid order", V2_DEFAULT), ("v2 unsorted work", V2_DEFAULT)]
+    return out + ([("v2 contiguous kv", t) for t in V2_CONTIG_TILES] if fresh else [])
+
+
+def errors(got: torch.Tensor, ref: torch.Tensor) -> dict[str, float]:
+    g, r = got.double(), ref.double()
+    if not torch.isfinite(g).all():
+        return {"max_abs_err": float("nan"), "rel_err": float("nan")}
+    return {"max_abs_err": float((g - r).abs().max()), "rel_err": float((g - r).norm() / r.norm().clamp_min(1e-30))}
+
+
+def fmt(r: dict[str, Any]) -> str:
+    head = f"{r['case']:42} {r['impl']:34}"
+    if "ms" not in r:
+        return f"{head} {r.get('error') or r.get('skipped')}"
+    return (f"{head} {r['ms']:9.3f} ms {r['TFLOPs']:6.1f} TFLOP/s  max abs err {r.get('max_abs_err', float('nan')):.2e}"
+            f"  rel {r.get('rel_err', float('nan')):.2e}")
+
+
+def main() -> int:
+    out_dir = Path(sys.argv[1] if len(sys.argv) > 1 else "attention-sweep-out")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    report: dict[str, Any] = {"git": git_describe(), "dry_run": DRY, "device": str(DEV),
+                              "gpu": torch.cuda.get_device_name() if DEV.type == "cuda" else None,
+                              "torch": torch.__version__, "heads": [HQ, HKV, D], "block_size": BLOCK_SIZE,
+                              "rows": []}
+    try:
+        import triton
+        report["triton"] = triton.__version__
+    except ImportError:   # pragma: no cover - triton ships with torch on Linux
+        pass
+    rows: list[dict[str, Any]] = report["rows"]
+    lines = [f"prefill attention sweep ({report.get('gpu') or 'CPU interpreter, dry run'}, Hq {HQ} Hkv {HKV} D {D},"
+             f" bf16, block {BLOCK_SIZE}); {report['git']}"]
+    print(lines[0], flush=True)
+    t0 = time.monotonic()
+    gen = torch.Generator().manual_seed(16)
+    for name, q_lens, ctx in CASES:
+        fresh = all(x == 0 for x in ctx)
+        try:
+            c = build_case(q_lens, ctx, gen)
+            ref = reference(c)
+        except Exception as e:  # noqa: BLE001 - the next case still runs
+            rows.append({"case": name, "impl": "setup", "error": f"{type(e).__name__}: {e}"[:300]})
+            print(fmt(rows[-1]), flush=True)
+            continue
+        flops = causal_flops(q_lens, ctx)
+        for impl, tile in configs(fresh):
+            label = impl if tile is None else impl.replace("v2", f"v2 {','.join(map(str, tile))}", 1).replace(
+                "v1", f"v1 {','.join(map(str, tile))}", 1)
+            row: dict[str, Any] = {"case": name, "impl": label, "kernel": impl, "tile": tile, "q_lens": q_lens,
+                                   "ctx": ctx, "flops": flops}
+            if time.monotonic() - t0 > BUDGET_S:
+                row["skipped"] = f"budget of {BUDGET_S:.0f} s spent"
+            else:
+                try:
+                    t = time.monotonic()
+                    run, result = sdpa_runner(c) if tile is None else kernel_runner(c, impl, tile)
+                    run()   # compiles (first use of a tile) and checks before timing
+                    row.update(errors(result(), ref))
+                    row["first_call_s"] = time.monotonic() - t
+                    # the interpreter's time says nothing: its one run is the dry run's check
+                    row["ms"] = row["first_call_s"] * 1e3 if DRY else bench_ms(run)
+                    row["TFLOPs"] = flops / (row["ms"] / 1e3) / 1e12
+                except Exception as e:  # noqa: BLE001 - a tile that does not compile (shared memory), say
+                    row["error"] = f"{type(e).__name__}: {e}"[:300]
+                    row["traceback"] = traceback.format_exc()[-1500:]
+            rows.append(row)
+            print(fmt(row), flush=True)
+        del c, ref
+        if DEV.type == "cuda":
+            torch.cuda.empty_cache()
+        (out_dir / "attention_sweep.json").write_text(json.dumps(report, indent=1, default=str) + "\n")
+    report["seconds"] = time.monotonic() - t0
+    lines += [fmt(r) for r in rows]
+    # per case: the fastest of each kernel, and v2's best against v1's default and SDPA
+    lines.append("\nbest per case (TFLOP/s):")
+    for name, _, _ in CASES:
+        timed = [r for r in rows if r["case"] == name and "ms" in r]
+        best = {k: max((r for r in timed if r["kernel"].startswith(k)), key=lambda r: r["TFLOPs"], default=None)
+                for k in ("v1", "v2", "torch")}
+        lines.append(f"  {name:42} " + "  ".join(f"{k}: {r['impl']} {r['TFLOPs']:.0f}" for k, r in best.items()
+                                                   if r is not None))
+    failed = [r for r in rows if "error" in r]
+    lines.append(f"\n{len(rows)} rows, {len(failed)} failed, {report['seconds']:.0f} s")
+    (out_dir / "attention_sweep.json").write_text(json.dumps(report, indent=1, default=str) + "\n")
+    (out_dir / "attention_sweep.txt").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines[lines.index("\nbest per case (TFLOP/s):"):]), flush=True)
+    print(f"written to {out_dir}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
