@@ -15,7 +15,9 @@ Implementations (`impl` in the results):
   v2 BM,BN,W,S             `prefill_attention_v2` with its heaviest-first work list (KVFLEET_PREFILL_KERNEL=v2)
   v2 ... grid order        v2 without a work list (the grid itself runs the last query tiles first)
   v2 ... unsorted work     v2 with v1's work order: isolates the heaviest-first order
-  v2 ... contiguous kv     v2 reading fresh prompts' K/V from the contiguous projections (fresh cases only)
+  v2 ... contiguous kv     v2 reading fresh prompts' K/V from the contiguous projections (fresh cases only),
+                           with pointer loads
+  v2 ... contiguous kv tma the same, its K/V tiles loaded by TMA (tensor descriptors)
   torch SDPA flash         F.scaled_dot_product_attention, flash backend, contiguous K/V with the KV heads
                            expanded (not counted), causal aligned to the last key
 """
@@ -56,7 +58,7 @@ V1_TILES = [(64, 64, 4, 2), (128, 64, 4, 3)]
 V2_TILES = [(128, 64, 4, 3), (128, 64, 4, 2), (128, 64, 4, 4), (128, 64, 8, 3), (128, 128, 8, 2),
             (128, 128, 8, 3), (64, 64, 4, 3)]
 V2_DEFAULT = V2_TILES[0]
-V2_CONTIG_TILES = [(128, 64, 4, 3), (128, 128, 8, 2)]
+V2_TMA_TILES = [(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 2), (128, 128, 8, 3)]
 
 
 def S(n: int) -> int:
@@ -180,7 +182,7 @@ def kernel_runner(c: dict[str, Any], impl: str, tile: tuple[int, int, int, int],
     else:
         grid_order, unsorted, contig = "grid order" in impl, "unsorted" in impl, "contiguous" in impl
         work2 = None if grid_order else prefill_work(qsl, bm, False, DEV, None if unsorted else md.seq_lens_cpu)
-        kv = {"k": c["k"], "v": c["v"]} if contig else {}
+        kv: dict[str, Any] = {"k": c["k"], "v": c["v"], "kv_tma": impl.endswith("tma")} if contig else {}
 
         def run() -> None:
             prefill_attention_v2(*common, block_m=bm, block_n=bn, work=work2, num_warps=warps,
@@ -192,10 +194,11 @@ def configs(fresh: bool) -> list[tuple[str, tuple[int, int, int, int] | None]]:
     if DRY:   # the interpreter: check the script end to end, one configuration of each kind
         out: list[tuple[str, tuple[int, int, int, int] | None]] = [("v1", V1_TILES[0]), ("v2", V2_DEFAULT),
                                                                    ("v2 grid order", V2_DEFAULT)]
-        return out + ([("v2 contiguous kv", V2_DEFAULT)] if fresh else [])
+        return out + ([("v2 contiguous kv", V2_DEFAULT), ("v2 contiguous kv tma", V2_DEFAULT)] if fresh else [])
     out = [("v1", t) for t in V1_TILES] + [("torch SDPA flash", None)] + [("v2", t) for t in V2_TILES]
     out += [("v2 grid order", V2_DEFAULT), ("v2 unsorted work", V2_DEFAULT)]
-    return out + ([("v2 contiguous kv", t) for t in V2_CONTIG_TILES] if fresh else [])
+    contig = [("v2 contiguous kv", V2_DEFAULT)] + [("v2 contiguous kv tma", t) for t in V2_TMA_TILES]
+    return out + (contig if fresh else [])
 
 
 def errors(got: torch.Tensor, ref: torch.Tensor) -> dict[str, float]:

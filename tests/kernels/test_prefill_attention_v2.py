@@ -45,8 +45,9 @@ def test_prefill_v2_matches_reference(dtype: torch.dtype, hq: int, hkv: int, d: 
     assert rel_err(out[served], ref[served]) < TOL[dtype]
 
 
-@pytest.mark.parametrize("dtype,skip_decode", [(torch.float32, False), (torch.bfloat16, True)])
-def test_prefill_v2_reads_fresh_prompts_from_contiguous_kv(dtype: torch.dtype, skip_decode: bool) -> None:
+@pytest.mark.parametrize("dtype,skip_decode,tma", [(torch.float32, False, False), (torch.bfloat16, True, False),
+                                                   (torch.float32, True, True), (torch.bfloat16, False, True)])
+def test_prefill_v2_reads_fresh_prompts_from_contiguous_kv(dtype: torch.dtype, skip_decode: bool, tma: bool) -> None:
     gen = torch.Generator().manual_seed(torch.seed() % 2**31)
     q_lens, prefix = [19, 40, 5] + ([1] if skip_decode else []), [0, 0, 0] + ([44] if skip_decode else [])
     seq_lens = [p + q for p, q in zip(prefix, q_lens, strict=True)]
@@ -63,7 +64,7 @@ def test_prefill_v2_reads_fresh_prompts_from_contiguous_kv(dtype: torch.dtype, s
     work = prefill_work(batch.query_start_loc.tolist(), 16, skip_decode, "cpu", seq_lens)
     prefill_attention_v2(batch.q, batch.kv_cache, batch.block_tables, batch.seq_lens, batch.query_start_loc,
                          batch.max_query_len, 0.2, out, skip_decode=skip_decode, block_m=16, block_n=16,
-                         work=work, k=k, v=v)
+                         work=work, k=k, v=v, kv_tma=tma)
     n = sum(q_lens[:3])
     assert rel_err(out[:n], ref[:n]) < TOL[dtype]
 
@@ -84,3 +85,6 @@ def test_prefill_v2_rejects_bad_kv() -> None:
         prefill_attention_v2(*args, k=batch.k)
     with pytest.raises(ValueError, match="^k:"):
         prefill_attention_v2(*args, k=batch.k[:, :1], v=batch.v[:, :1])
+    with pytest.raises(ValueError, match="^kv_tma:"):   # heads not adjacent: no [T, Hkv * D] view for TMA
+        kv = torch.zeros(2, 10, 2, 32)
+        prefill_attention_v2(*args, k=kv[0, :, :, :16], v=kv[1, :, :, :16], kv_tma=True)

@@ -16,7 +16,8 @@ fast on Hopper:
 
 Optionally (``k``/``v`` given) the keys and values are read from the step's contiguous K/V projections instead of
 the paged cache: only valid when no sequence the kernel serves has anything cached (a fresh prompt), and then
-no block-table lookup is made.
+no block-table lookup is made; on Hopper those tiles come by TMA (tensor descriptors), the way the tutorial's
+kernel loads them (the paged cache's 16-token blocks are gathered row by row instead).
 """
 
 from __future__ import annotations
@@ -25,7 +26,17 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import check_paged_attention_args, check_tensor, dot_precision, fail, next_pow2, upcast_dots
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from ._common import (
+    check_paged_attention_args,
+    check_tensor,
+    dot_precision,
+    fail,
+    interpret_mode,
+    next_pow2,
+    upcast_dots,
+)
 
 LOG2E = 1.4426950408889634
 
@@ -58,14 +69,14 @@ def _load_rows(ptrs, nmask, dmask, N_MASK: tl.constexpr, D_MASK: tl.constexpr):
 # compile new variants on live requests' time (issue 16's TTFT p99); nothing in the kernel gains from it.
 @triton.jit(do_not_specialize=["stride_bt", "batch", "num_tiles"])
 def _prefill_kernel_v2(
-    q_ptr, cache_ptr, k_ptr, v_ptr, block_tables_ptr, seq_lens_ptr, qsl_ptr, out_ptr, work_ptr,
+    q_ptr, cache_ptr, k_ptr, v_ptr, k_desc, v_desc, block_tables_ptr, seq_lens_ptr, qsl_ptr, out_ptr, work_ptr,
     scale_log2, batch, num_tiles,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_c_kv, stride_c_blk, stride_c_slot, stride_c_head, stride_bt, stride_kt, stride_kh,
     HQ: tl.constexpr, G: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     SKIP_DECODE: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr, USE_WORK: tl.constexpr,
-    KV_CONTIG: tl.constexpr,
+    KV_CONTIG: tl.constexpr, KV_TMA: tl.constexpr,
 ):
     pid = tl.program_id(0)
     h = pid % HQ          # query head fastest: programs sharing K/V tiles run together (L2)
@@ -114,10 +125,14 @@ def _prefill_kernel_v2(
     full_end = ((ctx + tile * BLOCK_M) // BLOCK_N) * BLOCK_N
     for n0 in range(0, full_end, BLOCK_N):
         offs_n = n0 + arange_n
-        row = _kv_offsets(bt_row, offs_n, q_start, stride_c_blk, stride_c_slot, stride_kt,
-                          BLOCK_SIZE, KV_CONTIG, False, full_end)
-        k = _load_rows(k_base + row[:, None] + d[None, :], offs_n, dmask, False, D_MASK)
-        v = _load_rows(v_base + row[:, None] + d[None, :], offs_n, dmask, False, D_MASK)
+        if KV_TMA:
+            k = k_desc.load([q_start + n0, kvh * HEAD_DIM])
+            v = v_desc.load([q_start + n0, kvh * HEAD_DIM])
+        else:
+            row = _kv_offsets(bt_row, offs_n, q_start, stride_c_blk, stride_c_slot, stride_kt,
+                              BLOCK_SIZE, KV_CONTIG, False, full_end)
+            k = _load_rows(k_base + row[:, None] + d[None, :], offs_n, dmask, False, D_MASK)
+            v = _load_rows(v_base + row[:, None] + d[None, :], offs_n, dmask, False, D_MASK)
         if UPCAST:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
@@ -135,10 +150,14 @@ def _prefill_kernel_v2(
     for n0 in range(full_end, end_n, BLOCK_N):
         offs_n = n0 + arange_n
         nmask = offs_n < end_n
-        row = _kv_offsets(bt_row, offs_n, q_start, stride_c_blk, stride_c_slot, stride_kt,
-                          BLOCK_SIZE, KV_CONTIG, True, end_n)
-        k = _load_rows(k_base + row[:, None] + d[None, :], nmask, dmask, True, D_MASK)
-        v = _load_rows(v_base + row[:, None] + d[None, :], nmask, dmask, True, D_MASK)
+        if KV_TMA:   # rows past the sequence are the next one's (or zeros past the tensor): p is 0 there
+            k = k_desc.load([q_start + n0, kvh * HEAD_DIM])
+            v = tl.where(nmask[:, None], v_desc.load([q_start + n0, kvh * HEAD_DIM]), 0.0)
+        else:
+            row = _kv_offsets(bt_row, offs_n, q_start, stride_c_blk, stride_c_slot, stride_kt,
+                              BLOCK_SIZE, KV_CONTIG, True, end_n)
+            k = _load_rows(k_base + row[:, None] + d[None, :], nmask, dmask, True, D_MASK)
+            v = _load_rows(v_base + row[:, None] + d[None, :], nmask, dmask, True, D_MASK)
         if UPCAST:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
@@ -159,6 +178,20 @@ def _prefill_kernel_v2(
         tl.store(ptrs, out.to(out_ptr.dtype.element_ty), mask=mmask[:, None] & dmask[None, :])
     else:
         tl.store(ptrs, out.to(out_ptr.dtype.element_ty), mask=mmask[:, None])
+
+
+def tma_applies(k: torch.Tensor, v: torch.Tensor, block_n: int) -> bool:
+    """Whether k/v ``[T, Hkv, D]`` can be read by 2-D tensor descriptors ``[T, Hkv * D]`` of ``[block_n, D]`` boxes."""
+    d = k.shape[2]
+    if k.device.type == "cuda":
+        if torch.cuda.get_device_capability(k.device)[0] < 9:
+            return False
+    elif not interpret_mode():
+        return False
+    es = k.element_size()
+    return (d == next_pow2(d) and d * es >= 16 and block_n <= 256 and d <= 256
+            and all(t.stride(2) == 1 and t.stride(1) == d and (t.stride(0) * es) % 16 == 0
+                    and t.data_ptr() % 16 == 0 for t in (k, v)))
 
 
 def default_tile_v2(max_query_len: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
@@ -188,6 +221,7 @@ def prefill_attention_v2(
     num_stages: int | None = None,
     k: torch.Tensor | None = None,
     v: torch.Tensor | None = None,
+    kv_tma: bool | None = None,
 ) -> torch.Tensor:
     """Causal varlen attention of ``q`` ``[T, Hq, D]`` over the paged cache into ``out`` (as v1's).
 
@@ -195,7 +229,10 @@ def prefill_attention_v2(
     ``seq_lens`` to it for the heaviest-first order); without it the grid covers every (tile, sequence) pair.
     ``k``/``v`` ``[T, Hkv, D]`` (both or neither): read keys/values from them, not the cache; the caller
     guarantees that every sequence served (decode rows excepted under ``skip_decode``) has nothing cached.
-    Tile arguments left as None take `default_tile_v2`'s.
+    ``kv_tma``: with ``k``/``v``, load their tiles with TMA (tensor descriptors; Hopper's bulk copies, which
+    Triton pipelines without address arithmetic); None: where it applies (a power-of-two head dim, 16-byte
+    aligned rows; on CUDA a device of compute capability >= 9). Tile arguments left as None take
+    `default_tile_v2`'s.
     """
     block_size, hkv, d, hq, batch = check_paged_attention_args(q, out, kv_cache, block_tables, seq_lens,
                                                                 query_start_loc)
@@ -228,8 +265,16 @@ def prefill_attention_v2(
     else:
         programs = num_tiles * batch * hq
     contig = k is not None and v is not None
+    tma_ok = k is not None and v is not None and tma_applies(k, v, block_n)
+    if kv_tma and not tma_ok:
+        fail("kv_tma", "needs k/v with a power-of-two head dim, 16-byte aligned rows and a TMA-capable device")
+    use_tma = tma_ok if kv_tma is None else kv_tma
+    k_desc = v_desc = q   # a placeholder argument: the variant without TMA never reads it
+    if use_tma and k is not None and v is not None:
+        k_desc, v_desc = (TensorDescriptor(t, [t.shape[0], hkv * d], [t.stride(0), 1], [block_n, d]) for t in (k, v))
     _prefill_kernel_v2[(programs,)](
-        q, kv_cache, k if contig else q, v if contig else q, block_tables, seq_lens, query_start_loc, out,
+        q, kv_cache, k if contig else q, v if contig else q, k_desc, v_desc, block_tables, seq_lens,
+        query_start_loc, out,
         work if work is not None else seq_lens,
         scale * LOG2E, batch, num_tiles,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
@@ -238,6 +283,6 @@ def prefill_attention_v2(
         HQ=hq, G=hq // hkv, HEAD_DIM=d, D_PAD=next_pow2(d),
         BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_N=block_n,
         SKIP_DECODE=skip_decode, UPCAST=upcast_dots(q.dtype), PREC=dot_precision(q.dtype),
-        USE_WORK=work is not None, KV_CONTIG=contig, num_warps=num_warps, num_stages=num_stages,
+        USE_WORK=work is not None, KV_CONTIG=contig, KV_TMA=use_tma, num_warps=num_warps, num_stages=num_stages,
     )
     return out
