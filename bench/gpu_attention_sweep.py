@@ -12,12 +12,13 @@ that does not compile, say) is recorded as an error and the sweep goes on. Write
 
 Implementations (`impl` in the results):
   v1 BM,BN,W,S             the first kernel (`prefill_attention`; the engine's default: 64,64,4,2)
-  v2 BM,BN,W,S             `prefill_attention_v2` with its heaviest-first work list (KVFLEET_PREFILL_KERNEL=v2)
+  v2 BM,BN,W,S             `prefill_attention_v2` with its heaviest-first work list, every key through the block
+                           table (KVFLEET_PREFILL_KERNEL=v2-paged; also what v2 does for chunks over a prefix)
   v2 ... grid order        v2 without a work list (the grid itself runs the last query tiles first)
   v2 ... unsorted work     v2 with v1's work order: isolates the heaviest-first order
-  v2 ... contiguous kv     v2 reading fresh prompts' K/V from the contiguous projections (fresh cases only),
-                           with pointer loads
-  v2 ... contiguous kv tma the same, its K/V tiles loaded by TMA (tensor descriptors)
+  v2 ... contiguous kv tma v2 given the step's k/v: fresh prompts read their K/V tiles from the contiguous
+                           projections by TMA (KVFLEET_PREFILL_KERNEL=v2 on Hopper; fresh cases only)
+  v2 ... contiguous kv     the same with pointer loads (what v2 does where TMA does not apply)
   torch SDPA flash         F.scaled_dot_product_attention, flash backend, contiguous K/V with the KV heads
                            expanded (not counted), causal aligned to the last key
 """
@@ -41,18 +42,19 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from provenance import git_describe  # noqa: E402
-
 from kvfleet.engine.attention import build_attention_metadata  # noqa: E402
 from kvfleet.engine.kernels import reshape_and_cache  # noqa: E402
 from kvfleet.engine.kernels.prefill_attention import prefill_attention, prefill_work  # noqa: E402
 from kvfleet.engine.kernels.prefill_attention_v2 import prefill_attention_v2  # noqa: E402
 
+from provenance import git_describe  # noqa: E402
+
 DEV = torch.device("cpu" if DRY else "cuda")
 BF16 = torch.bfloat16
 HQ, HKV, D, BLOCK_SIZE = 32, 8, 128, 16
 SCALE = D ** -0.5
-BUDGET_S = float(os.environ.get("SWEEP_BUDGET_S", "900" if DRY else "150"))   # configurations past it are skipped, not cut
+# configurations past the budget are skipped, not cut
+BUDGET_S = float(os.environ.get("SWEEP_BUDGET_S", "900" if DRY else "150"))
 
 V1_TILES = [(64, 64, 4, 2), (128, 64, 4, 3)]
 V2_TILES = [(128, 64, 4, 3), (128, 64, 4, 2), (128, 64, 4, 4), (128, 64, 8, 3), (128, 128, 8, 2),

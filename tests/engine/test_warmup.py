@@ -119,7 +119,7 @@ def test_warmup_covers_every_kernel_variant_of_a_varied_workload(triton_engine: 
     from kvfleet.engine.attention import triton_backend
 
     monkeypatch.setattr(triton_backend, "PREFILL_KERNEL", kernel)   # KVFLEET_PREFILL_KERNEL, read at import
-    prefill_kernel = {"v1": "_prefill_kernel", "v2": "_prefill_kernel_v2"}[kernel]
+    prefill_kernel = "_prefill_kernel" if kernel == "v1" else "_prefill_kernel_v2"
     make, recorder = triton_engine
     engine = make(async_scheduling=async_scheduling)
     recorder.keys.clear()   # start-up's own launches (the profiling forward) are not the warm-up's merit

@@ -49,24 +49,28 @@ def test_prefill_v2_matches_reference(dtype: torch.dtype, hq: int, hkv: int, d: 
                                                    (torch.float32, True, True), (torch.bfloat16, False, True)])
 def test_prefill_v2_reads_fresh_prompts_from_contiguous_kv(dtype: torch.dtype, skip_decode: bool, tma: bool) -> None:
     gen = torch.Generator().manual_seed(torch.seed() % 2**31)
-    q_lens, prefix = [19, 40, 5] + ([1] if skip_decode else []), [0, 0, 0] + ([44] if skip_decode else [])
+    # fresh prompts (one shorter than a key tile) beside a chunk over a cached prefix and a decode row
+    q_lens, prefix = [19, 40, 12, 5, 1], [0, 0, 30, 0, 44]
     seq_lens = [p + q for p, q in zip(prefix, q_lens, strict=True)]
     batch = make_batch(gen, seq_lens, q_lens, hq=8, hkv=2, d=32, block_size=4, dtype=dtype)
     reshape_and_cache(batch.k, batch.v, batch.kv_cache, batch.slot_mapping)
     ref = paged_attention_ref(batch.q, batch.kv_cache, batch.block_tables, batch.seq_lens,
                               batch.query_start_loc, 0.2)
-    # a K/V view with padded rows (as the split of a fused qkv projection): strides are honoured
+    # v a view with padded rows (the split of a fused qkv projection), k contiguous (as after Qwen3's k-norm)
     kv = torch.randn(batch.q.shape[0], 2, 3, 32, generator=gen).to(dtype)
-    kv[:, 0, :2], kv[:, 1, :2] = batch.k, batch.v
-    k, v = kv[:, 0, :2], kv[:, 1, :2]
-    batch.kv_cache.fill_(float("nan"))   # the cache must not be read
+    kv[:, 1, :2] = batch.v
+    k, v = batch.k.clone(), kv[:, 1, :2]
+    for b, p in enumerate(prefix):   # the fresh prompts' blocks must not be read
+        if p == 0:
+            batch.kv_cache[:, batch.block_tables[b, :-(-seq_lens[b] // 4)].long()] = float("nan")
     out = torch.full_like(batch.q, float("nan"))
     work = prefill_work(batch.query_start_loc.tolist(), 16, skip_decode, "cpu", seq_lens)
     prefill_attention_v2(batch.q, batch.kv_cache, batch.block_tables, batch.seq_lens, batch.query_start_loc,
                          batch.max_query_len, 0.2, out, skip_decode=skip_decode, block_m=16, block_n=16,
                          work=work, k=k, v=v, kv_tma=tma)
-    n = sum(q_lens[:3])
+    n = sum(q_lens) - (1 if skip_decode else 0)   # the decode row last
     assert rel_err(out[:n], ref[:n]) < TOL[dtype]
+    assert torch.isnan(out[-1]).all() == skip_decode
 
 
 def test_work_list_heaviest_first() -> None:

@@ -3,8 +3,7 @@
 import pytest
 import torch
 
-from kvfleet.engine.attention import build_attention_metadata, torch_paged_attention
-from kvfleet.engine.attention import triton_backend
+from kvfleet.engine.attention import build_attention_metadata, torch_paged_attention, triton_backend
 from kvfleet.engine.attention.triton_backend import prefill_kernel_choice, triton_paged_attention
 from kvfleet.engine.kernels import apply_rotary_cos_sin
 from kvfleet.engine.models.layers import RotaryEmbedding, apply_rotary
@@ -30,12 +29,13 @@ def _step(gen: torch.Generator, q_lens: list[int], seq_lens: list[int], block_si
     return q, k, v, cache, md
 
 
-@pytest.mark.parametrize("kernel", ["v1", "v2"])
+@pytest.mark.parametrize("kernel", ["v1", "v2", "v2-paged"])
 @pytest.mark.parametrize("q_lens,seq_lens", [
     ([1, 1, 1], [9, 40, 3]),            # pure decode (split-K chosen by the backend)
     ([12, 5], [12, 30]),                # fresh prefill + chunk after a cached prefix
     ([1, 7, 1, 20], [33, 7, 2, 50]),    # mixed: both kernels in one step
     ([40, 1, 17], [40, 9, 90]),         # wide tile (over 16 tokens), mixed
+    ([33, 20], [33, 20]),               # fresh prompts only
 ])
 def test_triton_op_matches_torch_op(q_lens: list[int], seq_lens: list[int], kernel: str,
                                     monkeypatch: pytest.MonkeyPatch) -> None:
@@ -53,6 +53,7 @@ def test_triton_op_matches_torch_op(q_lens: list[int], seq_lens: list[int], kern
 
 def test_prefill_kernel_choice() -> None:
     assert prefill_kernel_choice("") == "v1" and prefill_kernel_choice(" v2 ") == "v2"
+    assert prefill_kernel_choice("v2-paged") == "v2-paged"
     with pytest.raises(ValueError, match="KVFLEET_PREFILL_KERNEL"):
         prefill_kernel_choice("v3")
 

@@ -47,12 +47,13 @@ def prefill_tile(raw: str) -> tuple[int, int, int, int] | None:
     return bm, bn, warps, stages
 
 
-PREFILL_KERNELS = ("v1", "v2")
+PREFILL_KERNELS = ("v1", "v2", "v2-paged")
 
 
 def prefill_kernel_choice(raw: str) -> str:
-    """KVFLEET_PREFILL_KERNEL: "v1" (the first kernel, the default) or "v2" (`prefill_attention_v2`: split
-    causal loop, heaviest-first work, GQA-ordered grid; issue 16's A/B on the GPU)."""
+    """KVFLEET_PREFILL_KERNEL: "v1" (the first kernel, the default), "v2" (`prefill_attention_v2`: split causal
+    loop, heaviest-first work, GQA-ordered grid, fresh prompts' K/V from the step's projections, by TMA on
+    Hopper) or "v2-paged" (v2 reading every key through the block table); issue 16's A/B on the GPU."""
     choice = raw.strip() or "v1"
     if choice not in PREFILL_KERNELS:
         raise ValueError(f"KVFLEET_PREFILL_KERNEL: expected one of {', '.join(PREFILL_KERNELS)}, got {raw!r}")
@@ -80,7 +81,7 @@ def _prefill_plan(md: AttentionMetadata, dtype: torch.dtype, device: torch.devic
     qsl = md.query_start_loc_cpu
     mixed = any(qsl[i + 1] - qsl[i] == 1 for i in range(len(qsl) - 1))
     kernel = PREFILL_KERNEL
-    if kernel == "v2":
+    if kernel != "v1":
         tile = default_tile_v2(md.max_query_len, dtype)
     else:
         tile = (default_block_m(md.max_query_len, dtype), 64, 4, 2)
@@ -88,7 +89,7 @@ def _prefill_plan(md: AttentionMetadata, dtype: torch.dtype, device: torch.devic
     if custom is not None and md.max_query_len > 16:
         tile = custom
     # v2 takes its work heaviest first (the sequences' key counts)
-    work = prefill_work(qsl, tile[0], mixed, device, md.seq_lens_cpu if kernel == "v2" else None)
+    work = prefill_work(qsl, tile[0], mixed, device, md.seq_lens_cpu if kernel != "v1" else None)
     md.plans["triton_prefill"] = plan = PrefillPlan(mixed, kernel, tile, work)
     return plan
 
@@ -116,9 +117,12 @@ def triton_paged_attention(
                                       scale, out, num_splits=splits)
     mixed, kernel, (block_m, block_n, warps, stages), work = _prefill_plan(md, q.dtype, q.device)
     args = (q, kv_cache, md.block_tables, md.seq_lens, md.query_start_loc, md.max_query_len, scale, out)
-    if kernel == "v2":
+    if kernel != "v1":
+        # v2: fresh prompts read the K/V just written from k/v themselves (no block table; TMA on Hopper)
+        fresh_kv = kernel == "v2" and k.stride(-1) == 1 and v.stride(-1) == 1
         prefill_attention_v2(*args, skip_decode=mixed, block_m=block_m, block_n=block_n, work=work,
-                             num_warps=warps, num_stages=stages)
+                             num_warps=warps, num_stages=stages, k=k if fresh_kv else None,
+                             v=v if fresh_kv else None)
     else:
         prefill_attention(*args, skip_decode=mixed, block_m=block_m, block_n=block_n, work=work,
                           num_warps=warps, num_stages=stages)

@@ -14,18 +14,19 @@ fast on Hopper:
   prompt's long last tiles do not start last and leave the GPU idle at the tail; without a list, the
   program order still runs the last query tiles first.
 
-Optionally (``k``/``v`` given) the keys and values are read from the step's contiguous K/V projections instead of
-the paged cache: only valid when no sequence the kernel serves has anything cached (a fresh prompt), and then
-no block-table lookup is made; on Hopper those tiles come by TMA (tensor descriptors), the way the tutorial's
-kernel loads them (the paged cache's 16-token blocks are gathered row by row instead).
+Optionally (``k``/``v`` given) a sequence with nothing cached (a fresh prompt) reads its keys and values from
+the step's contiguous K/V projections instead of through the block table (a per-sequence branch in one
+compiled variant); on Hopper those tiles come by TMA (tensor descriptors), the way the tutorial's kernel
+loads them (the paged cache's 16-token blocks are gathered row by row instead).
 """
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
-
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ._common import (
@@ -41,17 +42,7 @@ from ._common import (
 LOG2E = 1.4426950408889634
 
 
-@triton.jit
-def _kv_offsets(bt_row, offs_n, q_start, stride_c_blk, stride_c_slot, stride_kt,
-                BLOCK_SIZE: tl.constexpr, KV_CONTIG: tl.constexpr, N_MASK: tl.constexpr, end_n):
-    """Row offsets (elements) of key positions ``offs_n`` from the head's base pointer."""
-    if KV_CONTIG:
-        return (q_start + offs_n).to(tl.int64) * stride_kt
-    if N_MASK:
-        blk = tl.load(bt_row + offs_n // BLOCK_SIZE, mask=offs_n < end_n, other=0).to(tl.int64)
-    else:
-        blk = tl.load(bt_row + offs_n // BLOCK_SIZE).to(tl.int64)
-    return blk * stride_c_blk + (offs_n % BLOCK_SIZE) * stride_c_slot
+PAGED, CONTIG, CONTIG_TMA = 0, 1, 2   # where a sequence's keys and values are read from (`_attend`'s SRC)
 
 
 @triton.jit
@@ -65,6 +56,71 @@ def _load_rows(ptrs, nmask, dmask, N_MASK: tl.constexpr, D_MASK: tl.constexpr):
     return tl.load(ptrs)
 
 
+@triton.jit
+def _attend(acc, l_i, m_i, q, q_pos, lo, hi, k_base, v_base, k_desc, v_desc, bt_row, q_start, kvh, d, dmask,
+            scale_log2, stride_c_blk, stride_c_slot, stride_kt, stride_vt,
+            HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, D_MASK: tl.constexpr,
+            UPCAST: tl.constexpr, PREC: tl.constexpr, MASKED: tl.constexpr, SRC: tl.constexpr):
+    """Online softmax over key positions [lo, hi) in BLOCK_N tiles. MASKED: the diagonal (causal mask, keys
+    past ``hi`` masked); otherwise every key is visible to every row and nothing is masked."""
+    arange_n = tl.arange(0, BLOCK_N)
+    for n0 in range(lo, hi, BLOCK_N):
+        offs_n = n0 + arange_n
+        nmask = offs_n < hi
+        if SRC == 2:   # TMA boxes of the contiguous k/v; rows past the sequence are the next one's (or zeros)
+            k = k_desc.load([q_start + n0, kvh * HEAD_DIM])
+            v = v_desc.load([q_start + n0, kvh * HEAD_DIM])
+            if MASKED:
+                v = tl.where(nmask[:, None], v, 0.0)   # p is 0 there; keep a stray inf from making 0 * inf
+        else:
+            if SRC == 1:
+                tok = (q_start + offs_n).to(tl.int64)
+                k_row = tok * stride_kt
+                v_row = tok * stride_vt
+            else:
+                if MASKED:
+                    blk = tl.load(bt_row + offs_n // BLOCK_SIZE, mask=nmask, other=0).to(tl.int64)
+                else:
+                    blk = tl.load(bt_row + offs_n // BLOCK_SIZE).to(tl.int64)
+                k_row = blk * stride_c_blk + (offs_n % BLOCK_SIZE) * stride_c_slot
+                v_row = k_row
+            k = _load_rows(k_base + k_row[:, None] + d[None, :], nmask, dmask, MASKED, D_MASK)
+            v = _load_rows(v_base + v_row[:, None] + d[None, :], nmask, dmask, MASKED, D_MASK)
+        if UPCAST:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        qk = tl.dot(q, tl.trans(k), input_precision=PREC)
+        if MASKED:
+            # every row sees key ``lo`` (<= its position) in the first diagonal tile: m_new is finite
+            s = tl.where((offs_n[None, :] <= q_pos[:, None]) & nmask[None, :], qk * scale_log2, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            p = tl.math.exp2(s - m_new[:, None])
+        else:
+            m_new = tl.maximum(m_i, tl.max(qk, 1) * scale_log2)
+            p = tl.math.exp2(qk * scale_log2 - m_new[:, None])
+        alpha = tl.math.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=PREC)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _attend_causal(acc, l_i, m_i, q, q_pos, full_end, end_n, k_base, v_base, k_desc, v_desc, bt_row, q_start, kvh,
+                   d, dmask, scale_log2, stride_c_blk, stride_c_slot, stride_kt, stride_vt,
+                   HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, D_MASK: tl.constexpr,
+                   UPCAST: tl.constexpr, PREC: tl.constexpr, SRC: tl.constexpr):
+    """1. keys every row of the tile sees (below its first query position, whole key tiles): no masks at all;
+    2. the diagonal: causal mask and the sequence's end."""
+    acc, l_i, m_i = _attend(acc, l_i, m_i, q, q_pos, 0, full_end, k_base, v_base, k_desc, v_desc, bt_row, q_start,
+                            kvh, d, dmask, scale_log2, stride_c_blk, stride_c_slot, stride_kt, stride_vt,
+                            HEAD_DIM, BLOCK_SIZE, BLOCK_N, D_MASK, UPCAST, PREC, False, SRC)
+    return _attend(acc, l_i, m_i, q, q_pos, full_end, end_n, k_base, v_base, k_desc, v_desc, bt_row, q_start,
+                   kvh, d, dmask, scale_log2, stride_c_blk, stride_c_slot, stride_kt, stride_vt,
+                   HEAD_DIM, BLOCK_SIZE, BLOCK_N, D_MASK, UPCAST, PREC, True, SRC)
+
+
 # stride_bt, batch and num_tiles change from step to step: specializing on them (== 1, multiple of 16) would
 # compile new variants on live requests' time (issue 16's TTFT p99); nothing in the kernel gains from it.
 @triton.jit(do_not_specialize=["stride_bt", "batch", "num_tiles"])
@@ -72,11 +128,11 @@ def _prefill_kernel_v2(
     q_ptr, cache_ptr, k_ptr, v_ptr, k_desc, v_desc, block_tables_ptr, seq_lens_ptr, qsl_ptr, out_ptr, work_ptr,
     scale_log2, batch, num_tiles,
     stride_qt, stride_qh, stride_ot, stride_oh,
-    stride_c_kv, stride_c_blk, stride_c_slot, stride_c_head, stride_bt, stride_kt, stride_kh,
+    stride_c_kv, stride_c_blk, stride_c_slot, stride_c_head, stride_bt, stride_kt, stride_kh, stride_vt, stride_vh,
     HQ: tl.constexpr, G: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     SKIP_DECODE: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr, USE_WORK: tl.constexpr,
-    KV_CONTIG: tl.constexpr, KV_TMA: tl.constexpr,
+    HAS_KV: tl.constexpr, KV_TMA: tl.constexpr,
 ):
     pid = tl.program_id(0)
     h = pid % HQ          # query head fastest: programs sharing K/V tiles run together (L2)
@@ -112,65 +168,26 @@ def _prefill_kernel_v2(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
-    if KV_CONTIG:
-        k_base = k_ptr + kvh * stride_kh
-        v_base = v_ptr + kvh * stride_kh
-    else:
-        k_base = cache_ptr + kvh * stride_c_head
-        v_base = k_base + stride_c_kv
     bt_row = block_tables_ptr + b.to(tl.int64) * stride_bt
-    arange_n = tl.arange(0, BLOCK_N)
-
-    # 1. keys every row of the tile sees (below its first query position, whole key tiles): no masks at all
     full_end = ((ctx + tile * BLOCK_M) // BLOCK_N) * BLOCK_N
-    for n0 in range(0, full_end, BLOCK_N):
-        offs_n = n0 + arange_n
-        if KV_TMA:
-            k = k_desc.load([q_start + n0, kvh * HEAD_DIM])
-            v = v_desc.load([q_start + n0, kvh * HEAD_DIM])
-        else:
-            row = _kv_offsets(bt_row, offs_n, q_start, stride_c_blk, stride_c_slot, stride_kt,
-                              BLOCK_SIZE, KV_CONTIG, False, full_end)
-            k = _load_rows(k_base + row[:, None] + d[None, :], offs_n, dmask, False, D_MASK)
-            v = _load_rows(v_base + row[:, None] + d[None, :], offs_n, dmask, False, D_MASK)
-        if UPCAST:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
-        qk = tl.dot(q, tl.trans(k), input_precision=PREC)
-        m_new = tl.maximum(m_i, tl.max(qk, 1) * scale_log2)
-        p = tl.math.exp2(qk * scale_log2 - m_new[:, None])
-        alpha = tl.math.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None]
-        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=PREC)
-        m_i = m_new
-
-    # 2. the diagonal: causal mask and the sequence's end
     end_n = tl.minimum(seq_len, ctx + (tile + 1) * BLOCK_M)
-    for n0 in range(full_end, end_n, BLOCK_N):
-        offs_n = n0 + arange_n
-        nmask = offs_n < end_n
-        if KV_TMA:   # rows past the sequence are the next one's (or zeros past the tensor): p is 0 there
-            k = k_desc.load([q_start + n0, kvh * HEAD_DIM])
-            v = tl.where(nmask[:, None], v_desc.load([q_start + n0, kvh * HEAD_DIM]), 0.0)
+    c_base = cache_ptr + kvh * stride_c_head
+    if HAS_KV:
+        if ctx == 0:   # nothing cached: the keys are this step's, read from the contiguous k/v
+            acc, l_i, m_i = _attend_causal(
+                acc, l_i, m_i, q, q_pos, full_end, end_n, k_ptr + kvh * stride_kh, v_ptr + kvh * stride_vh,
+                k_desc, v_desc, bt_row, q_start, kvh, d, dmask, scale_log2, stride_c_blk, stride_c_slot, stride_kt,
+                stride_vt, HEAD_DIM, BLOCK_SIZE, BLOCK_N, D_MASK, UPCAST, PREC, CONTIG_TMA if KV_TMA else CONTIG)
         else:
-            row = _kv_offsets(bt_row, offs_n, q_start, stride_c_blk, stride_c_slot, stride_kt,
-                              BLOCK_SIZE, KV_CONTIG, True, end_n)
-            k = _load_rows(k_base + row[:, None] + d[None, :], nmask, dmask, True, D_MASK)
-            v = _load_rows(v_base + row[:, None] + d[None, :], nmask, dmask, True, D_MASK)
-        if UPCAST:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
-        qk = tl.dot(q, tl.trans(k), input_precision=PREC)
-        # every row sees key full_end (<= its position) in the first of these tiles: m_new is finite
-        s = tl.where((offs_n[None, :] <= q_pos[:, None]) & nmask[None, :], qk * scale_log2, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        p = tl.math.exp2(s - m_new[:, None])
-        alpha = tl.math.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None]
-        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=PREC)
-        m_i = m_new
+            acc, l_i, m_i = _attend_causal(
+                acc, l_i, m_i, q, q_pos, full_end, end_n, c_base, c_base + stride_c_kv,
+                k_desc, v_desc, bt_row, q_start, kvh, d, dmask, scale_log2, stride_c_blk, stride_c_slot, stride_kt,
+                stride_vt, HEAD_DIM, BLOCK_SIZE, BLOCK_N, D_MASK, UPCAST, PREC, PAGED)
+    else:
+        acc, l_i, m_i = _attend_causal(
+            acc, l_i, m_i, q, q_pos, full_end, end_n, c_base, c_base + stride_c_kv,
+            k_desc, v_desc, bt_row, q_start, kvh, d, dmask, scale_log2, stride_c_blk, stride_c_slot, stride_kt,
+            stride_vt, HEAD_DIM, BLOCK_SIZE, BLOCK_N, D_MASK, UPCAST, PREC, PAGED)
 
     out = acc / l_i[:, None]   # l_i >= 1: the row's maximum contributes exp2(0)
     ptrs = out_ptr + rows[:, None] * stride_ot + h * stride_oh + d[None, :]
@@ -180,13 +197,17 @@ def _prefill_kernel_v2(
         tl.store(ptrs, out.to(out_ptr.dtype.element_ty), mask=mmask[:, None])
 
 
+@functools.lru_cache(maxsize=8)
+def _tma_device(device: torch.device) -> bool:
+    if device.type == "cuda":
+        return torch.cuda.get_device_capability(device)[0] >= 9
+    return interpret_mode()
+
+
 def tma_applies(k: torch.Tensor, v: torch.Tensor, block_n: int) -> bool:
     """Whether k/v ``[T, Hkv, D]`` can be read by 2-D tensor descriptors ``[T, Hkv * D]`` of ``[block_n, D]`` boxes."""
     d = k.shape[2]
-    if k.device.type == "cuda":
-        if torch.cuda.get_device_capability(k.device)[0] < 9:
-            return False
-    elif not interpret_mode():
+    if not _tma_device(k.device):
         return False
     es = k.element_size()
     return (d == next_pow2(d) and d * es >= 16 and block_n <= 256 and d <= 256
@@ -227,8 +248,9 @@ def prefill_attention_v2(
 
     ``work``: optional ``prefill_work(...)`` list built with the same ``block_m`` and ``skip_decode`` (pass
     ``seq_lens`` to it for the heaviest-first order); without it the grid covers every (tile, sequence) pair.
-    ``k``/``v`` ``[T, Hkv, D]`` (both or neither): read keys/values from them, not the cache; the caller
-    guarantees that every sequence served (decode rows excepted under ``skip_decode``) has nothing cached.
+    ``k``/``v`` ``[T, Hkv, D]`` (both or neither): the step's new keys and values, as written into the cache;
+    a sequence with nothing cached reads its keys from them instead of through the block table (the others
+    from the cache, as without them).
     ``kv_tma``: with ``k``/``v``, load their tiles with TMA (tensor descriptors; Hopper's bulk copies, which
     Triton pipelines without address arithmetic); None: where it applies (a power-of-two head dim, 16-byte
     aligned rows; on CUDA a device of compute capability >= 9). Tile arguments left as None take
@@ -252,8 +274,6 @@ def prefill_attention_v2(
             check_tensor(name, t, ndim=3, dtype=q.dtype, device=q.device)
             if not (t.shape == (q.shape[0], hkv, d)):
                 fail(name, f"expected shape {(q.shape[0], hkv, d)}, got {tuple(t.shape)}")
-        if not (k.stride() == v.stride()):
-            fail("v", f"strides {v.stride()} differ from k's {k.stride()}")
     num_tiles = triton.cdiv(max_query_len, block_m)
     if work is not None:
         check_tensor("work", work, ndim=2, dtype=torch.int32, device=q.device)
@@ -280,9 +300,10 @@ def prefill_attention_v2(
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3), block_tables.stride(0),
         k.stride(0) if k is not None else 0, k.stride(1) if k is not None else 0,
+        v.stride(0) if v is not None else 0, v.stride(1) if v is not None else 0,
         HQ=hq, G=hq // hkv, HEAD_DIM=d, D_PAD=next_pow2(d),
         BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_N=block_n,
         SKIP_DECODE=skip_decode, UPCAST=upcast_dots(q.dtype), PREC=dot_precision(q.dtype),
-        USE_WORK=work is not None, KV_CONTIG=contig, KV_TMA=use_tma, num_warps=num_warps, num_stages=num_stages,
+        USE_WORK=work is not None, HAS_KV=contig, KV_TMA=use_tma, num_warps=num_warps, num_stages=num_stages,
     )
     return out
