@@ -11,7 +11,7 @@ that does not compile, say) is recorded as an error and the sweep goes on. Write
 (after every case, so a crash leaves what ran) and OUT_DIR/attention_sweep.txt.
 
 Implementations (`impl` in the results):
-  v1 BM,BN,W,S             the first kernel (`prefill_attention`; the engine's default: 64,64,4,2)
+  v1 BM,BN,W,S             the first kernel (`prefill_attention`; KVFLEET_PREFILL_KERNEL=v1, the default: 64,64,4,2)
   v2 BM,BN,W,S             `prefill_attention_v2` with its heaviest-first work list, every key through the block
                            table (KVFLEET_PREFILL_KERNEL=v2-paged; also what v2 does for chunks over a prefix)
   v2 ... grid order        v2 without a work list (the grid itself runs the last query tiles first)
@@ -45,7 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from kvfleet.engine.attention import build_attention_metadata  # noqa: E402
 from kvfleet.engine.kernels import reshape_and_cache  # noqa: E402
 from kvfleet.engine.kernels.prefill_attention import prefill_attention, prefill_work  # noqa: E402
-from kvfleet.engine.kernels.prefill_attention_v2 import prefill_attention_v2  # noqa: E402
+from kvfleet.engine.kernels.prefill_attention_v2 import default_tile_v2, prefill_attention_v2  # noqa: E402
 
 from provenance import git_describe  # noqa: E402
 
@@ -56,11 +56,12 @@ SCALE = D ** -0.5
 # configurations past the budget are skipped, not cut
 BUDGET_S = float(os.environ.get("SWEEP_BUDGET_S", "900" if DRY else "150"))
 
-V1_TILES = [(64, 64, 4, 2), (128, 64, 4, 3)]
-V2_TILES = [(128, 64, 4, 3), (128, 64, 4, 2), (128, 64, 4, 4), (128, 64, 8, 3), (128, 128, 8, 2),
-            (128, 128, 8, 3), (64, 64, 4, 3)]
-V2_DEFAULT = V2_TILES[0]
-V2_TMA_TILES = [(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 2), (128, 128, 8, 3)]
+# 128-row tiles with 4 warps spill registers on sm_90 (bench/prefill_kernel_resources.py); 8 warps do not
+V1_TILES = [(64, 64, 4, 2), (128, 64, 4, 3), (128, 64, 8, 3)]
+V2_TILES = [(128, 64, 8, 3), (128, 64, 8, 2), (128, 64, 8, 4), (128, 128, 8, 2), (128, 128, 8, 3),
+            (128, 64, 4, 3), (64, 64, 4, 2), (64, 64, 4, 3)]
+V2_DEFAULT = default_tile_v2(8192, BF16)   # KVFLEET_PREFILL_KERNEL=v2 at long chunks
+V2_TMA_TILES = [(128, 64, 8, 3), (128, 64, 8, 2), (128, 128, 8, 2), (128, 128, 8, 3)]
 
 
 def S(n: int) -> int:

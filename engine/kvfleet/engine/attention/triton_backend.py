@@ -19,7 +19,7 @@ import torch
 from kvfleet.engine.attention.metadata import AttentionMetadata
 from kvfleet.engine.kernels.paged_decode import choose_num_splits, paged_decode_attention
 from kvfleet.engine.kernels.prefill_attention import default_block_m, prefill_attention, prefill_work
-from kvfleet.engine.kernels.prefill_attention_v2 import default_tile_v2, prefill_attention_v2
+from kvfleet.engine.kernels.prefill_attention_v2 import default_tile_v2, prefill_attention_v2, tma_applies
 from kvfleet.engine.kernels.reshape_and_cache import reshape_and_cache
 
 
@@ -118,8 +118,9 @@ def triton_paged_attention(
     mixed, kernel, (block_m, block_n, warps, stages), work = _prefill_plan(md, q.dtype, q.device)
     args = (q, kv_cache, md.block_tables, md.seq_lens, md.query_start_loc, md.max_query_len, scale, out)
     if kernel != "v1":
-        # v2: fresh prompts read the K/V just written from k/v themselves (no block table; TMA on Hopper)
-        fresh_kv = kernel == "v2" and k.stride(-1) == 1 and v.stride(-1) == 1
+        # v2: fresh prompts read the K/V just written from k/v themselves, by TMA (Hopper); not by pointers,
+        # whose second pipeline would double the kernel's shared memory
+        fresh_kv = kernel == "v2" and tma_applies(k, v, block_n)
         prefill_attention_v2(*args, skip_decode=mixed, block_m=block_m, block_n=block_n, work=work,
                              num_warps=warps, num_stages=stages, k=k if fresh_kv else None,
                              v=v if fresh_kv else None)

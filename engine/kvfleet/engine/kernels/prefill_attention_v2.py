@@ -42,7 +42,8 @@ from ._common import (
 LOG2E = 1.4426950408889634
 
 
-PAGED, CONTIG, CONTIG_TMA = 0, 1, 2   # where a sequence's keys and values are read from (`_attend`'s SRC)
+# where a sequence's keys and values are read from (`_attend`'s SRC)
+PAGED, CONTIG, CONTIG_TMA = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
 
 
 @triton.jit
@@ -67,13 +68,13 @@ def _attend(acc, l_i, m_i, q, q_pos, lo, hi, k_base, v_base, k_desc, v_desc, bt_
     for n0 in range(lo, hi, BLOCK_N):
         offs_n = n0 + arange_n
         nmask = offs_n < hi
-        if SRC == 2:   # TMA boxes of the contiguous k/v; rows past the sequence are the next one's (or zeros)
+        if SRC == CONTIG_TMA:   # TMA boxes of the contiguous k/v; rows past the sequence are the next one's (or zeros)
             k = k_desc.load([q_start + n0, kvh * HEAD_DIM])
             v = v_desc.load([q_start + n0, kvh * HEAD_DIM])
             if MASKED:
                 v = tl.where(nmask[:, None], v, 0.0)   # p is 0 there; keep a stray inf from making 0 * inf
         else:
-            if SRC == 1:
+            if SRC == CONTIG:
                 tok = (q_start + offs_n).to(tl.int64)
                 k_row = tok * stride_kt
                 v_row = tok * stride_vt
@@ -216,13 +217,14 @@ def tma_applies(k: torch.Tensor, v: torch.Tensor, block_n: int) -> bool:
 
 
 def default_tile_v2(max_query_len: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages): 128-row tiles (two wgmma M=64 blocks per warpgroup) for long
-    chunks in 16-bit; 16 rows for short chunks; 32 in float32 (the interpreter's tests, no tensor cores)."""
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages): for long chunks in 16-bit, 128-row tiles over two warpgroups
+    (one wgmma M=64 block each; with 4 warps the 128-row tile spills registers on sm_90:
+    `bench/prefill_kernel_resources.py`); 16 rows for short chunks; 32 in float32 (the interpreter's tests)."""
     if max_query_len <= 16:
         return 16, 64, 4, 2
     if dtype == torch.float32:
         return 32, 32, 4, 2
-    return 128, 64, 4, 3
+    return 128, 64, 8, 3
 
 
 def prefill_attention_v2(
