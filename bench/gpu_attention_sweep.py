@@ -159,8 +159,10 @@ def sdpa_runner(c: dict[str, Any]) -> tuple[Callable[[], Any], Callable[[], torc
     v = torch.stack([x[1] for x in kv]).transpose(1, 2).repeat_interleave(HQ // HKV, dim=1).contiguous()
     result: list[torch.Tensor] = []
 
+    backend = SDPBackend.FLASH_ATTENTION if DEV.type == "cuda" else SDPBackend.MATH   # the dry run: its shapes
+
     def run() -> None:
-        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        with sdpa_kernel(backend):
             if s == q_len:
                 o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=SCALE)
             else:
@@ -195,8 +197,8 @@ def kernel_runner(c: dict[str, Any], impl: str, tile: tuple[int, int, int, int],
 
 def configs(fresh: bool) -> list[tuple[str, tuple[int, int, int, int] | None]]:
     if DRY:   # the interpreter: check the script end to end, one configuration of each kind
-        out: list[tuple[str, tuple[int, int, int, int] | None]] = [("v1", V1_TILES[0]), ("v2", V2_DEFAULT),
-                                                                   ("v2 grid order", V2_DEFAULT)]
+        out: list[tuple[str, tuple[int, int, int, int] | None]] = [
+            ("v1", V1_TILES[0]), ("torch SDPA flash", None), ("v2", V2_DEFAULT), ("v2 grid order", V2_DEFAULT)]
         return out + ([("v2 contiguous kv", V2_DEFAULT), ("v2 contiguous kv tma", V2_DEFAULT)] if fresh else [])
     out = [("v1", t) for t in V1_TILES] + [("torch SDPA flash", None)] + [("v2", t) for t in V2_TILES]
     out += [("v2 grid order", V2_DEFAULT), ("v2 unsorted work", V2_DEFAULT)]
