@@ -11,6 +11,8 @@
 #   profile           bench/gpu_profile_issue16.py: prefill attention at long contexts (our kernel's tiles
 #                     against torch's flash SDPA), decode step at batch 1 against its floor, one long-prompt
 #                     step and one batch-1 decode step under torch.profiler, Triton compiles after warm-up (~1.5)
+#   attn              bench/gpu_attention_sweep.py: prefill attention kernel v1 against v2 at several tiles
+#                     and torch's flash SDPA, issue 16's long-prompt and shared-prefix shapes (~2)
 #   kv-llama          kvfleet offline, Llama-3.1-8B: the 2 public workloads + the 3 classes, one engine (~2.5)
 #   vllm-llama        vLLM offline, same (~3.5; vLLM starts in ~1 min)
 #   kv-qwen vllm-qwen the same for Qwen3-0.6B, public workloads only (~1 / ~2)
@@ -19,7 +21,8 @@
 #   kv-fp8 vllm-fp8   --quantization fp8, Llama-3.1-8B chat-mix and random-1024-128 (~2 / ~3)
 #   ab-nowarmup       kvfleet serve without the warm-up before /health (KVFLEET_WARMUP=0), 0.5 req/s only (~1)
 #   ab-prefill        kvfleet long-prompt + shared-prefix once per setting in PREFILL_AB (~1.2 each): other
-#                     Triton prefill tiles, each result labelled by its setting
+#                     Triton prefill tiles or kernels (PREFILL_AB="KVFLEET_PREFILL_KERNEL=v2
+#                     KVFLEET_PREFILL_KERNEL=v2-paged"), each result labelled by its setting
 #   summary           the comparison table of everything in $RUNS (also printed after every call)
 #
 # Knobs: BUDGET_S (default 570: stop starting stages that would not end inside it), KV_ENV (extra environment
@@ -97,6 +100,9 @@ wheels)
 profile)
   step profile 180 env $KV_ENV $PY bench/gpu_profile_issue16.py "$RUNS/profile"
   cp "$RUNS/profile/profile.txt" "$OUT/" 2>/dev/null ;;
+attn)
+  step attn 200 env $KV_ENV $PY bench/gpu_attention_sweep.py "$RUNS/attn"
+  cp "$RUNS/attn/attention_sweep.txt" "$OUT/" 2>/dev/null ;;
 kv-llama) offline kvfleet "$LLAMA" 240 $WORKLOADS_LLAMA ;;
 vllm-llama) need_vllm "$s" && offline vllm "$LLAMA" 330 $WORKLOADS_LLAMA ;;
 kv-qwen) offline kvfleet "$QWEN" 120 $WORKLOADS_QWEN ;;
