@@ -2,9 +2,11 @@
 
 Weights get one scale per output channel (row of W: ``amax(|W[o, :]|) / 448``), activations one scale per
 token, computed at run time from the token's own ``amax`` (dynamic: no calibration data). A linear layer then
-computes ``y[t, o] = s_x[t] * s_w[o] * sum_k q_x[t, k] * q_w[o, k]``: on CUDA one ``torch._scaled_mm`` with
-row-wise scales (FP8 tensor cores, compute capability >= 8.9: Ada, Hopper; accumulation in float32, bf16 out);
-elsewhere the same formula in float32 (`fp8_linear_reference`, what the CPU tests use; PyTorch 2.11's CPU
+computes ``y[t, o] = s_x[t] * s_w[o] * sum_k q_x[t, k] * q_w[o, k]``: on CUDA, after the per-token
+quantization kernel, either ``torch._scaled_mm`` with row-wise scales (FP8 tensor cores, compute capability >= 8.9:
+Ada, Hopper; accumulation in float32, bf16 out) or, at small M (decode batches, where the layer is bound by
+reading its weights and ``_scaled_mm``'s one CUTLASS tile is slower than bf16), our Triton kernel
+(``kernels/fp8_gemm.py``): ``fp8_matmul_path`` chooses by M (``KVFLEET_FP8_SMALL_M_MAX``); elsewhere the same formula in float32 (`fp8_linear_reference`, what the CPU tests use; PyTorch 2.11's CPU
 ``_scaled_mm`` takes only one scale per tensor). The LM head and the embedding stay in the model dtype, as in
 vLLM. Half the weight bytes: a decode step at small batch reads ~half as much, a prefill's matmuls run at the
 FP8 rate.
@@ -12,7 +14,11 @@ FP8 rate.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import dataclasses
+import functools
+import os
+from collections.abc import Callable, Mapping
+from typing import Literal
 
 import torch
 from torch import nn
@@ -24,6 +30,49 @@ FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)   # 448
 _MIN_SCALE = 1e-12   # an all-zero row or token gets this scale (its values quantize to 0 either way)
 MIN_CAPABILITY = (8, 9)
+
+SMALL_M_MAX_ENV = "KVFLEET_FP8_SMALL_M_MAX"   # M (tokens in the step) up to which the Triton kernel runs; 0: never
+# Provisional, until the GPU sweep (bench/gpu_fp8_sweep.py) measures the crossover on the H200.
+DEFAULT_SMALL_M_MAX = 64
+FAST_ACCUM_ENV = "KVFLEET_FP8_FAST_ACCUM"      # 1: _scaled_mm(use_fast_accum=True) on the large-M path
+
+Fp8MatmulPath = Literal["triton", "scaled_mm"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Fp8MatmulSettings:
+    """How an Fp8Linear multiplies on CUDA: the Triton kernel up to ``small_m_max`` rows, ``torch._scaled_mm``
+    above (with ``use_fast_accum`` if ``fast_accum``)."""
+
+    small_m_max: int = DEFAULT_SMALL_M_MAX
+    fast_accum: bool = False
+
+
+def parse_fp8_settings(env: Mapping[str, str]) -> Fp8MatmulSettings:
+    """The settings from environment variables (a ValueError names the variable)."""
+    raw = env.get(SMALL_M_MAX_ENV, "").strip()
+    try:
+        small_m_max = int(raw) if raw else DEFAULT_SMALL_M_MAX
+    except ValueError:
+        small_m_max = -1
+    if small_m_max < 0:
+        raise ValueError(f"{SMALL_M_MAX_ENV}: expected an integer >= 0 (0: always torch._scaled_mm), got {raw!r}")
+    fast = env.get(FAST_ACCUM_ENV, "0").strip()
+    if fast not in ("0", "1"):
+        raise ValueError(f"{FAST_ACCUM_ENV}: expected 0 or 1, got {fast!r}")
+    return Fp8MatmulSettings(small_m_max=small_m_max, fast_accum=fast == "1")
+
+
+@functools.cache
+def fp8_matmul_settings() -> Fp8MatmulSettings:
+    """The process's settings, read from the environment once."""
+    return parse_fp8_settings(os.environ)
+
+
+def fp8_matmul_path(m: int, small_m_max: int) -> Fp8MatmulPath:
+    """Which FP8 matmul runs a product of ``m`` rows. CUDA graphs capture decode at fixed batch sizes, so each
+    captured size keeps one path."""
+    return "triton" if m <= small_m_max else "scaled_mm"
 
 
 def quantize_per_row(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -56,18 +105,30 @@ def fp8_linear_reference(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tens
 
 
 def fp8_linear_cuda(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
-                    bias: torch.Tensor | None = None) -> torch.Tensor:
-    """The same on CUDA: per-token quantization (one fused kernel), then one row-wise-scaled FP8 GEMM
-    (``torch._scaled_mm``)."""
+                    bias: torch.Tensor | None = None, settings: Fp8MatmulSettings | None = None) -> torch.Tensor:
+    """The same on CUDA: per-token quantization (one fused kernel), then one FP8 GEMM with the scales in its
+    epilogue: our Triton kernel at small M, ``torch._scaled_mm`` (row-wise) above (``fp8_matmul_path``)."""
     from kvfleet.engine.kernels.fp8_quant import per_token_quant_fp8
 
     x_q, x_scale = per_token_quant_fp8(x if x.stride(-1) == 1 else x.contiguous())
-    out_dtype = x.dtype if x.dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
+    return fp8_matmul_cuda(x_q, x_scale, w_q, w_scale, bias, x.dtype, settings or fp8_matmul_settings())
+
+
+def fp8_matmul_cuda(x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
+                    bias: torch.Tensor | None, dtype: torch.dtype, settings: Fp8MatmulSettings) -> torch.Tensor:
+    """The GEMM of already-quantized activations (``x_q [M, K]``, ``x_scale [M, 1]``) -> ``[M, N]`` in
+    ``dtype``."""
+    out_dtype = dtype if dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
+    if fp8_matmul_path(x_q.shape[0], settings.small_m_max) == "triton":
+        from kvfleet.engine.kernels.fp8_gemm import fp8_gemm
+
+        return fp8_gemm(x_q, x_scale, w_q, w_scale, bias, out_dtype=out_dtype).to(dtype)
     # row-wise scales: scale_a [M, 1], scale_b [1, N] (float32); mat2 column-major: W [N, K] row-major, transposed.
     # K and N must be multiples of 16 (every model dimension we serve is), M is free.
     y = torch._scaled_mm(x_q, w_q.t(), scale_a=x_scale, scale_b=w_scale.reshape(1, -1),
-                         out_dtype=out_dtype, bias=bias.to(out_dtype) if bias is not None else None)
-    return y.to(x.dtype)
+                         out_dtype=out_dtype, bias=bias.to(out_dtype) if bias is not None else None,
+                         use_fast_accum=settings.fast_accum)
+    return y.to(dtype)
 
 
 def fp8_supported(device: torch.device) -> tuple[bool, str]:
@@ -99,7 +160,7 @@ class Fp8Linear(nn.Module):
 
     def __init__(self, w_q: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None,
                  reduce: Callable[[torch.Tensor], torch.Tensor] | None = None, bias_after_reduce: bool = False,
-                 use_cuda_kernel: bool | None = None) -> None:
+                 use_cuda_kernel: bool | None = None, settings: Fp8MatmulSettings | None = None) -> None:
         super().__init__()
         self.register_buffer("weight", w_q)
         self.register_buffer("weight_scale", w_scale)
@@ -107,6 +168,7 @@ class Fp8Linear(nn.Module):
         self.reduce = reduce
         self.bias_after_reduce = bias_after_reduce
         self.use_cuda_kernel = w_q.is_cuda if use_cuda_kernel is None else use_cuda_kernel
+        self.settings = settings or fp8_matmul_settings()
         self.in_features, self.out_features = w_q.shape[1], w_q.shape[0]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -114,7 +176,7 @@ class Fp8Linear(nn.Module):
         x2 = x.reshape(-1, shape[-1])
         inner_bias = None if self.bias_after_reduce else self.bias
         if self.use_cuda_kernel:
-            y = fp8_linear_cuda(x2, self.weight, self.weight_scale, inner_bias)
+            y = fp8_linear_cuda(x2, self.weight, self.weight_scale, inner_bias, self.settings)
         else:
             y = fp8_linear_reference(x2, self.weight, self.weight_scale, inner_bias)
         if self.reduce is not None:
