@@ -108,7 +108,9 @@ def num_sms(device: torch.device) -> int:
         if device.type == "cuda" else _DEFAULT_SMS
 
 
-@triton.jit(do_not_specialize=["M", "k_per_split"])
+# M is not specialized (one compiled variant for every batch size: M == 1 would be its own); k_per_split is (a
+# multiple of BLOCK_K, so Triton knows every split starts 16-byte aligned and loads wide).
+@triton.jit(do_not_specialize=["M"])
 def _fp8_gemm_kernel(
     a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr,
     M, N, K, k_per_split, stride_am, stride_wn, stride_om, stride_os,
@@ -124,7 +126,7 @@ def _fp8_gemm_kernel(
     rk = tl.arange(0, BLOCK_K)
     m_mask = rm < M
     n_mask = rn < N
-    k_start = pid_k * k_per_split
+    k_start = tl.multiple_of(pid_k * k_per_split, BLOCK_K)
     k_end = tl.minimum(k_start + k_per_split, K)
     a_ptrs = a_ptr + rm.to(tl.int64)[:, None] * stride_am + (k_start + rk)[None, :]
     w_ptrs = w_ptr + rn.to(tl.int64)[:, None] * stride_wn + (k_start + rk)[None, :]

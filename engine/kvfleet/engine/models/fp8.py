@@ -6,8 +6,9 @@ computes ``y[t, o] = s_x[t] * s_w[o] * sum_k q_x[t, k] * q_w[o, k]``: on CUDA, a
 quantization kernel, either ``torch._scaled_mm`` with row-wise scales (FP8 tensor cores, compute capability >= 8.9:
 Ada, Hopper; accumulation in float32, bf16 out) or, at small M (decode batches, where the layer is bound by
 reading its weights and ``_scaled_mm``'s one CUTLASS tile is slower than bf16), our Triton kernel
-(``kernels/fp8_gemm.py``): ``fp8_matmul_path`` chooses by M (``KVFLEET_FP8_SMALL_M_MAX``); elsewhere the same formula in float32 (`fp8_linear_reference`, what the CPU tests use; PyTorch 2.11's CPU
-``_scaled_mm`` takes only one scale per tensor). The LM head and the embedding stay in the model dtype, as in
+(``kernels/fp8_gemm.py``): ``fp8_matmul_path`` chooses by M (``KVFLEET_FP8_SMALL_M_MAX``). Elsewhere the
+same formula in float32 (`fp8_linear_reference`, what the CPU tests use; PyTorch 2.11's CPU ``_scaled_mm``
+takes only one scale per tensor). The LM head and the embedding stay in the model dtype, as in
 vLLM. Half the weight bytes: a decode step at small batch reads ~half as much, a prefill's matmuls run at the
 FP8 rate.
 """
