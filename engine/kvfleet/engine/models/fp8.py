@@ -19,12 +19,13 @@ import dataclasses
 import functools
 import os
 from collections.abc import Callable, Mapping
-from typing import Literal
+from typing import Literal, Protocol, runtime_checkable
 
 import torch
 from torch import nn
 
 from kvfleet.engine.distributed.parallel_state import tp_all_reduce
+from kvfleet.engine.kernels.fp8_quant import QuantizedActivation
 from kvfleet.engine.models.linear import ColumnParallelLinear, RowParallelLinear
 
 FP8_DTYPE = torch.float8_e4m3fn
@@ -36,6 +37,7 @@ SMALL_M_MAX_ENV = "KVFLEET_FP8_SMALL_M_MAX"   # M (tokens in the step) up to whi
 # Provisional, until the GPU sweep (bench/gpu_fp8_sweep.py) measures the crossover on the H200.
 DEFAULT_SMALL_M_MAX = 64
 FAST_ACCUM_ENV = "KVFLEET_FP8_FAST_ACCUM"      # 1: _scaled_mm(use_fast_accum=True) on the large-M path
+FUSED_QUANT_ENV = "KVFLEET_FP8_FUSED_QUANT"    # 0: RMSNorm / SiLU-and-mul hand bf16 on, each linear quantizes
 
 Fp8MatmulPath = Literal["triton", "scaled_mm"]
 
@@ -43,10 +45,12 @@ Fp8MatmulPath = Literal["triton", "scaled_mm"]
 @dataclasses.dataclass(frozen=True)
 class Fp8MatmulSettings:
     """How an Fp8Linear multiplies on CUDA: the Triton kernel up to ``small_m_max`` rows, ``torch._scaled_mm``
-    above (with ``use_fast_accum`` if ``fast_accum``)."""
+    above (with ``use_fast_accum`` if ``fast_accum``); ``fused_quant``: the RMSNorm and SiLU-and-mul kernels
+    before qkv, gate_up and down quantize their output (one launch less per layer input)."""
 
     small_m_max: int = DEFAULT_SMALL_M_MAX
     fast_accum: bool = False
+    fused_quant: bool = True
 
 
 def parse_fp8_settings(env: Mapping[str, str]) -> Fp8MatmulSettings:
@@ -58,10 +62,13 @@ def parse_fp8_settings(env: Mapping[str, str]) -> Fp8MatmulSettings:
         small_m_max = -1
     if small_m_max < 0:
         raise ValueError(f"{SMALL_M_MAX_ENV}: expected an integer >= 0 (0: always torch._scaled_mm), got {raw!r}")
-    fast = env.get(FAST_ACCUM_ENV, "0").strip()
-    if fast not in ("0", "1"):
-        raise ValueError(f"{FAST_ACCUM_ENV}: expected 0 or 1, got {fast!r}")
-    return Fp8MatmulSettings(small_m_max=small_m_max, fast_accum=fast == "1")
+    flags = {}
+    for name, default in ((FAST_ACCUM_ENV, "0"), (FUSED_QUANT_ENV, "1")):
+        flags[name] = env.get(name, default).strip()
+        if flags[name] not in ("0", "1"):
+            raise ValueError(f"{name}: expected 0 or 1, got {flags[name]!r}")
+    return Fp8MatmulSettings(small_m_max=small_m_max, fast_accum=flags[FAST_ACCUM_ENV] == "1",
+                             fused_quant=flags[FUSED_QUANT_ENV] == "1")
 
 
 @functools.cache
@@ -99,10 +106,16 @@ def fp8_linear_reference(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tens
     """What the FP8 matmul computes, in float32 from the same quantized operands: ``x [T, K]`` quantized per
     token, ``w_q [N, K]`` with ``w_scale [N, 1]``; -> ``[T, N]`` in x's dtype."""
     x_q, x_scale = quantize_per_row(x)
+    return fp8_matmul_reference(x_q, x_scale, w_q, w_scale, bias, x.dtype)
+
+
+def fp8_matmul_reference(x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
+                         bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """The float32 product of already-quantized activations -> ``[T, N]`` in ``dtype``."""
     y = (x_q.float() @ w_q.float().t()) * x_scale * w_scale.t()
     if bias is not None:
         y = y + bias.float()
-    return y.to(x.dtype)
+    return y.to(dtype)
 
 
 def fp8_linear_cuda(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
@@ -172,14 +185,24 @@ class Fp8Linear(nn.Module):
         self.settings = settings or fp8_matmul_settings()
         self.in_features, self.out_features = w_q.shape[1], w_q.shape[0]
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        x2 = x.reshape(-1, shape[-1])
+    def forward(self, x: torch.Tensor | QuantizedActivation) -> torch.Tensor:
+        """``x [..., K]`` in the model dtype, or a QuantizedActivation ``[T, K]`` (from a fused RMSNorm or
+        SiLU-and-mul kernel: no quantization launch here)."""
         inner_bias = None if self.bias_after_reduce else self.bias
-        if self.use_cuda_kernel:
-            y = fp8_linear_cuda(x2, self.weight, self.weight_scale, inner_bias, self.settings)
+        if isinstance(x, QuantizedActivation):
+            shape = x.values.shape
+            if self.use_cuda_kernel:
+                y = fp8_matmul_cuda(x.values, x.scales, self.weight, self.weight_scale, inner_bias, x.dtype,
+                                    self.settings)
+            else:
+                y = fp8_matmul_reference(x.values, x.scales, self.weight, self.weight_scale, inner_bias, x.dtype)
         else:
-            y = fp8_linear_reference(x2, self.weight, self.weight_scale, inner_bias)
+            shape = x.shape
+            x2 = x.reshape(-1, shape[-1])
+            if self.use_cuda_kernel:
+                y = fp8_linear_cuda(x2, self.weight, self.weight_scale, inner_bias, self.settings)
+            else:
+                y = fp8_linear_reference(x2, self.weight, self.weight_scale, inner_bias)
         if self.reduce is not None:
             y = self.reduce(y)
         if self.bias_after_reduce and self.bias is not None:
@@ -191,7 +214,7 @@ class Fp8Linear(nn.Module):
 
 
 def quantize_linear(layer: ColumnParallelLinear | RowParallelLinear | nn.Linear,
-                    use_cuda_kernel: bool | None = None) -> Fp8Linear:
+                    use_cuda_kernel: bool | None = None, settings: Fp8MatmulSettings | None = None) -> Fp8Linear:
     """An Fp8Linear equivalent to one of kvfleet's linear layers (models/linear.py) or an nn.Linear."""
     if not isinstance(layer, (ColumnParallelLinear, RowParallelLinear, nn.Linear)):
         raise ValueError(f"quantization: no FP8 form for {type(layer).__name__}")
@@ -203,18 +226,35 @@ def quantize_linear(layer: ColumnParallelLinear | RowParallelLinear | nn.Linear,
     bias = layer.bias.data if layer.bias is not None else None
     if isinstance(layer, RowParallelLinear):
         return Fp8Linear(w_q, w_scale, bias, reduce=tp_all_reduce, bias_after_reduce=True,
-                         use_cuda_kernel=use_cuda_kernel)
-    return Fp8Linear(w_q, w_scale, bias, use_cuda_kernel=use_cuda_kernel)
+                         use_cuda_kernel=use_cuda_kernel, settings=settings)
+    return Fp8Linear(w_q, w_scale, bias, use_cuda_kernel=use_cuda_kernel, settings=settings)
 
 
-def quantize_model_fp8(model: nn.Module, use_cuda_kernel: bool | None = None) -> int:
+@runtime_checkable
+class FusesFp8ActivationQuant(Protocol):
+    """A block whose RMSNorm / activation kernels can quantize their output for the Fp8Linear layers after them
+    (``kernels.QuantizedActivation``); called once its linear layers are Fp8Linear."""
+
+    def fuse_fp8_activation_quant(self) -> int:
+        """Switch the fusion on; returns how many kernels now quantize."""
+        ...
+
+
+def quantize_model_fp8(model: nn.Module, use_cuda_kernel: bool | None = None,
+                       settings: Fp8MatmulSettings | None = None) -> int:
     """Replace every linear layer of the decoder (not the LM head, not the embedding) by its Fp8Linear, in
-    place; the bf16 weights are freed. Returns the number of layers quantized."""
+    place; the bf16 weights are freed; with ``settings.fused_quant`` the blocks that can fuse the activation
+    quantization into their RMSNorm / SiLU-and-mul kernels do (on CUDA). Returns the number of layers quantized."""
+    settings = settings or fp8_matmul_settings()
     todo = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
             if isinstance(child, (ColumnParallelLinear, RowParallelLinear))]
     for parent, name, child in todo:
-        setattr(parent, name, quantize_linear(child, use_cuda_kernel))
+        setattr(parent, name, quantize_linear(child, use_cuda_kernel, settings))
         del child
+    if settings.fused_quant:
+        for block in model.modules():
+            if isinstance(block, FusesFp8ActivationQuant):
+                block.fuse_fp8_activation_quant()
     if any(p.device.type == "cuda" for p in model.parameters()):
         torch.cuda.empty_cache()
     return len(todo)

@@ -20,13 +20,20 @@ from kvfleet.engine.rope import rope_inv_freq
 
 
 class RMSNorm(nn.Module):
+    """``quant_fp8`` (set when an FP8 linear layer reads the output): on CUDA the kernel quantizes its output per
+    token and returns a ``kernels.QuantizedActivation``; elsewhere the output stays a tensor (the layer
+    quantizes it)."""
+
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
+        self.quant_fp8 = False
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> torch.Tensor | kernels.QuantizedActivation:
         if _fused(x):
+            if self.quant_fp8:
+                return kernels.rms_norm_quant_fp8(x, self.weight, self.eps)
             return kernels.rms_norm(x, self.weight, self.eps)
         dtype = x.dtype
         h = x.to(torch.float32)
@@ -34,9 +41,12 @@ class RMSNorm(nn.Module):
         h = h * torch.rsqrt(variance + self.eps)
         return self.weight * h.to(dtype)
 
-    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def add_and_norm(self, x: torch.Tensor,
+                     residual: torch.Tensor) -> tuple[torch.Tensor | kernels.QuantizedActivation, torch.Tensor]:
         """h = x + residual -> (norm(h), h); one fused kernel on CUDA."""
         if _fused(x):
+            if self.quant_fp8:
+                return kernels.fused_add_rms_norm_quant_fp8(x, residual, self.weight, self.eps)
             return kernels.fused_add_rms_norm(x, residual, self.weight, self.eps)
         h = residual + x
         return self.forward(h), h
@@ -47,10 +57,11 @@ def _fused(x: torch.Tensor) -> bool:
     return x.is_cuda and os.environ.get("KVFLEET_FUSED_KERNELS", "1") != "0"
 
 
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """x = [gate | up] along the last dim -> silu(gate) * up."""
+def silu_and_mul(x: torch.Tensor, quant_fp8: bool = False) -> torch.Tensor | kernels.QuantizedActivation:
+    """x = [gate | up] along the last dim -> silu(gate) * up; with ``quant_fp8`` on CUDA quantized per token in
+    the same kernel (for an FP8 linear layer)."""
     if _fused(x):
-        return kernels.silu_and_mul(x)
+        return kernels.silu_and_mul_quant_fp8(x) if quant_fp8 else kernels.silu_and_mul(x)
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up
 

@@ -17,6 +17,7 @@ from kvfleet.engine.attention import get_attention_backend
 from kvfleet.engine.attention.metadata import AttentionMetadata
 from kvfleet.engine.model_config import ModelConfig
 from kvfleet.engine.models.base import CausalLM
+from kvfleet.engine.models.fp8 import Fp8Linear
 from kvfleet.engine.models.layers import RMSNorm, RotaryEmbedding, apply_rotary_qk, silu_and_mul
 from kvfleet.engine.models.linear import (
     ColumnParallelLinear,
@@ -52,9 +53,10 @@ class LlamaAttention(nn.Module):
 
     def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 kv_cache: torch.Tensor, attn_metadata: AttentionMetadata) -> torch.Tensor:
-        tokens = hidden.shape[0]
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        q, k, v = self.qkv_proj(hidden).split([q_size, kv_size, kv_size], dim=-1)
+        qkv = self.qkv_proj(hidden)   # `hidden` may be a QuantizedActivation (FP8, fused quantization)
+        tokens = qkv.shape[0]
+        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
         q = q.reshape(tokens, self.num_heads, self.head_dim)
         k = k.reshape(tokens, self.num_kv_heads, self.head_dim)
         v = v.reshape(tokens, self.num_kv_heads, self.head_dim)
@@ -71,9 +73,10 @@ class LlamaMLP(nn.Module):
         size = cfg.intermediate_size
         self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, [size, size], cfg.mlp_bias)
         self.down_proj = RowParallelLinear(size, cfg.hidden_size, cfg.mlp_bias)
+        self.quant_fp8 = False   # the activation kernel quantizes for an FP8 down_proj
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x), self.quant_fp8))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -89,6 +92,18 @@ class LlamaDecoderLayer(nn.Module):
         attn = self.self_attn(self.input_layernorm(hidden), cos, sin, kv_cache, attn_metadata)
         normed, hidden = self.post_attention_layernorm.add_and_norm(attn, hidden)  # fused on CUDA
         return hidden + self.mlp(normed)
+
+    def fuse_fp8_activation_quant(self) -> int:
+        """The kernels before qkv, gate_up and down quantize for them (models.fp8.FusesFp8ActivationQuant);
+        only once those are FP8 layers."""
+        consumers = (self.self_attn.qkv_proj, self.mlp.gate_up_proj, self.mlp.down_proj)
+        if not all(isinstance(c, Fp8Linear) for c in consumers):
+            raise ValueError("quantization: fused FP8 activation quantization needs FP8 qkv, gate_up and down "
+                             "layers")
+        self.input_layernorm.quant_fp8 = True
+        self.post_attention_layernorm.quant_fp8 = True
+        self.mlp.quant_fp8 = True
+        return 3
 
 
 class LlamaModel(nn.Module):
