@@ -6,16 +6,17 @@ For Llama-3.1-8B's four linear shapes (qkv 6144x4096, o 4096x4096, gate_up 28672
 M = 1 .. 512 rows: bf16 ``F.linear``; the current FP8 path (per-token quant kernel + ``_scaled_mm`` row-wise);
 ``_scaled_mm`` alone, with and without ``use_fast_accum``; the quant kernel alone; our Triton GEMM
 (``kernels/fp8_gemm.py``) at its default config (alone, with promotion to float32 every 128 K, and as the whole
-linear with the quant launch) and at a grid of other tiles. Each time is the median (CUDA events) of a CUDA graph
-that runs the op once per copy of the weights, divided by the copies: launch gaps as in the engine's captured
-decode, and the weights read from HBM, not L2 (the copies span >= 200 MB, as a decode step's layers do).
-Effective GB/s counts the weight bytes (bf16 or FP8). Errors: the FP8 results against the float32 reference of
-the same quantized operands (Frobenius-relative and max|diff| / max|ref|).
+linear with the quant launch) and at a grid of other tiles; and RMSNorm / SiLU-and-mul with the quantization
+fused, against the kernel then the quant kernel (time, and bit-identical values and scales). Each time is the
+median (CUDA events) of a CUDA graph that runs the op once per copy of the weights, divided by the copies: launch
+gaps as in the engine's captured decode, and the weights read from HBM, not L2 (the copies span >= 200 MB, as
+a decode step's layers do). Effective GB/s counts the weight bytes (bf16 or FP8). Errors: the FP8 results
+against the float32 reference of the same quantized operands (Frobenius-relative and max|diff| / max|ref|).
 
 Writes OUT_DIR/fp8_sweep.json and OUT_DIR/fp8_sweep.txt: per shape and M, the table; the best tile per shape
 and M; the suggested ``KVFLEET_FP8_SMALL_M_MAX`` (the largest M up to which the Triton path, quant included,
 beats the current path at every measured M, per shape and on the sum of the four shapes, i.e. per layer).
-A failing measurement is recorded with its error, not fatal. ``SWEEP_BUDGET_S`` (default 100): the tile grid is
+A failing measurement is recorded with its error, not fatal. ``SWEEP_BUDGET_S`` (default 90): the tile grid is
 cut (and says so) when the run would pass it; the essential rows come first.
 """
 
@@ -54,7 +55,7 @@ MS = [1, 2, 16] if DRY else [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]
 ROTATE_BYTES = 200e6       # weight copies per measurement span this much (H200 L2: 50 MB)
 MAX_COPIES = 16
 ITERS = 20
-BUDGET_S = float(os.environ.get("SWEEP_BUDGET_S", "100"))
+BUDGET_S = float(os.environ.get("SWEEP_BUDGET_S", "90"))
 T0 = time.monotonic()
 LINES: list[str] = []
 
@@ -196,15 +197,19 @@ def essentials(rows: list[dict[str, Any]], s: Shape, m: int) -> None:
 
 def grid_configs(m: int, n: int, k: int) -> list[Fp8GemmConfig]:
     """Tiles one step from the default in each direction: N block 32/64/128, K block 128/256, split 1, half,
-    twice and four times the default's, warps 2/8, stages 3/5, and half the M block at M >= 64."""
+    twice and four times the default's, warps 2/8, stages 3/5, half the M block at M >= 64 and 64-row blocks
+    below; and N blocks of 16/32 without split-K."""
     base = default_config(m, n, k, num_sms(DEV))
     rep = dataclasses.replace
     cands = [rep(base, block_n=bn) for bn in (32, 64, 128)]
     cands += [rep(base, block_k=bk) for bk in (128, 256)]
     cands += [rep(base, split_k=s) for s in (1, max(1, base.split_k // 2), base.split_k * 2, base.split_k * 4)]
+    cands += [rep(base, block_n=bn, split_k=1) for bn in (16, 32)]   # programs from N alone, no reduce launch
     cands += [rep(base, num_warps=w) for w in (2, 8)] + [rep(base, num_stages=p) for p in (3, 5)]
     if m >= 64:
         cands.append(rep(base, block_m=base.block_m // 2))
+    else:   # 64-row tiles even for a few rows: Hopper's wgmma takes E4M3 directly (16/32 rows: mma.sync on fp16)
+        cands += [rep(base, block_m=64, block_k=128), rep(base, block_m=64, block_k=256, num_stages=3)]
     out: list[Fp8GemmConfig] = []
     for cfg in cands:
         k_blocks = -(-k // cfg.block_k)
@@ -227,6 +232,39 @@ def tile_grid(rows: list[dict[str, Any]], s: Shape, m: int) -> None:
                 {"config": cfg.label(), "grid": True})
 
 
+def fused_quant(rows: list[dict[str, Any]], m: int) -> None:
+    """RMSNorm (with the residual add) and SiLU-and-mul with the per-token quantization fused, against the
+    kernel then the quant kernel; the fused values and scales must equal the unfused ones bit for bit."""
+    from kvfleet.engine import kernels
+
+    hidden, inter = scaled(4096), scaled(14336)
+    g = torch.Generator(device=DEV).manual_seed(m)
+    x = torch.randn(m, hidden, generator=g, device=DEV).to(BF16)
+    res = torch.randn(m, hidden, generator=g, device=DEV).to(BF16)
+    w = torch.rand(hidden, generator=g, device=DEV).add_(0.5).to(BF16)
+    gu = torch.randn(m, 2 * inter, generator=g, device=DEV).mul_(3).to(BF16)
+    pairs: dict[str, tuple[Callable[[], Any], Callable[[], Any]]] = {
+        "add+rms_norm": (lambda: kernels.fused_add_rms_norm_quant_fp8(x, res, w, 1e-5)[0],
+                         lambda: per_token_quant_fp8(kernels.fused_add_rms_norm(x, res, w, 1e-5)[0])),
+        "silu_and_mul": (lambda: kernels.silu_and_mul_quant_fp8(gu),
+                         lambda: per_token_quant_fp8(kernels.silu_and_mul(gu))),
+    }
+    for name, (fused, unfused) in pairs.items():
+        row: dict[str, Any] = {"shape": name, "M": m, "method": "fused quant"}
+        try:
+            qa, (q, sc) = fused(), unfused()
+            row["bit_identical"] = bool(torch.equal(qa.values.view(torch.uint8), q.view(torch.uint8))
+                                        and torch.equal(qa.scales, sc))
+            row["fused_ms"] = time_per_call([fused] * (1 if DRY else 8))[0]
+            row["unfused_ms"] = time_per_call([unfused] * (1 if DRY else 8))[0]
+            say(f"  {name:12} M={m:4} fused {row['fused_ms']:.4f} ms, kernel + quant {row['unfused_ms']:.4f} ms, "
+                f"bit-identical {row['bit_identical']}")
+        except Exception as e:  # noqa: BLE001 - recorded, the run goes on
+            row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+            say(f"  {name:12} M={m:4} FAILED {row['error'][:120]}")
+        rows.append(row)
+
+
 def _ms(rows: list[dict[str, Any]], shape: str, m: int, method: str) -> float | None:
     for r in rows:
         if r["shape"] == shape and r["M"] == m and r["method"] == method and "ms" in r:
@@ -235,24 +273,27 @@ def _ms(rows: list[dict[str, Any]], shape: str, m: int, method: str) -> float | 
 
 
 def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """Best tile per shape and M, the Triton path's time with it, and the suggested crossover."""
+    """Best tile per shape and M, and the suggested crossover. Both FP8 paths take the same quantized activation
+    (the quant kernel, or the fused RMSNorm / SiLU-and-mul), so the choice is GEMM against GEMM: the best Triton
+    tile against ``_scaled_mm``. Per M, a decoder layer's four linears: bf16, the current path (quant +
+    ``_scaled_mm`` each), and the new path (estimate: the chosen GEMMs, plus the quant kernel for o alone, the
+    other three inputs quantized inside the fused kernels)."""
     best: dict[str, dict[int, dict[str, Any]]] = {}
     for name in SHAPES:
         best[name] = {}
         for m in MS:
             gemms = [r for r in rows if r["shape"] == name and r["M"] == m and "ms" in r
                      and r["method"].startswith("triton gemm") and "acc128" not in r["method"]]
-            default_gemm = _ms(rows, name, m, "triton gemm (default)")
-            full = _ms(rows, name, m, "triton: quant + gemm (default)")
-            current = _ms(rows, name, m, "current: quant + _scaled_mm")
-            if not gemms or default_gemm is None or full is None or current is None:
+            sm = _ms(rows, name, m, "_scaled_mm")
+            if not gemms or sm is None:
                 continue
             b = min(gemms, key=lambda r: r["ms"])
-            triton_best = full - default_gemm + b["ms"]   # the measured whole path, with the best tile's GEMM
-            best[name][m] = {"config": b["config"], "gemm_ms": b["ms"], "default_gemm_ms": default_gemm,
-                             "triton_path_ms": triton_best, "current_path_ms": current,
-                             "bf16_ms": _ms(rows, name, m, "bf16 F.linear"),
-                             "speedup_vs_current": current / triton_best}
+            best[name][m] = {"config": b["config"], "gemm_ms": b["ms"],
+                             "default_gemm_ms": _ms(rows, name, m, "triton gemm (default)"),
+                             "scaled_mm_ms": sm, "fast_accum_ms": _ms(rows, name, m, "_scaled_mm fast_accum"),
+                             "quant_ms": _ms(rows, name, m, "quant kernel alone"),
+                             "current_path_ms": _ms(rows, name, m, "current: quant + _scaled_mm"),
+                             "bf16_ms": _ms(rows, name, m, "bf16 F.linear"), "speedup_vs_scaled_mm": sm / b["ms"]}
 
     def crossover(wins: dict[int, bool]) -> int:
         last = 0
@@ -262,14 +303,21 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
             last = m
         return last
 
-    per_shape = {name: crossover({m: v["triton_path_ms"] < v["current_path_ms"] for m, v in b.items()})
+    per_shape = {name: crossover({m: v["gemm_ms"] < v["scaled_mm_ms"] for m, v in b.items()})
                  for name, b in best.items()}
-    layer_wins = {}
-    for m in MS:
-        if all(m in best[name] for name in SHAPES):
-            layer_wins[m] = (sum(best[n][m]["triton_path_ms"] for n in SHAPES)
-                             < sum(best[n][m]["current_path_ms"] for n in SHAPES))
-    return {"best": best, "crossover_per_shape": per_shape, "suggested_small_m_max": crossover(layer_wins)}
+    full = [m for m in MS if all(m in best[name] for name in SHAPES)]
+    suggested = crossover({m: sum(best[n][m]["gemm_ms"] for n in SHAPES) < sum(best[n][m]["scaled_mm_ms"]
+                                                                               for n in SHAPES) for m in full})
+    layer = {}
+    for m in full:
+        v = {n: best[n][m] for n in SHAPES}
+        try:
+            new = sum(x["gemm_ms"] if m <= suggested else x["scaled_mm_ms"] for x in v.values()) + v["o"]["quant_ms"]
+            layer[m] = {"bf16_ms": sum(x["bf16_ms"] for x in v.values()),
+                        "current_ms": sum(x["current_path_ms"] for x in v.values()), "new_estimate_ms": new}
+        except TypeError:   # a missing measurement
+            continue
+    return {"best": best, "crossover_per_shape": per_shape, "suggested_small_m_max": suggested, "layer": layer}
 
 
 def write(out: Path, report: dict[str, Any]) -> None:
@@ -294,6 +342,10 @@ def main() -> int:
         for s in shapes.values():
             essentials(rows, s, m)
         write(out, report)
+    say(f"({time.monotonic() - T0:.1f} s)\n\n=== quantization fused into RMSNorm / SiLU-and-mul")
+    for m in MS:
+        fused_quant(rows, m)
+    write(out, report)
     say(f"({time.monotonic() - T0:.1f} s)\n\n=== tile grid (Triton GEMM alone)")
     # spread over the range first, so a budget cut leaves coverage at every scale
     order = [m for m in (1, 16, 64, 256) if m in MS] + [m for m in MS if m not in (1, 16, 64, 256)]
@@ -305,16 +357,23 @@ def main() -> int:
     say(f"({time.monotonic() - T0:.1f} s; {skipped} grid configs skipped for the budget)")
     summary = summarize(rows)
     report["summary"] = summary
-    say("\n=== per shape and M: best Triton tile; whole path (quant + GEMM) against the current path and bf16")
+    say("\n=== per shape and M: best Triton tile against _scaled_mm (GEMM alone; both take the same quantized input)")
     for name, b in summary["best"].items():
         for m, v in b.items():
-            bf = f"{v['bf16_ms']:.4f}" if v["bf16_ms"] is not None else "-"
-            say(f"  {name:8} M={m:4} best {v['config']:22} gemm {v['gemm_ms']:.4f} ms (default "
-                f"{v['default_gemm_ms']:.4f}); triton path {v['triton_path_ms']:.4f} ms, current "
-                f"{v['current_path_ms']:.4f} ms (x{v['speedup_vs_current']:.2f}), bf16 {bf} ms")
-    say(f"crossover per shape (largest M the Triton path wins at every M up to it): "
+            say(f"  {name:8} M={m:4} best {v['config']:22} {v['gemm_ms']:.4f} ms (default {v['default_gemm_ms']:.4f})"
+                f"  _scaled_mm {v['scaled_mm_ms']:.4f} (fast accum {v['fast_accum_ms']:.4f})  "
+                f"x{v['speedup_vs_scaled_mm']:.2f}   bf16 {v['bf16_ms']:.4f}, quant {v['quant_ms']:.4f}")
+    say(f"crossover per shape (largest M the best Triton tile wins at every M up to it): "
         f"{summary['crossover_per_shape']}")
     say(f"suggested KVFLEET_FP8_SMALL_M_MAX (sum of the four shapes): {summary['suggested_small_m_max']}")
+    say("a decoder layer's four linears (ms): bf16 | current FP8 (quant + _scaled_mm x4) | new FP8 (estimate: "
+        "chosen GEMMs + the quant kernel for o alone)")
+    for m, v in summary["layer"].items():
+        say(f"  M={m:4} {v['bf16_ms']:.4f} | {v['current_ms']:.4f} | {v['new_estimate_ms']:.4f}  "
+            f"(new vs bf16 x{v['bf16_ms'] / v['new_estimate_ms']:.2f}, "
+            f"vs current x{v['current_ms'] / v['new_estimate_ms']:.2f})")
+    not_identical = [f"{r['shape']} M={r['M']}" for r in rows if r.get("bit_identical") is False]
+    say(f"fused quantization not bit-identical to kernel + quant: {not_identical or 'none'}")
     failed = [f"{r['shape']} M={r['M']} {r['method']}" for r in rows if "error" in r]
     say(f"failed measurements: {len(failed)}" + (f" (first: {failed[:5]})" if failed else ""))
     say(f"total {time.monotonic() - T0:.1f} s")
