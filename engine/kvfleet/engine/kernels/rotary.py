@@ -57,7 +57,7 @@ def _rotary_kernel(
     tl.store(kp + HALF, (e * cos + c * sin).to(y1.dtype), mask=kmask)
 
 
-def _check_qk(q: torch.Tensor, k: torch.Tensor) -> None:
+def check_qk(q: torch.Tensor, k: torch.Tensor) -> None:
     check_tensor("q", q, ndim=3, dtype=SUPPORTED_DTYPES)
     check_tensor("k", k, ndim=3, dtype=q.dtype, device=q.device)
     if not (k.shape[0] == q.shape[0] and k.shape[2] == q.shape[2]):
@@ -84,7 +84,7 @@ def _launch(positions: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor,
 def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                      cos_sin_cache: torch.Tensor) -> None:
     """Rotate ``q`` ``[T, Hq, D]`` and ``k`` ``[T, Hk, D]`` in place by their ``positions``."""
-    _check_qk(q, k)
+    check_qk(q, k)
     check_tensor("positions", positions, ndim=1, dtype=(torch.int64, torch.int32), device=q.device)
     check_tensor("cos_sin_cache", cos_sin_cache, ndim=2, dtype=torch.float32, device=q.device)
     d = q.shape[2]
@@ -98,7 +98,7 @@ def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
 def apply_rotary_cos_sin(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
     """Rotate in place with per-token ``cos``/``sin`` ``[T, D]`` in Hugging Face's layout
     (both halves equal, as ``cat(freqs, freqs).cos()``), any float dtype."""
-    _check_qk(q, k)
+    check_qk(q, k)
     t, _, d = q.shape
     for name, x in (("cos", cos), ("sin", sin)):
         check_tensor(name, x, ndim=2, device=q.device)
