@@ -6,12 +6,12 @@ import torch
 from kvfleet.engine.kernels import (
     _common,
     paged_attention_ref,
+    paged_decode,
     paged_decode_attention,
     prefill_attention,
     reshape_and_cache,
     reshape_and_cache_ref,
 )
-from kvfleet.engine.kernels import paged_decode
 from kvfleet.engine.kernels.prefill_attention import prefill_work
 from kvfleet.engine.kernels.rotary_cache import rotary_and_cache, rotary_and_cache_ref
 

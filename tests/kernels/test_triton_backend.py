@@ -3,10 +3,11 @@
 import pytest
 import torch
 
-from kvfleet.engine.attention import build_attention_metadata, torch_paged_attention
+from kvfleet.engine.attention import build_attention_metadata, torch_paged_attention, triton_backend
 from kvfleet.engine.attention.triton_backend import triton_paged_attention
 from kvfleet.engine.kernels import apply_rotary_cos_sin
 from kvfleet.engine.models.layers import RotaryEmbedding, apply_rotary
+from kvfleet.engine.rope import Rotary
 
 from .paged import rel_err
 
@@ -34,13 +35,20 @@ def _step(gen: torch.Generator, q_lens: list[int], seq_lens: list[int], block_si
     ([12, 5], [12, 30]),                # fresh prefill + chunk after a cached prefix
     ([1, 7, 1, 20], [33, 7, 2, 50]),    # mixed: both kernels in one step
 ])
-def test_triton_op_matches_torch_op(q_lens: list[int], seq_lens: list[int]) -> None:
+@pytest.mark.parametrize("rotary", ["none", "fused", "separate"])
+def test_triton_op_matches_torch_op(q_lens: list[int], seq_lens: list[int], rotary: str,
+                                    monkeypatch: pytest.MonkeyPatch) -> None:
     gen = torch.Generator().manual_seed(torch.seed() % 2**31)
     q, k, v, cache, md = _step(gen, q_lens, seq_lens)
-    cache_ref = cache.clone()
-    out = triton_paged_attention(q, k, v, cache, md, 0.25)
-    ref = torch_paged_attention(q, k, v, cache_ref, md, 0.25)
-    assert torch.equal(cache, cache_ref)
+    rope = None
+    if rotary != "none":
+        positions = torch.tensor([p for ql, s in zip(q_lens, seq_lens, strict=True) for p in range(s - ql, s)])
+        rope = Rotary(*RotaryEmbedding(16, 10000.0)(positions, torch.float32))
+        monkeypatch.setattr(triton_backend, "FUSED_ROTARY_CACHE", rotary == "fused")
+    cache_ref, q_ref, k_ref = cache.clone(), q.clone(), k.clone()
+    out = triton_paged_attention(q, k, v, cache, md, 0.25, rotary=rope)
+    ref = torch_paged_attention(q_ref, k_ref, v, cache_ref, md, 0.25, rotary=rope)
+    assert rel_err(cache, cache_ref) < 1e-6
     assert rel_err(out, ref) < 1e-5
 
 
