@@ -98,7 +98,7 @@ def _decode_kernel(
     stride_pb, stride_ph, stride_ps,
     G: tl.constexpr, G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, MIN_TILES: tl.constexpr,
-    FUSED_MERGE: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
+    FUSED_MERGE: tl.constexpr, NUM_KV_HEADS: tl.constexpr, S_PAD: tl.constexpr,
     UPCAST: tl.constexpr, PREC: tl.constexpr,
 ):
     b = tl.program_id(0)
@@ -169,26 +169,22 @@ def _decode_kernel(
             counter = counter_ptr + b * NUM_KV_HEADS + kvh
             done = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
             if done == NUM_SPLITS - 1:
-                used = tl.cdiv(tiles, tiles_per_split)   # splits that got keys (the rest stored -inf)
-                m = tl.full([G_PAD], float("-inf"), tl.float32)
-                den = tl.zeros([G_PAD], tl.float32)
-                num = tl.zeros([G_PAD, D_PAD], tl.float32)
-                row0 = b.to(tl.int64) * stride_pb + heads * stride_ph
-                for s_i in range(0, used):
-                    sb = row0 + s_i * stride_ps
-                    lse_s = tl.load(part_lse_ptr + sb, mask=gmask, other=float("-inf"), cache_modifier=".cg")
-                    o_s = tl.load(part_out_ptr + sb[:, None] * HEAD_DIM + d[None, :], mask=omask, other=0.0,
-                                  cache_modifier=".cg")
-                    m_new = tl.maximum(m, lse_s)
-                    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-                    a_old = tl.math.exp2(m - m_safe)
-                    a_new = tl.math.exp2(lse_s - m_safe)
-                    den = den * a_old + a_new
-                    num = num * a_old[:, None] + o_s * a_new[:, None]
-                    m = m_new
-                merged = num / tl.maximum(den, 1e-30)[:, None]
-                tl.store(out_ptr + q_start.to(tl.int64) * stride_ot + heads[:, None] * stride_oh + d[None, :],
-                         merged.to(out_ptr.dtype.element_ty), mask=omask)
+                # as _merge_kernel, one query head at a time, over the splits that got keys (the rest are empty)
+                used = tl.cdiv(tiles, tiles_per_split)
+                sp = tl.arange(0, S_PAD)
+                smask = sp < used
+                for gi in tl.static_range(G):
+                    pb = b.to(tl.int64) * stride_pb + (kvh * G + gi) * stride_ph + sp * stride_ps
+                    lse_s = tl.load(part_lse_ptr + pb, mask=smask, other=float("-inf"), cache_modifier=".cg")
+                    m_s = tl.max(lse_s, 0)
+                    m_s = tl.where(m_s == float("-inf"), 0.0, m_s)
+                    w = tl.math.exp2(lse_s - m_s)
+                    w = w / tl.maximum(tl.sum(w, 0), 1e-30)
+                    parts = tl.load(part_out_ptr + pb[:, None] * HEAD_DIM + d[None, :],
+                                    mask=smask[:, None] & dmask[None, :], other=0.0, cache_modifier=".cg")
+                    merged = tl.sum(parts * w[:, None], 0)
+                    tl.store(out_ptr + q_start.to(tl.int64) * stride_ot + (kvh * G + gi) * stride_oh + d,
+                             merged.to(out_ptr.dtype.element_ty), mask=dmask)
                 tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")   # ready for the next layer or replay
 
 
@@ -287,7 +283,7 @@ def paged_decode_attention(
         *pstr,
         G=g, G_PAD=max(16, next_pow2(g)), HEAD_DIM=d, D_PAD=d_pad,
         BLOCK_SIZE=block_size, BLOCK_N=block_n, NUM_SPLITS=num_splits, MIN_TILES=min_tiles,
-        FUSED_MERGE=fused, NUM_KV_HEADS=hkv,
+        FUSED_MERGE=fused, NUM_KV_HEADS=hkv, S_PAD=next_pow2(num_splits),
         UPCAST=upcast_dots(q.dtype), PREC=dot_precision(q.dtype),
         num_warps=num_warps, num_stages=num_stages,
     )
