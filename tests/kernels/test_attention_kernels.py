@@ -84,7 +84,16 @@ def test_paged_decode_merges_and_split_sizes(merge: str, split_tokens: int, spli
         assert torch.equal(out[0], torch.zeros_like(out[0]))   # no keys: zeros, as the reference
         assert rel_err(out[1:], ref[1:]) < 1e-5
         if merge == "fused":
-            assert int(paged_decode._COUNTERS[out.device].abs().sum()) == 0
+            assert all(int(c.abs().sum()) == 0 for c in paged_decode._COUNTERS[out.device])
+
+
+def test_merge_counters_grow_without_freeing_the_smaller() -> None:
+    # a CUDA graph captured at a small batch keeps using the buffer it captured
+    small = paged_decode._merge_counters(torch.device("cpu"), 8)
+    big = paged_decode._merge_counters(torch.device("cpu"), small.numel() + 1)
+    assert big.numel() > small.numel() and not big.any()
+    assert any(c is small for c in paged_decode._COUNTERS[torch.device("cpu")])
+    assert paged_decode._merge_counters(torch.device("cpu"), 8) is big
 
 
 def test_paged_decode_rejects_unknown_merge() -> None:

@@ -73,17 +73,17 @@ def _split_tokens_from_env() -> int:
 DEFAULT_MERGE = _merge_from_env()
 DEFAULT_SPLIT_TOKENS = _split_tokens_from_env()
 
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
+_COUNTERS: dict[torch.device, list[torch.Tensor]] = {}
 
 
 def _merge_counters(device: torch.device, n: int) -> torch.Tensor:
     """Zeroed int32 counters, one per (sequence, KV head), kept between calls: the merging program
-    sets its counter back to 0, so one allocation serves every layer, step and graph replay."""
-    buf = _COUNTERS.get(device)
-    if buf is None or buf.numel() < n:
-        buf = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
-        _COUNTERS[device] = buf
-    return buf
+    sets its counter back to 0, so one allocation serves every layer, step and graph replay. A larger
+    batch gets a larger buffer; the smaller ones are kept alive, as captured CUDA graphs still use them."""
+    bufs = _COUNTERS.setdefault(device, [])
+    if not bufs or bufs[-1].numel() < n:
+        bufs.append(torch.zeros(max(n, 4096), dtype=torch.int32, device=device))
+    return bufs[-1]
 
 
 # The block-table width changes from step to step: specializing on it (== 1, multiple of 16) would compile
