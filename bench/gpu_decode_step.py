@@ -15,7 +15,9 @@ leaves the others):
 3. the engine (Llama-3.1-8B, dummy weights, one engine): for each variant the knobs are set and the decode
    graphs recaptured, then the step (graph replay + LM head, as `probe_decode_step`) at batch 1, 4, 16 is
    timed against its weight+KV read floor; variants are cumulative from the code before the change
-   (KVFLEET_FUSED_RESIDUAL=0 KVFLEET_ROTARY_CACHE=0 KVFLEET_DECODE_MERGE=kernel) to all on, then split sizes.
+   (KVFLEET_FUSED_RESIDUAL=0 KVFLEET_ROTARY_CACHE=0 KVFLEET_ROPE_TABLES=0 KVFLEET_DECODE_MERGE=kernel) to all
+   on, then split sizes; each also serves one 1024-token prompt's 64 greedy tokens alone (TPOT as the engine
+   delivers it, and whether its tokens equal the first variant's).
    The fastest variant at batch 1 gets a torch.profiler kernel table of one eager batch-1 forward (metadata
    with the graphs' max_seq_len, so it runs the graph's kernels).
 
@@ -49,6 +51,7 @@ from kvfleet.engine.kernels.paged_decode import choose_num_splits, paged_attenti
 from kvfleet.engine.kernels.reshape_and_cache import reshape_and_cache  # noqa: E402
 from kvfleet.engine.kernels.rotary import apply_rotary_cos_sin  # noqa: E402
 from kvfleet.engine.kernels.rotary_cache import rotary_and_cache  # noqa: E402
+from kvfleet.engine.models import layers  # noqa: E402
 
 DEV = torch.device("cpu" if DRY else "cuda")
 BF16 = torch.bfloat16
@@ -64,19 +67,21 @@ LINES: list[str] = []
 @dataclasses.dataclass(frozen=True)
 class Variant:
     name: str
-    fused_residual: bool
-    rotary_cache: bool
-    merge: str
-    split_tokens: int
+    fused_residual: bool    # KVFLEET_FUSED_RESIDUAL
+    rotary_cache: bool      # KVFLEET_ROTARY_CACHE
+    rope_tables: bool       # KVFLEET_ROPE_TABLES
+    merge: str              # KVFLEET_DECODE_MERGE
+    split_tokens: int       # KVFLEET_DECODE_SPLIT_TOKENS
 
 
 VARIANTS = [
-    Variant("before (all off)", False, False, "kernel", 64),
-    Variant("+ residual add in the norm", True, False, "kernel", 64),
-    Variant("+ rotary fused with the cache write", True, True, "kernel", 64),
-    Variant("+ fused split merge (all on, defaults)", True, True, "fused", 64),
-    Variant("all on, split >= 128 keys", True, True, "fused", 128),
-    Variant("all on, split >= 256 keys", True, True, "fused", 256),
+    Variant("before (all off)", False, False, False, "kernel", 64),
+    Variant("+ residual add in the norm", True, False, False, "kernel", 64),
+    Variant("+ rotary fused with the cache write", True, True, False, "kernel", 64),
+    Variant("+ rotary tables in one kernel", True, True, True, "kernel", 64),
+    Variant("+ fused split merge (all on, defaults)", True, True, True, "fused", 64),
+    Variant("all on, split >= 128 keys", True, True, True, "fused", 128),
+    Variant("all on, split >= 256 keys", True, True, True, "fused", 256),
 ]
 
 
@@ -192,6 +197,7 @@ def cache_write() -> list[dict[str, Any]]:
 def apply_variant(eng: Any, v: Variant) -> None:
     """Set the values the knobs were read into, then recapture the decode graphs with them."""
     eng.runner.executor.model.model.defer_residual_add = v.fused_residual
+    layers.ROPE_TABLE_KERNEL = v.rope_tables
     triton_backend.FUSED_ROTARY_CACHE = v.rotary_cache
     paged_decode.DEFAULT_MERGE = v.merge
     paged_decode.DEFAULT_SPLIT_TOKENS = v.split_tokens
@@ -235,6 +241,23 @@ def engine_variants() -> dict[str, Any]:
     eng = LLMEngine(cfg)
     res: dict[str, Any] = {"engine_init_s": time.monotonic() - t0, "variants": []}
     say(f"engine init {res['engine_init_s']:.1f} s")
+    from kvfleet.engine.sampling_params import SamplingParams
+
+    prompt = torch.randint(0, min(eng.model_config.vocab_size, 32000), (CTX,),
+                           generator=torch.Generator().manual_seed(0)).tolist()
+    baseline_tokens: list[int] | None = None
+
+    def solo(name: str) -> tuple[float, list[int]]:
+        """One 1024-token prompt, 64 greedy tokens alone: TPOT as the engine delivers it, and its tokens."""
+        eng.add_request(name, {"prompt_token_ids": prompt},
+                        SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True))
+        done = []
+        while eng.has_unfinished_requests():
+            done += [o for o in eng.step() if o.finished]
+        eng.kv.reset_prefix_cache()
+        m = done[0].metrics
+        return 1e3 * (m.finished_time - m.first_token_time) / 63, list(done[0].outputs[0].token_ids)
+
     best: tuple[float, Variant] | None = None
     for v in VARIANTS:
         t = time.monotonic()
@@ -249,8 +272,12 @@ def engine_variants() -> dict[str, Any]:
             row["steps"].append(p)
             parts.append(f"B={batch}: {p.get('step_ms', float('nan')):.3f} ms ({p.get('x_floor', float('nan')):.2f}x"
                          f" floor {p.get('floor_ms', float('nan')):.3f})")
+        tpot, tokens = solo(f"solo-{len(res['variants'])}")
+        baseline_tokens = baseline_tokens or tokens
+        row["solo_tpot_ms"], row["greedy_tokens_as_first_variant"] = tpot, tokens == baseline_tokens
         res["variants"].append(row)
-        say(f"{v.name:42s} " + "  ".join(parts) + f"   [{time.monotonic() - t:.1f} s]")
+        say(f"{v.name:42s} " + "  ".join(parts) + f"  solo TPOT {tpot:.3f} ms, tokens = first variant's: "
+            f"{tokens == baseline_tokens}   [{time.monotonic() - t:.1f} s]")
         b1 = row["steps"][0].get("step_ms", float("nan"))
         if best is None or (b1 == b1 and b1 < best[0]):
             best = (b1, v)

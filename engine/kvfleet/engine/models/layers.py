@@ -60,6 +60,10 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+# read once: "0" computes the rotary tables with torch ops (seven small kernels a step), the A/B baseline
+ROPE_TABLE_KERNEL = os.environ.get("KVFLEET_ROPE_TABLES", "1") != "0"
+
+
 class RotaryEmbedding(nn.Module):
     """cos/sin per position, computed on the fly (no max-length cache to size)."""
 
@@ -71,7 +75,9 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("inv_freq", rope_inv_freq(head_dim, theta, scaling), persistent=False)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [T] -> cos, sin [T, head_dim] in `dtype`."""
+        """positions [T] -> cos, sin [T, head_dim] in `dtype` (one kernel on CUDA unless KVFLEET_ROPE_TABLES=0)."""
+        if ROPE_TABLE_KERNEL and _fused(positions):
+            return kernels.rope_tables(positions, self.inv_freq.to(torch.float32), dtype)
         freqs = positions[:, None].to(torch.float32) * self.inv_freq.to(torch.float32)[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos().to(dtype), emb.sin().to(dtype)
