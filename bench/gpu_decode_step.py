@@ -21,8 +21,10 @@ leaves the others):
    The fastest variant at batch 1 gets a torch.profiler kernel table of one eager batch-1 forward (metadata
    with the graphs' max_seq_len, so it runs the graph's kernels).
 
-The knobs are environment variables read once at import/construction; this script sets the values they
-were read into (`apply_variant`) so every variant runs in one process on one engine.
+DECODE_SECTIONS=attention,cache,engine picks sections (by function name), DECODE_VARIANTS=0,4 engine
+variants (by index in VARIANTS). The knobs are environment variables read once at import/construction;
+this script sets the values they were read into (`apply_variant`) so every variant runs in one process on
+one engine.
 """
 
 from __future__ import annotations
@@ -259,7 +261,8 @@ def engine_variants() -> dict[str, Any]:
         return 1e3 * (m.finished_time - m.first_token_time) / 63, list(done[0].outputs[0].token_ids)
 
     best: tuple[float, Variant] | None = None
-    for v in VARIANTS:
+    pick = [int(i) for i in os.environ.get("DECODE_VARIANTS", "").split(",") if i.strip()]
+    for v in [VARIANTS[i] for i in pick] if pick else VARIANTS:
         t = time.monotonic()
         apply_variant(eng, v)
         row: dict[str, Any] = {"variant": dataclasses.asdict(v), "steps": []}
