@@ -193,7 +193,35 @@ def cache_write() -> list[dict[str, Any]]:
         f_us = graph_us_per_call([functools.partial(rotary_and_cache, *a) for a in args])
         rows.append({"batch": batch, "before_us": b_us, "fused_us": f_us})
         say(f"B={batch:2d}: rotary + reshape_and_cache {b_us:.2f} us, rotary_and_cache {f_us:.2f} us per layer")
+    rows.append(_same_results())
     return rows
+
+
+def _same_results() -> dict[str, Any]:
+    """On this device: the fused kernels give the same bits as the paths they replace."""
+    from kvfleet.engine.kernels.rotary import rope_tables
+    from kvfleet.engine.rope import rope_inv_freq
+
+    c = _decode_case(4)
+    slots = c["md"].slot_mapping
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 8192}
+    inv = rope_inv_freq(D, 500000.0, scaling).to(DEV)
+    pos = torch.tensor([0, 1, 1023, 131071], device=DEV)
+    cos, sin = rope_tables(pos, inv, BF16)
+    freqs = pos[:, None].to(torch.float32) * inv[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    tables_equal = torch.equal(cos, emb.cos().to(BF16)) and torch.equal(sin, emb.sin().to(BF16))
+    qkv = torch.randn(4, (HQ + 2 * HKV) * D, device=DEV).to(BF16)
+    q, k, v = qkv[:, :HQ * D].view(4, HQ, D), qkv[:, HQ * D:(HQ + HKV) * D].view(4, HKV, D), qkv[:, (HQ + HKV) * D:]
+    q2, k2 = q.clone(), k.clone()
+    cache1, cache2 = c["caches"][0].clone(), c["caches"][0].clone()
+    _rotary_then_cache(q2, k2, v.view(4, HKV, D), cos, sin, cache2, slots)
+    rotary_and_cache(q, k, v.view(4, HKV, D), cos, sin, cache1, slots)
+    fused_equal = torch.equal(q, q2) and torch.equal(cache1, cache2)
+    say(f"rope_tables == torch's cos/sin (bf16, bitwise): {tables_equal}; "
+        f"rotary_and_cache == rotary + reshape_and_cache (bitwise): {fused_equal}")
+    return {"rope_tables_bitwise": tables_equal, "rotary_cache_bitwise": fused_equal}
 
 
 def apply_variant(eng: Any, v: Variant) -> None:
