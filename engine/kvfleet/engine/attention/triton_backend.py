@@ -1,6 +1,8 @@
 """The Triton attention op: same signature as ``torch_paged_attention``.
 
-Writes the step's K/V into the paged cache, then runs the prefill kernel for the
+Writes the step's K/V into the paged cache (rotating q and k on the way when given
+`rotary`: one fused kernel unless KVFLEET_ROTARY_CACHE=0, which keeps the two of
+before, for A/B runs), then runs the prefill kernel for the
 sequences with more than one new token and the (split-K) decode kernel for the
 single-token ones, each kernel skipping the other's sequences. A pure decode
 step (``max_query_len == 1``) launches only the decode kernel and reads no host
@@ -20,6 +22,12 @@ from kvfleet.engine.attention.metadata import AttentionMetadata
 from kvfleet.engine.kernels.paged_decode import choose_num_splits, paged_decode_attention
 from kvfleet.engine.kernels.prefill_attention import default_block_m, prefill_attention, prefill_work
 from kvfleet.engine.kernels.reshape_and_cache import reshape_and_cache
+from kvfleet.engine.kernels.rotary import apply_rotary_cos_sin
+from kvfleet.engine.kernels.rotary_cache import rotary_and_cache
+from kvfleet.engine.rope import Rotary
+
+# read once: "0" rotates q/k with the rotary kernel, then writes the cache with reshape_and_cache
+FUSED_ROTARY_CACHE = os.environ.get("KVFLEET_ROTARY_CACHE", "1") != "0"
 
 
 @functools.lru_cache(maxsize=8)
@@ -76,12 +84,19 @@ def triton_paged_attention(
     kv_cache: torch.Tensor,
     attn_metadata: AttentionMetadata,
     scale: float,
+    rotary: Rotary | None = None,
 ) -> torch.Tensor:
-    """q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq, D]; writes k/v into kv_cache first."""
+    """q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq, D]; rotates q (in place) and k by `rotary` when given,
+    writes k/v into kv_cache, then attends."""
     md = attn_metadata
-    if k.dtype != kv_cache.dtype:
-        k, v = k.to(kv_cache.dtype), v.to(kv_cache.dtype)
-    reshape_and_cache(k, v, kv_cache, md.slot_mapping)
+    if rotary is not None and FUSED_ROTARY_CACHE:
+        rotary_and_cache(q, k, v, rotary.cos, rotary.sin, kv_cache, md.slot_mapping)
+    else:
+        if rotary is not None:
+            apply_rotary_cos_sin(q, k, rotary.cos, rotary.sin)
+        if k.dtype != kv_cache.dtype:
+            k, v = k.to(kv_cache.dtype), v.to(kv_cache.dtype)
+        reshape_and_cache(k, v, kv_cache, md.slot_mapping)
     if q.stride(-1) != 1:
         q = q.contiguous()
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)

@@ -1,4 +1,7 @@
-"""Small building blocks of the decoder: RMSNorm, rotary embedding, SiLU-and-mul.
+"""Small building blocks of the decoder: RMSNorm, rotary embedding tables, SiLU-and-mul.
+
+(The rotation itself is the attention op's: `kvfleet.engine.rope.apply_rotary` on the torch path, fused
+with the KV-cache write on the Triton one.)
 
 Numerics follow transformers' Llama code step by step (float32 norm statistics,
 cos/sin computed in float32 then cast) so float32 results match it closely. On CUDA
@@ -16,7 +19,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvfleet.engine import kernels
-from kvfleet.engine.rope import rope_inv_freq
+from kvfleet.engine.rope import apply_rotary, rope_inv_freq
+
+__all__ = ["RMSNorm", "RotaryEmbedding", "apply_rotary", "silu_and_mul"]
 
 
 class RMSNorm(nn.Module):
@@ -66,6 +71,10 @@ def silu_and_mul(x: torch.Tensor, quant_fp8: bool = False) -> torch.Tensor | ker
     return F.silu(gate) * up
 
 
+# read once: "0" computes the rotary tables with torch ops (seven small kernels a step), the A/B baseline
+ROPE_TABLE_KERNEL = os.environ.get("KVFLEET_ROPE_TABLES", "1") != "0"
+
+
 class RotaryEmbedding(nn.Module):
     """cos/sin per position, computed on the fly (no max-length cache to size)."""
 
@@ -77,27 +86,10 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("inv_freq", rope_inv_freq(head_dim, theta, scaling), persistent=False)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [T] -> cos, sin [T, head_dim] in `dtype`."""
+        """positions [T] -> cos, sin [T, head_dim] in `dtype` (one kernel on CUDA unless KVFLEET_ROPE_TABLES=0)."""
+        if ROPE_TABLE_KERNEL and _fused(positions):
+            return kernels.rope_tables(positions, self.inv_freq.to(torch.float32), dtype)
         freqs = positions[:, None].to(torch.float32) * self.inv_freq.to(torch.float32)[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, H, D] (NeoX/HF half-split layout), cos/sin [T, D]."""
-    cos, sin = cos[:, None, :], sin[:, None, :]
-    return x * cos + _rotate_half(x) * sin
-
-
-def apply_rotary_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
-                    sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotate q [T, Hq, D] and k [T, Hkv, D]; on CUDA in place by one Triton kernel."""
-    if _fused(q):
-        kernels.apply_rotary_cos_sin(q, k, cos, sin)
-        return q, k
-    return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
