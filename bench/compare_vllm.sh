@@ -11,8 +11,6 @@
 #   profile           bench/gpu_profile_issue16.py: prefill attention at long contexts (our kernel's tiles
 #                     against torch's flash SDPA), decode step at batch 1 against its floor, one long-prompt
 #                     step and one batch-1 decode step under torch.profiler, Triton compiles after warm-up (~1.5)
-#   attn              bench/gpu_attention_sweep.py: prefill attention kernel v1 against v2 at several tiles
-#                     and torch's flash SDPA, issue 16's long-prompt and shared-prefix shapes (~2)
 #   kv-llama          kvfleet offline, Llama-3.1-8B: the 2 public workloads + the 3 classes, one engine (~2.5)
 #   vllm-llama        vLLM offline, same (~3.5; vLLM starts in ~1 min)
 #   kv-qwen vllm-qwen the same for Qwen3-0.6B, public workloads only (~1 / ~2)
@@ -23,6 +21,10 @@
 #   ab-prefill        kvfleet long-prompt + shared-prefix once per setting in PREFILL_AB (~1.2 each): other
 #                     Triton prefill tiles or kernels (PREFILL_AB="KVFLEET_PREFILL_KERNEL=v2
 #                     KVFLEET_PREFILL_KERNEL=v2-paged"), each result labelled by its setting
+#   ab-online         kvfleet serve once per setting in ONLINE_AB (~2 each), each labelled by its setting
+#   ab-fp8            kvfleet --quantization fp8 once per setting in FP8_AB (~1.5 each)
+#   sweeps            kernel sweeps: bench/gpu_attention_sweep.py (prefill attention kernels and tiles) and
+#                     bench/gpu_fp8_sweep.py (FP8 matmul paths at small M) (~3)
 #   summary           the comparison table of everything in $RUNS (also printed after every call)
 #
 # Knobs: BUDGET_S (default 570: stop starting stages that would not end inside it), KV_ENV (extra environment
@@ -49,6 +51,8 @@ WORKLOADS_QWEN=${WORKLOADS_QWEN:-chat-mix random-1024-128}
 WORKLOADS_FP8=${WORKLOADS_FP8:-chat-mix random-1024-128}
 WORKLOADS_AB=${WORKLOADS_AB:-long-prompt shared-prefix}
 PREFILL_AB=${PREFILL_AB:-KVFLEET_PREFILL_TILE=128,64,4,3}
+ONLINE_AB=${ONLINE_AB:-KVFLEET_GIL_SWITCH_INTERVAL_MS=0.5}
+FP8_AB=${FP8_AB:-KVFLEET_FP8_SMALL_M_MAX=0}
 KV_ENV=${KV_ENV:-}
 LABEL=${LABEL:-}
 # KVFLEET_COMMIT names the commit of the files that travelled (the copy's .git may point elsewhere)
@@ -83,6 +87,8 @@ online() {  # online ENGINE MAX_S [flags]
   step "online $engine $*" "$max" env $envs $PY -m kvfleet.engine.bench.compare online --engine "$engine" \
     --model "$LLAMA" --out-dir "$RUNS" ${LOADS:+--loads "$LOADS"} ${ONLINE_ARGS:-} "$@"
 }
+setting_env() { echo "${1//,KVFLEET_/ KVFLEET_}"; }   # VAR=V[,VAR=V...] -> VAR=V VAR=V
+setting_label() { echo "${1//KVFLEET_/}" | tr 'A-Z' 'a-z' | tr '_=,' '-.-'; }
 need_vllm() {
   if PYTHONPATH=/tmp/site $PY -c "import vllm" 2>/dev/null; then return 0; fi
   echo "SKIP $1: vLLM is not installed yet (carry the remaining .whl-parts and run the wheels stage)" | tee -a "$LOG"
@@ -100,9 +106,6 @@ wheels)
 profile)
   step profile 180 env $KV_ENV $PY bench/gpu_profile_issue16.py "$RUNS/profile"
   cp "$RUNS/profile/profile.txt" "$OUT/" 2>/dev/null ;;
-attn)
-  step attn 200 env $KV_ENV $PY bench/gpu_attention_sweep.py "$RUNS/attn"
-  cp "$RUNS/attn/attention_sweep.txt" "$OUT/" 2>/dev/null ;;
 kv-llama) offline kvfleet "$LLAMA" 240 $WORKLOADS_LLAMA ;;
 vllm-llama) need_vllm "$s" && offline vllm "$LLAMA" 330 $WORKLOADS_LLAMA ;;
 kv-qwen) offline kvfleet "$QWEN" 120 $WORKLOADS_QWEN ;;
@@ -115,10 +118,23 @@ ab-nowarmup)
   KV_ENV="$KV_ENV KVFLEET_WARMUP=0" LOADS=low:0.5:16 online kvfleet 120 --label nowarmup ;;
 ab-prefill)
   for setting in $PREFILL_AB; do
-    label=$(echo "${setting//KVFLEET_/}" | tr 'A-Z' 'a-z' | tr '_=,' '-.-')
-    KV_ENV="$KV_ENV ${setting//,KVFLEET_/ KVFLEET_}" LABEL="$label" \
+    KV_ENV="$KV_ENV $(setting_env "$setting")" LABEL=$(setting_label "$setting") \
       offline kvfleet "$LLAMA" 150 $WORKLOADS_AB
   done ;;
+ab-online)
+  for setting in $ONLINE_AB; do
+    KV_ENV="$KV_ENV $(setting_env "$setting")" online kvfleet 240 --label "$(setting_label "$setting")"
+  done ;;
+ab-fp8)
+  for setting in $FP8_AB; do
+    KV_ENV="$KV_ENV $(setting_env "$setting")" LABEL=$(setting_label "$setting") XARGS="--quantization fp8" \
+      offline kvfleet "$LLAMA" 200 $WORKLOADS_FP8
+  done ;;
+sweeps)
+  step attention-sweep 150 env $KV_ENV $PY bench/gpu_attention_sweep.py "$RUNS/attn-sweep"
+  cp "$RUNS/attn-sweep/"*.txt "$OUT/" 2>/dev/null
+  step fp8-sweep 120 env $KV_ENV $PY bench/gpu_fp8_sweep.py "$RUNS/fp8-sweep"
+  cp "$RUNS/fp8-sweep/"*.txt "$OUT/" 2>/dev/null ;;
 summary) ;;
 *) echo "unknown stage $s" | tee -a "$LOG" ;;
 esac; done

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
@@ -57,13 +58,19 @@ def test_accepted_requests_count_as_waiting_before_the_engine_thread_takes_them(
         tasks = [asyncio.create_task(collect(engine, [3, 4, 5 + i], params, f"w{i}")) for i in range(5)]
         await asyncio.sleep(0.05)                        # each generator has queued its request
         held = engine.stats()
+        released_at = time.monotonic()
         gate.set()
         outs = await asyncio.gather(*tasks)
-        return held, outs
+        return held, outs, released_at
 
-    held, outs = asyncio.run(main())
+    held, outs, released_at = asyncio.run(main())
     assert held["num_waiting"] + held["num_running"] == 5, held
     assert all(o[-1].finished for o in outs)
+    # arrival is when generate() accepted the request, so the server's queue time and TTFT include the wait
+    # for the engine thread (as vLLM's, stamped in its API server, do)
+    for o in outs:
+        m = o[-1].metrics
+        assert m.arrival_time < released_at <= m.first_scheduled_time, m
     after = engine.stats()
     assert after["num_waiting"] == 0 and after["num_running"] == 0
 

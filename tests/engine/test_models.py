@@ -90,6 +90,20 @@ def test_batched_prefill_matches_transformers(arch: str, loaded) -> None:
         torch.testing.assert_close(out, ref, atol=ATOL, rtol=0)
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_residual_adds_on_their_own_match_transformers(arch: str, loaded) -> None:
+    """KVFLEET_FUSED_RESIDUAL=0's path: each layer adds its MLP output to the stream itself."""
+    cfg, model, seqs, refs = loaded(arch)
+    assert model.model.defer_residual_add   # the default: the next norm's fused add does it
+    model.model.defer_residual_add = False
+    try:
+        outs = PagedRunner(model, cfg).step([(i, s) for i, s in enumerate(seqs)])
+    finally:
+        model.model.defer_residual_add = True
+    for out, ref in zip(outs, refs, strict=True):
+        torch.testing.assert_close(out, ref, atol=ATOL, rtol=0)
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 def test_chunked_prefill_and_decode_match_transformers(arch: str, loaded) -> None:
     """Prompts in chunks of 7 mixed with decode steps of other sequences in the same step."""

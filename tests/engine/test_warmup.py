@@ -70,10 +70,10 @@ def triton_engine(monkeypatch: pytest.MonkeyPatch, tiny_model_factory: Any) -> A
     from kvfleet.engine.attention import register_attention_backend, torch_paged_attention
     from kvfleet.engine.attention.triton_backend import triton_paged_attention
 
-    def attention(q: Any, k: Any, v: Any, kv_cache: Any, md: Any, scale: float) -> Any:
+    def attention(q: Any, k: Any, v: Any, kv_cache: Any, md: Any, scale: float, rotary: Any = None) -> Any:
         if md.max_query_len <= 1:   # decode-only: CUDA graphs on a GPU (compiled at capture); torch here, faster
-            return torch_paged_attention(q, k, v, kv_cache, md, scale)
-        return triton_paged_attention(q, k, v, kv_cache, md, scale)
+            return torch_paged_attention(q, k, v, kv_cache, md, scale, rotary=rotary)
+        return triton_paged_attention(q, k, v, kv_cache, md, scale, rotary=rotary)
 
     register_attention_backend("test-triton-recording", attention, device_types=("cpu",), priority=-100)
     monkeypatch.setenv("KVFLEET_ATTENTION_BACKEND", "test-triton-recording")
@@ -127,7 +127,8 @@ def test_warmup_covers_every_kernel_variant_of_a_varied_workload(triton_engine: 
     warmed = set(recorder.keys)
     assert report.requests == 4 and report.steps > 4
     names = {k[0] for k in warmed}
-    assert {prefill_kernel, "_decode_kernel", "_reshape_and_cache_kernel"} <= names
+    cache_write = "_rotary_cache_kernel" if triton_backend.FUSED_ROTARY_CACHE else "_reshape_and_cache_kernel"
+    assert {prefill_kernel, "_decode_kernel", cache_write} <= names
     # both prefill tiles, each alone and beside decode rows
     prefill = {(dict((s[0], s[2]) for s in k[1])["BLOCK_M"], dict((s[0], s[2]) for s in k[1])["SKIP_DECODE"])
                for k in warmed if k[0] == prefill_kernel}

@@ -6,12 +6,14 @@ import torch
 from kvfleet.engine.kernels import (
     _common,
     paged_attention_ref,
+    paged_decode,
     paged_decode_attention,
     prefill_attention,
     reshape_and_cache,
     reshape_and_cache_ref,
 )
 from kvfleet.engine.kernels.prefill_attention import prefill_work
+from kvfleet.engine.kernels.rotary_cache import rotary_and_cache, rotary_and_cache_ref
 
 from .paged import TOL, make_batch, rel_err
 
@@ -60,6 +62,90 @@ def test_paged_decode_matches_reference(dtype: torch.dtype, hq: int, hkv: int, s
     ref = paged_attention_ref(batch.q, batch.kv_cache, batch.block_tables, batch.seq_lens,
                               batch.query_start_loc, scale)
     assert rel_err(out, ref) < TOL[dtype]
+
+
+@pytest.mark.parametrize("merge,split_tokens,splits", [
+    ("fused", 16, 5), ("kernel", 16, 5), ("fused", 96, 8), ("kernel", 96, 8), ("fused", 4096, 3),
+])
+def test_paged_decode_merges_and_split_sizes(merge: str, split_tokens: int, splits: int) -> None:
+    # a padding row (context 0, as in a CUDA-graph batch), short and long contexts; the fused merge
+    # twice in a row: its counters must be back at 0 after each call
+    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    seq_lens = [0, 1, 33, 140, 200]
+    batch = make_batch(gen, [max(1, s) for s in seq_lens], [1] * 5, hq=8, hkv=2, d=32, block_size=16,
+                       dtype=torch.float32)
+    batch.seq_lens[0] = 0
+    ref = paged_attention_ref(batch.q, batch.kv_cache, batch.block_tables, batch.seq_lens,
+                              batch.query_start_loc, 0.2)
+    for _ in range(2):
+        out = torch.full_like(batch.q, float("nan"))
+        paged_decode_attention(batch.q, batch.kv_cache, batch.block_tables, batch.seq_lens, batch.query_start_loc,
+                               0.2, out, num_splits=splits, block_n=32, merge=merge, split_tokens=split_tokens)
+        assert torch.equal(out[0], torch.zeros_like(out[0]))   # no keys: zeros, as the reference
+        assert rel_err(out[1:], ref[1:]) < 1e-5
+        if merge == "fused":
+            assert all(int(c.abs().sum()) == 0 for c in paged_decode._COUNTERS[out.device])
+
+
+def test_merge_counters_grow_without_freeing_the_smaller() -> None:
+    # a CUDA graph captured at a small batch keeps using the buffer it captured
+    small = paged_decode._merge_counters(torch.device("cpu"), 8)
+    big = paged_decode._merge_counters(torch.device("cpu"), small.numel() + 1)
+    assert big.numel() > small.numel() and not big.any()
+    assert any(c is small for c in paged_decode._COUNTERS[torch.device("cpu")])
+    assert paged_decode._merge_counters(torch.device("cpu"), 8) is big
+
+
+def test_paged_decode_rejects_unknown_merge() -> None:
+    gen = torch.Generator().manual_seed(0)
+    batch = make_batch(gen, [10], [1], hq=4, hkv=2, d=16, block_size=8, dtype=torch.float32)
+    with pytest.raises(ValueError, match="merge"):
+        paged_decode_attention(batch.q, batch.kv_cache, batch.block_tables, batch.seq_lens,
+                               batch.query_start_loc, 1.0, torch.empty_like(batch.q), num_splits=2, merge="x")
+
+
+@pytest.mark.parametrize("dtype,half_table,rotate_k", [(torch.float32, False, False), (torch.bfloat16, False, False),
+                                                       (torch.float16, True, False), (torch.bfloat16, False, True),
+                                                       (torch.float32, True, True)])
+def test_rotary_and_cache_matches_reference(dtype: torch.dtype, half_table: bool, rotate_k: bool) -> None:
+    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    batch = make_batch(gen, [5, 17, 3], [5, 2, 1], hq=6, hkv=2, d=16, block_size=4, dtype=dtype)
+    batch.slot_mapping[1] = -1  # a skipped (padding) token
+    t = batch.q.shape[0]
+    freqs = torch.rand(t, 8, generator=gen) * 10
+    emb = freqs if half_table else torch.cat([freqs, freqs], dim=-1)
+    cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
+    q, k = batch.q.clone(), batch.k.clone()
+    got_cache, ref_cache = batch.kv_cache.clone(), batch.kv_cache.clone()
+    rotary_and_cache(q, k, batch.v, cos, sin, got_cache, batch.slot_mapping, rotate_k=rotate_k)
+    ref_q = rotary_and_cache_ref(batch.q, batch.k, batch.v, cos, sin, ref_cache, batch.slot_mapping)
+    if rotate_k:   # rotated in place, every row (the padding one too), exactly as the cache got it
+        ref_k = rotary_and_cache_ref(batch.k, batch.k, batch.v, cos, sin, ref_cache.clone(), batch.slot_mapping)
+        assert rel_err(k, ref_k) < TOL[dtype]
+        written = batch.slot_mapping >= 0
+        assert torch.equal(got_cache[0].flatten(0, 1)[batch.slot_mapping[written]], k[written])
+    else:
+        assert torch.equal(k, batch.k)   # k is only written to the cache
+    assert rel_err(q, ref_q) < TOL[dtype]
+    assert torch.equal(got_cache[1], ref_cache[1])   # v copied; slot -1 and every other slot untouched
+    flat_got, flat_ref = got_cache[0].flatten(0, 1), ref_cache[0].flatten(0, 1)
+    written = batch.slot_mapping[batch.slot_mapping >= 0]
+    assert rel_err(flat_got[written], flat_ref[written]) < TOL[dtype]
+    others = torch.ones(flat_got.shape[0], dtype=torch.bool)
+    others[written] = False
+    assert torch.equal(flat_got[others], batch.kv_cache[0].flatten(0, 1)[others])
+
+
+def test_rotary_and_cache_rejects_bad_shapes() -> None:
+    cache = torch.zeros(2, 4, 4, 2, 8)
+    q, k = torch.zeros(3, 4, 8), torch.zeros(3, 2, 8)
+    cs = torch.zeros(3, 8)
+    with pytest.raises(ValueError, match="slot_mapping"):
+        rotary_and_cache(q, k, k, cs, cs, cache, torch.zeros(2, dtype=torch.int64))
+    with pytest.raises(ValueError, match="^kv_cache:"):
+        rotary_and_cache(q, k, k, cs, cs, torch.zeros(2, 4, 4, 3, 8), torch.zeros(3, dtype=torch.int64))
+    with pytest.raises(ValueError, match="^cos:"):
+        rotary_and_cache(q, k, k, cs[:2], cs, cache, torch.zeros(3, dtype=torch.int64))
 
 
 @pytest.mark.parametrize("dtype,block_m,use_work", [(torch.float32, 16, False), (torch.bfloat16, 16, True),

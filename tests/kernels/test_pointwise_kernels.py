@@ -8,6 +8,7 @@ from kvfleet.engine.kernels import (
     fused_add_rms_norm,
     rms_norm,
     rms_norm_ref,
+    rope_tables,
     rotary_embedding,
     rotary_embedding_ref,
     silu_and_mul,
@@ -108,6 +109,24 @@ def test_rotary_reference_matches_hf_rotate_half() -> None:
     rq, rk = rotary_embedding_ref(pos, q, k, build_cos_sin_cache(inv, 5))
     assert torch.allclose(rq, hq[0].transpose(0, 1), atol=1e-5)
     assert torch.allclose(rk, hk[0].transpose(0, 1), atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_tables_match_the_model_layer(dtype: torch.dtype) -> None:
+    from kvfleet.engine.models.layers import RotaryEmbedding
+
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 8192}
+    rope = RotaryEmbedding(128, 500000.0, scaling)
+    positions = torch.cat([torch.arange(5), torch.randint(5, 130000, (6,), generator=_gen())])
+    cos, sin = rope_tables(positions, rope.inv_freq, dtype)
+    ref_cos, ref_sin = rope(positions, dtype)   # the torch ops on CPU
+    assert cos.dtype == dtype and cos.shape == (11, 128)
+    # float32: both are float32 cos/sin of the same float32 angles; bf16: the same values rounded
+    atol = 1e-6 if dtype == torch.float32 else 4e-3
+    torch.testing.assert_close(cos, ref_cos, atol=atol, rtol=0)
+    torch.testing.assert_close(sin, ref_sin, atol=atol, rtol=0)
+    assert rope_tables(positions[:0], rope.inv_freq, dtype)[0].shape == (0, 128)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -1,5 +1,7 @@
 """The Triton attention op against the torch reference op on the same metadata."""
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -7,6 +9,7 @@ from kvfleet.engine.attention import build_attention_metadata, torch_paged_atten
 from kvfleet.engine.attention.triton_backend import prefill_kernel_choice, triton_paged_attention
 from kvfleet.engine.kernels import apply_rotary_cos_sin
 from kvfleet.engine.models.layers import RotaryEmbedding, apply_rotary
+from kvfleet.engine.rope import Rotary
 
 from .paged import rel_err
 
@@ -29,7 +32,6 @@ def _step(gen: torch.Generator, q_lens: list[int], seq_lens: list[int], block_si
     return q, k, v, cache, md
 
 
-@pytest.mark.parametrize("kernel", ["v1", "v2", "v2-paged"])
 @pytest.mark.parametrize("q_lens,seq_lens", [
     ([1, 1, 1], [9, 40, 3]),            # pure decode (split-K chosen by the backend)
     ([12, 5], [12, 30]),                # fresh prefill + chunk after a cached prefix
@@ -37,15 +39,22 @@ def _step(gen: torch.Generator, q_lens: list[int], seq_lens: list[int], block_si
     ([40, 1, 17], [40, 9, 90]),         # wide tile (over 16 tokens), mixed
     ([33, 20], [33, 20]),               # fresh prompts only
 ])
-def test_triton_op_matches_torch_op(q_lens: list[int], seq_lens: list[int], kernel: str,
+@pytest.mark.parametrize("rotary", ["none", "fused", "separate"])
+@pytest.mark.parametrize("kernel", ["v1", "v2", "v2-paged"])
+def test_triton_op_matches_torch_op(q_lens: list[int], seq_lens: list[int], rotary: str, kernel: str,
                                     monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(triton_backend, "PREFILL_KERNEL", kernel)
     gen = torch.Generator().manual_seed(torch.seed() % 2**31)
     q, k, v, cache, md = _step(gen, q_lens, seq_lens)
-    cache_ref = cache.clone()
-    out = triton_paged_attention(q, k, v, cache, md, 0.25)
-    ref = torch_paged_attention(q, k, v, cache_ref, md, 0.25)
-    assert torch.equal(cache, cache_ref)
+    rope = None
+    if rotary != "none":
+        positions = torch.tensor([p for ql, s in zip(q_lens, seq_lens, strict=True) for p in range(s - ql, s)])
+        rope = Rotary(*RotaryEmbedding(16, 10000.0)(positions, torch.float32))
+        monkeypatch.setattr(triton_backend, "FUSED_ROTARY_CACHE", rotary == "fused")
+    cache_ref, q_ref, k_ref = cache.clone(), q.clone(), k.clone()
+    out = triton_paged_attention(q, k, v, cache, md, 0.25, rotary=rope)
+    ref = torch_paged_attention(q_ref, k_ref, v, cache_ref, md, 0.25, rotary=rope)
+    assert rel_err(cache, cache_ref) < 1e-6
     assert rel_err(out, ref) < 1e-5
     if max(q_lens) > 1:
         assert md.plans["triton_prefill"].kernel == kernel   # type: ignore[attr-defined]
@@ -70,3 +79,41 @@ def test_rotary_cos_sin_matches_model_layer() -> None:
     ref_q, ref_k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
     apply_rotary_cos_sin(q, k, cos, sin)
     assert rel_err(q, ref_q) < 1e-6 and rel_err(k, ref_k) < 1e-6
+
+
+@pytest.mark.parametrize("arch,rotary_cache,merge", [("llama", True, "fused"), ("qwen3", True, "fused"),
+                                                     ("llama", False, "kernel")])
+def test_model_on_triton_op_matches_transformers(arch: str, rotary_cache: bool, merge: str, tiny_model_factory: Any,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """The model over the Triton op (rotary fused with the cache write; split decode steps, their partials
+    merged by the last split program) gives transformers' logits: a 70-token prefill, then 10 decode steps."""
+    import transformers
+
+    from kvfleet.engine.kernels import paged_decode
+    from kvfleet.engine.model_config import ModelConfig
+    from kvfleet.engine.model_loader import load_model
+
+    monkeypatch.setattr(triton_backend, "FUSED_ROTARY_CACHE", rotary_cache)
+    monkeypatch.setattr(paged_decode, "DEFAULT_MERGE", merge)
+    folder = tiny_model_factory(arch)
+    cfg = ModelConfig.from_pretrained(folder)
+    model = load_model(cfg, device="cpu")
+    for layer in model.model.layers:
+        layer.self_attn.attention_fn = triton_paged_attention
+    tokens = torch.randint(3, cfg.vocab_size, (80,), generator=torch.Generator().manual_seed(1)).tolist()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref = hf(torch.tensor([tokens])).logits[0]
+    block = 16
+    caches = [torch.zeros(2, 8, block, cfg.num_kv_heads, cfg.head_dim) for _ in range(cfg.num_layers)]
+    table = [5, 2, 7, 0, 3, 6]   # shuffled physical blocks
+    got = []
+    for start, end in [(0, 70)] + [(p, p + 1) for p in range(70, 80)]:
+        md = build_attention_metadata([end - start], [end], [table], block)
+        with torch.no_grad():
+            hidden = model(torch.tensor(tokens[start:end]), torch.arange(start, end), caches, md)
+            got.append(model.compute_logits(hidden)[-1])
+    ours = torch.stack(got)
+    want = ref[69:80]
+    torch.testing.assert_close(ours, want, atol=1e-4, rtol=0)
+    assert torch.equal(ours.argmax(-1), want.argmax(-1))

@@ -316,3 +316,13 @@ def test_no_text_that_fits_is_over_the_character_bound() -> None:
                       for _ in range(rng.randrange(1, 400))) for _ in range(300)]
     for text in texts:
         assert len(tok.encode(text, add_special_tokens=False)) * bound >= len(text), text[:40]
+
+
+def test_gil_switch_interval_from_the_environment() -> None:
+    from kvfleet.engine.server.launch import DEFAULT_GIL_SWITCH_INTERVAL_MS, gil_switch_interval_s
+
+    assert gil_switch_interval_s({}) == DEFAULT_GIL_SWITCH_INTERVAL_MS / 1e3
+    assert gil_switch_interval_s({"KVFLEET_GIL_SWITCH_INTERVAL_MS": "0.5"}) == 0.0005
+    for bad in ("fast", "0", "1000"):
+        with pytest.raises(ValueError, match="KVFLEET_GIL_SWITCH_INTERVAL_MS"):
+            gil_switch_interval_s({"KVFLEET_GIL_SWITCH_INTERVAL_MS": bad})

@@ -15,6 +15,7 @@ import itertools
 import logging
 import queue
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable, Optional
 
@@ -89,6 +90,9 @@ class AsyncLLM:
                        cache_salt: Optional[str] = None) -> AsyncIterator[RequestOutput]:
         if not self.is_running:
             raise RuntimeError("engine: the step loop is not running (shut down?)")
+        # Arrival is now, not when the step loop takes the request in between two steps: the server's TTFT and
+        # queue-time metrics then include that wait, as vLLM's (stamped in its API server) do.
+        arrival = time.monotonic()
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if rid in self._streams:
             raise ValueError(f"request_id: {rid!r} is already running")
@@ -99,7 +103,7 @@ class AsyncLLM:
         with self._pending_lock:
             self._pending_adds += 1
             self._commands.put(lambda: self._add(rid, {"prompt": text, "prompt_token_ids": ids}, params,
-                                                 priority, cache_salt))
+                                                 priority, cache_salt, arrival))
         finished = False
         try:
             while True:
@@ -115,14 +119,16 @@ class AsyncLLM:
             if not finished:
                 self._commands.put(lambda: self._abort_now(rid))
 
-    def _add(self, rid: str, prompt: dict, params: SamplingParams, priority: int, salt: Optional[str]) -> None:
+    def _add(self, rid: str, prompt: dict, params: SamplingParams, priority: int, salt: Optional[str],
+             arrival: float) -> None:
         with self._pending_lock:   # moves from pending to the engine's queue in one step for stats()
             self._pending_adds -= 1
             stream = self._streams.get(rid)
             if stream is None:
                 return   # cancelled before it started
             try:
-                self.engine.add_request(rid, prompt, params, priority=priority, cache_salt=salt)
+                self.engine.add_request(rid, prompt, params, priority=priority, cache_salt=salt,
+                                        arrival_time=arrival)
             except Exception as e:   # noqa: BLE001 - delivered to the caller
                 self._streams.pop(rid, None)
                 stream.put(e)

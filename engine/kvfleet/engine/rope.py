@@ -3,9 +3,27 @@
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
+
+
+class Rotary(NamedTuple):
+    """Per-token rotary tables in Hugging Face's layout (both halves equal): cos, sin [T, head_dim]."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, H, D] (NeoX/HF half-split layout), cos/sin [T, D]: transformers' apply_rotary_pos_emb."""
+    cos, sin = cos[:, None, :], sin[:, None, :]
+    return x * cos + _rotate_half(x) * sin
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None = None) -> torch.Tensor:

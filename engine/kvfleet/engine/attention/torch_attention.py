@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from kvfleet.engine.attention.metadata import AttentionMetadata
+from kvfleet.engine.rope import Rotary, apply_rotary
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -83,10 +84,14 @@ def torch_paged_attention(
     kv_cache: torch.Tensor,
     attn_metadata: AttentionMetadata,
     scale: float,
+    rotary: Rotary | None = None,
 ) -> torch.Tensor:
-    """q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq, D]; writes k/v into kv_cache first."""
+    """q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq, D]; rotates q and k by `rotary` when given, then writes
+    k/v into kv_cache."""
     if q.shape[1] % k.shape[1] != 0:
         raise ValueError(f"q: {q.shape[1]} query heads is not a multiple of {k.shape[1]} KV heads")
+    if rotary is not None:
+        q, k = apply_rotary(q, rotary.cos, rotary.sin), apply_rotary(k, rotary.cos, rotary.sin)
     write_kv(k, v, kv_cache, attn_metadata.slot_mapping)
     out = torch.empty_like(q)
     qsl = attn_metadata.query_start_loc_cpu

@@ -1,6 +1,8 @@
 """The Triton attention op: same signature as ``torch_paged_attention``.
 
-Writes the step's K/V into the paged cache, then runs the prefill kernel for the
+Writes the step's K/V into the paged cache (rotating q and k on the way when given
+`rotary`: one fused kernel unless KVFLEET_ROTARY_CACHE=0, which keeps the two of
+before, for A/B runs), then runs the prefill kernel for the
 sequences with more than one new token and the (split-K) decode kernel for the
 single-token ones, each kernel skipping the other's sequences. A pure decode
 step (``max_query_len == 1``) launches only the decode kernel and reads no host
@@ -21,6 +23,12 @@ from kvfleet.engine.kernels.paged_decode import choose_num_splits, paged_decode_
 from kvfleet.engine.kernels.prefill_attention import default_block_m, prefill_attention, prefill_work
 from kvfleet.engine.kernels.prefill_attention_v2 import default_tile_v2, prefill_attention_v2, tma_applies
 from kvfleet.engine.kernels.reshape_and_cache import reshape_and_cache
+from kvfleet.engine.kernels.rotary import apply_rotary_cos_sin
+from kvfleet.engine.kernels.rotary_cache import rotary_and_cache
+from kvfleet.engine.rope import Rotary
+
+# read once: "0" rotates q/k with the rotary kernel, then writes the cache with reshape_and_cache
+FUSED_ROTARY_CACHE = os.environ.get("KVFLEET_ROTARY_CACHE", "1") != "0"
 
 
 @functools.lru_cache(maxsize=8)
@@ -101,26 +109,35 @@ def triton_paged_attention(
     kv_cache: torch.Tensor,
     attn_metadata: AttentionMetadata,
     scale: float,
+    rotary: Rotary | None = None,
 ) -> torch.Tensor:
-    """q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq, D]; writes k/v into kv_cache first."""
+    """q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq, D]; rotates q (in place) and k by `rotary` when given,
+    writes k/v into kv_cache, then attends."""
     md = attn_metadata
-    if k.dtype != kv_cache.dtype:
-        k, v = k.to(kv_cache.dtype), v.to(kv_cache.dtype)
-    reshape_and_cache(k, v, kv_cache, md.slot_mapping)
+    plan = _prefill_plan(md, q.dtype, q.device) if md.max_query_len > 1 else None
+    # v2: fresh prompts read the K/V just written from k/v themselves, by TMA (Hopper); not by pointers, whose
+    # second pipeline would double the kernel's shared memory. k must then hold the rotated keys, as the cache.
+    fresh_kv = (plan is not None and plan.kernel == "v2" and k.dtype == kv_cache.dtype
+                and tma_applies(k, v, plan.tile[1]))
+    if rotary is not None and FUSED_ROTARY_CACHE:
+        rotary_and_cache(q, k, v, rotary.cos, rotary.sin, kv_cache, md.slot_mapping, rotate_k=fresh_kv)
+    else:
+        if rotary is not None:
+            apply_rotary_cos_sin(q, k, rotary.cos, rotary.sin)
+        if k.dtype != kv_cache.dtype:
+            k, v = k.to(kv_cache.dtype), v.to(kv_cache.dtype)
+        reshape_and_cache(k, v, kv_cache, md.slot_mapping)
     if q.stride(-1) != 1:
         q = q.contiguous()
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     batch = md.seq_lens.shape[0]
-    if md.max_query_len <= 1:
+    if plan is None:
         splits = choose_num_splits(batch, kv_cache.shape[3], md.max_seq_len, _num_sms(q.device))
         return paged_decode_attention(q, kv_cache, md.block_tables, md.seq_lens, md.query_start_loc,
                                       scale, out, num_splits=splits)
-    mixed, kernel, (block_m, block_n, warps, stages), work = _prefill_plan(md, q.dtype, q.device)
+    mixed, kernel, (block_m, block_n, warps, stages), work = plan
     args = (q, kv_cache, md.block_tables, md.seq_lens, md.query_start_loc, md.max_query_len, scale, out)
     if kernel != "v1":
-        # v2: fresh prompts read the K/V just written from k/v themselves, by TMA (Hopper); not by pointers,
-        # whose second pipeline would double the kernel's shared memory
-        fresh_kv = kernel == "v2" and tma_applies(k, v, block_n)
         prefill_attention_v2(*args, skip_decode=mixed, block_m=block_m, block_n=block_n, work=work,
                              num_warps=warps, num_stages=stages, k=k if fresh_kv else None,
                              v=v if fresh_kv else None)

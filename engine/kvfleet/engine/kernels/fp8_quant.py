@@ -14,6 +14,8 @@ Triton's CPU interpreter emulates the E4M3 cast wrongly (subnormals, and values 
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import triton
 import triton.language as tl
@@ -25,6 +27,42 @@ FP8_MAX = 448.0
 MIN_SCALE = 1e-12
 _SINGLE_PASS_MAX = 16384   # a row up to this many columns is held in registers (Llama-8B's widest: 14336)
 _LOOP_BLOCK = 4096
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantizedActivation:
+    """Activations already quantized per token for an FP8 linear layer (what the fused RMSNorm and SiLU-and-mul
+    kernels hand it, so it skips its own quantization launch): ``values [T, K]`` float8_e4m3fn, ``scales [T, 1]``
+    float32 (``x ~= values * scales`` row by row), ``dtype`` the model dtype the layer returns."""
+
+    values: torch.Tensor
+    scales: torch.Tensor
+    dtype: torch.dtype
+
+    def __post_init__(self) -> None:
+        if self.values.dim() != 2 or self.values.dtype != FP8_DTYPE:
+            raise ValueError(f"values: expected a 2-D float8_e4m3fn tensor, got {self.values.dtype} "
+                             f"{tuple(self.values.shape)}")
+        if self.scales.dtype != torch.float32 or tuple(self.scales.shape) != (self.values.shape[0], 1):
+            raise ValueError(f"scales: expected float32 [{self.values.shape[0]}, 1], got {self.scales.dtype} "
+                             f"{tuple(self.scales.shape)}")
+
+    def dequantize(self) -> torch.Tensor:
+        """float32 ``values * scales`` (the reference path's input)."""
+        return self.values.float() * self.scales
+
+
+def fp8_out_buffers(rows: int, cols: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """(values buffer, float32 scales [rows, 1], cast_in_torch): the values buffer is float32 when the
+    interpreter runs the kernel (PyTorch casts it, see the module docstring), E4M3 otherwise."""
+    cast_in_torch = interpret_mode()
+    q = torch.empty((rows, cols), dtype=torch.float32 if cast_in_torch else FP8_DTYPE, device=device)
+    return q, torch.empty((rows, 1), dtype=torch.float32, device=device), cast_in_torch
+
+
+def finish(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> QuantizedActivation:
+    """The buffers of ``fp8_out_buffers`` after a kernel wrote them, as a QuantizedActivation."""
+    return QuantizedActivation(q.to(FP8_DTYPE) if q.dtype != FP8_DTYPE else q, scale, dtype)
 
 
 @triton.jit

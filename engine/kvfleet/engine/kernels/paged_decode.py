@@ -3,9 +3,14 @@
 One program handles every query head of one KV head (GQA: the ``G = Hq / Hkv``
 query heads share each K/V tile they load, padded to 16 rows for ``tl.dot``) for
 one sequence and one split of its context. Long contexts with few sequences are
-split along the keys (split-K); a second small kernel merges the partial results
-with their log-sum-exp. The number of splits depends only on the batch shape, so
-the launch is the same for every replay of a CUDA graph.
+split along the keys (split-K); the partial results are merged with their
+log-sum-exp, either by a second small kernel or (``merge="fused"``) by the last
+split program of each (sequence, KV head) to finish, found with an atomic counter:
+one launch instead of two. The number of split programs depends only on the batch
+shape, so the launch is the same for every replay of a CUDA graph; how many of them
+get keys depends on each sequence's length (splits of at least ``split_tokens``
+keys), so a graph captured for the longest context still reads a short one in a
+few splits.
 
 Sequences whose query length in this step is not 1 are skipped (the prefill
 kernel handles them), so one mixed batch can be served by both kernels.
@@ -42,19 +47,58 @@ def _tile_from_env() -> tuple[int, int, int]:
 
 DEFAULT_BLOCK_N, DEFAULT_NUM_WARPS, DEFAULT_NUM_STAGES = _tile_from_env()
 
+MERGES = ("fused", "kernel")
+
+
+def _merge_from_env() -> str:
+    """KVFLEET_DECODE_MERGE: "fused" (default: the last split program merges) or "kernel" (a second launch)."""
+    raw = os.environ.get("KVFLEET_DECODE_MERGE", "").strip() or "fused"
+    if raw not in MERGES:
+        fail("KVFLEET_DECODE_MERGE", f"expected one of {MERGES}, got {raw!r}")
+    return raw
+
+
+def _split_tokens_from_env() -> int:
+    """KVFLEET_DECODE_SPLIT_TOKENS: the fewest keys a split gets (default 64: one tile)."""
+    raw = os.environ.get("KVFLEET_DECODE_SPLIT_TOKENS", "").strip() or "64"
+    try:
+        n = int(raw)
+    except ValueError:
+        n = 0
+    if not (16 <= n <= 65536):
+        fail("KVFLEET_DECODE_SPLIT_TOKENS", f"expected an integer in [16, 65536], got {raw!r}")
+    return n
+
+
+DEFAULT_MERGE = _merge_from_env()
+DEFAULT_SPLIT_TOKENS = _split_tokens_from_env()
+
+_COUNTERS: dict[torch.device, list[torch.Tensor]] = {}
+
+
+def _merge_counters(device: torch.device, n: int) -> torch.Tensor:
+    """Zeroed int32 counters, one per (sequence, KV head), kept between calls: the merging program
+    sets its counter back to 0, so one allocation serves every layer, step and graph replay. A larger
+    batch gets a larger buffer; the smaller ones are kept alive, as captured CUDA graphs still use them."""
+    bufs = _COUNTERS.setdefault(device, [])
+    if not bufs or bufs[-1].numel() < n:
+        bufs.append(torch.zeros(max(n, 4096), dtype=torch.int32, device=device))
+    return bufs[-1]
+
 
 # The block-table width changes from step to step: specializing on it (== 1, multiple of 16) would compile
 # new variants on live requests' time (issue 16's TTFT p99); nothing in the kernel gains from it.
 @triton.jit(do_not_specialize=["stride_bt"])
 def _decode_kernel(
     q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, qsl_ptr,
-    out_ptr, part_out_ptr, part_lse_ptr,
+    out_ptr, part_out_ptr, part_lse_ptr, counter_ptr,
     scale_log2,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_c_kv, stride_c_blk, stride_c_slot, stride_c_head, stride_bt,
     stride_pb, stride_ph, stride_ps,
     G: tl.constexpr, G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, MIN_TILES: tl.constexpr,
+    FUSED_MERGE: tl.constexpr, NUM_KV_HEADS: tl.constexpr, S_PAD: tl.constexpr,
     UPCAST: tl.constexpr, PREC: tl.constexpr,
 ):
     b = tl.program_id(0)
@@ -66,7 +110,8 @@ def _decode_kernel(
         return
     seq_len = tl.load(seq_lens_ptr + b)
     tiles = tl.cdiv(seq_len, BLOCK_N)
-    tiles_per_split = tl.cdiv(tiles, NUM_SPLITS)
+    # at least MIN_TILES per split: a short sequence leaves the later split programs without keys
+    tiles_per_split = tl.maximum(tl.cdiv(tiles, NUM_SPLITS), MIN_TILES)
     start = split * tiles_per_split * BLOCK_N
     end = tl.minimum(start + tiles_per_split * BLOCK_N, seq_len)
 
@@ -117,6 +162,30 @@ def _decode_kernel(
         # log2-sum-exp of this split's scores; -inf for an empty split
         lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.math.log2(l_safe))
         tl.store(part_lse_ptr + base, lse, mask=gmask)
+        if FUSED_MERGE:
+            # every thread's partial stores, then one gpu-scope acq_rel increment: the program that sees
+            # NUM_SPLITS - 1 is the last, and the others' partials are visible to it
+            tl.debug_barrier()
+            counter = counter_ptr + b * NUM_KV_HEADS + kvh
+            done = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+            if done == NUM_SPLITS - 1:
+                # as _merge_kernel, one query head at a time, over the splits that got keys (the rest are empty)
+                used = tl.cdiv(tiles, tiles_per_split)
+                sp = tl.arange(0, S_PAD)
+                smask = sp < used
+                for gi in tl.static_range(G):
+                    pb = b.to(tl.int64) * stride_pb + (kvh * G + gi) * stride_ph + sp * stride_ps
+                    lse_s = tl.load(part_lse_ptr + pb, mask=smask, other=float("-inf"), cache_modifier=".cg")
+                    m_s = tl.max(lse_s, 0)
+                    m_s = tl.where(m_s == float("-inf"), 0.0, m_s)
+                    w = tl.math.exp2(lse_s - m_s)
+                    w = w / tl.maximum(tl.sum(w, 0), 1e-30)
+                    parts = tl.load(part_out_ptr + pb[:, None] * HEAD_DIM + d[None, :],
+                                    mask=smask[:, None] & dmask[None, :], other=0.0, cache_modifier=".cg")
+                    merged = tl.sum(parts * w[:, None], 0)
+                    tl.store(out_ptr + q_start.to(tl.int64) * stride_ot + (kvh * G + gi) * stride_oh + d,
+                             merged.to(out_ptr.dtype.element_ty), mask=dmask)
+                tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")   # ready for the next layer or replay
 
 
 @triton.jit
@@ -147,8 +216,11 @@ def _merge_kernel(
 
 
 def choose_num_splits(batch: int, num_kv_heads: int, max_seq_len: int, num_sms: int = 132,
-                      block_n: int = 64, min_tokens_per_split: int = 256, max_splits: int = 32) -> int:
-    """Split the keys only when batch x KV heads alone leaves the GPU underused."""
+                      block_n: int = 64, min_tokens_per_split: int | None = None, max_splits: int = 32) -> int:
+    """Split the keys only when batch x KV heads alone leaves the GPU underused (min_tokens_per_split:
+    KVFLEET_DECODE_SPLIT_TOKENS unless given)."""
+    if min_tokens_per_split is None:
+        min_tokens_per_split = DEFAULT_SPLIT_TOKENS
     programs = max(1, batch * num_kv_heads)
     want = math.ceil(2 * num_sms / programs)
     by_len = max(1, math.ceil(max_seq_len / max(min_tokens_per_split, block_n)))
@@ -167,11 +239,15 @@ def paged_decode_attention(
     block_n: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    merge: str | None = None,
+    split_tokens: int | None = None,
 ) -> torch.Tensor:
     """Attention of the one query token of each decode sequence over its paged context.
 
     ``q``/``out`` ``[T, Hq, D]``; sequence ``b``'s token is row ``query_start_loc[b]``
-    (sequences whose query length is not 1 are left untouched in ``out``).
+    (sequences whose query length is not 1 are left untouched in ``out``). ``merge`` ("fused" or
+    "kernel") and ``split_tokens`` (fewest keys per split) default to KVFLEET_DECODE_MERGE and
+    KVFLEET_DECODE_SPLIT_TOKENS.
     """
     block_size, hkv, d, hq, batch = check_paged_attention_args(q, out, kv_cache, block_tables, seq_lens,
                                                                 query_start_loc)
@@ -179,9 +255,13 @@ def paged_decode_attention(
         fail("block_tables", f"{block_tables.shape[0]} rows < batch {batch}")
     if not (num_splits >= 1):
         fail("num_splits", "must be >= 1")
+    merge = merge or DEFAULT_MERGE
+    if merge not in MERGES:
+        fail("merge", f"expected one of {MERGES}, got {merge!r}")
     if batch == 0:
         return out
     block_n = block_n or DEFAULT_BLOCK_N
+    min_tiles = max(1, -(-(split_tokens or DEFAULT_SPLIT_TOKENS) // block_n))
     num_warps = num_warps or DEFAULT_NUM_WARPS
     num_stages = num_stages or DEFAULT_NUM_STAGES
     g = hq // hkv
@@ -191,20 +271,23 @@ def paged_decode_attention(
         part_lse = torch.empty((batch, hq, num_splits), dtype=torch.float32, device=q.device)
     else:
         part_out = part_lse = out  # unused
+    fused = num_splits > 1 and merge == "fused"
+    counters = _merge_counters(q.device, batch * hkv) if fused else seq_lens  # unused unless fused
     pstr = (hq * num_splits, num_splits, 1)
     _decode_kernel[(batch, hkv, num_splits)](
         q, kv_cache, block_tables, seq_lens, query_start_loc,
-        out, part_out, part_lse,
+        out, part_out, part_lse, counters,
         scale * LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3), block_tables.stride(0),
         *pstr,
         G=g, G_PAD=max(16, next_pow2(g)), HEAD_DIM=d, D_PAD=d_pad,
-        BLOCK_SIZE=block_size, BLOCK_N=block_n, NUM_SPLITS=num_splits,
+        BLOCK_SIZE=block_size, BLOCK_N=block_n, NUM_SPLITS=num_splits, MIN_TILES=min_tiles,
+        FUSED_MERGE=fused, NUM_KV_HEADS=hkv, S_PAD=next_pow2(num_splits),
         UPCAST=upcast_dots(q.dtype), PREC=dot_precision(q.dtype),
         num_warps=num_warps, num_stages=num_stages,
     )
-    if num_splits > 1:
+    if num_splits > 1 and not fused:
         _merge_kernel[(batch, hq)](
             out, part_out, part_lse, query_start_loc,
             out.stride(0), out.stride(1), *pstr,

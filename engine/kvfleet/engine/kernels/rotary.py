@@ -11,7 +11,10 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import SUPPORTED_DTYPES, check_tensor, fail, next_pow2
+from ._common import SUPPORTED_DTYPES, check_tensor, fail, interpret_mode, next_pow2
+
+if not interpret_mode():   # the interpreter has no libdevice: it takes tl.cos/tl.sin (numpy's) instead
+    from triton.language.extra import libdevice
 
 
 def build_cos_sin_cache(inv_freq: torch.Tensor, max_positions: int, device: torch.device | str = "cpu",
@@ -57,7 +60,7 @@ def _rotary_kernel(
     tl.store(kp + HALF, (e * cos + c * sin).to(y1.dtype), mask=kmask)
 
 
-def _check_qk(q: torch.Tensor, k: torch.Tensor) -> None:
+def check_qk(q: torch.Tensor, k: torch.Tensor) -> None:
     check_tensor("q", q, ndim=3, dtype=SUPPORTED_DTYPES)
     check_tensor("k", k, ndim=3, dtype=q.dtype, device=q.device)
     if not (k.shape[0] == q.shape[0] and k.shape[2] == q.shape[2]):
@@ -84,7 +87,7 @@ def _launch(positions: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor,
 def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                      cos_sin_cache: torch.Tensor) -> None:
     """Rotate ``q`` ``[T, Hq, D]`` and ``k`` ``[T, Hk, D]`` in place by their ``positions``."""
-    _check_qk(q, k)
+    check_qk(q, k)
     check_tensor("positions", positions, ndim=1, dtype=(torch.int64, torch.int32), device=q.device)
     check_tensor("cos_sin_cache", cos_sin_cache, ndim=2, dtype=torch.float32, device=q.device)
     d = q.shape[2]
@@ -98,7 +101,7 @@ def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
 def apply_rotary_cos_sin(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
     """Rotate in place with per-token ``cos``/``sin`` ``[T, D]`` in Hugging Face's layout
     (both halves equal, as ``cat(freqs, freqs).cos()``), any float dtype."""
-    _check_qk(q, k)
+    check_qk(q, k)
     t, _, d = q.shape
     for name, x in (("cos", cos), ("sin", sin)):
         check_tensor(name, x, ndim=2, device=q.device)
@@ -119,3 +122,42 @@ def rotary_embedding_ref(positions: torch.Tensor, q: torch.Tensor, k: torch.Tens
         return torch.cat([a * cos - b * sin, b * cos + a * sin], dim=-1).to(x.dtype)
 
     return rot(q), rot(k)
+
+
+@triton.jit
+def _rope_tables_kernel(
+    pos_ptr, inv_freq_ptr, cos_ptr, sin_ptr, stride_cos, stride_sin,
+    HALF: tl.constexpr, HALF_PAD: tl.constexpr, LIBDEVICE: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    j = tl.arange(0, HALF_PAD)
+    mask = j < HALF
+    freqs = tl.load(pos_ptr + t).to(tl.float32) * tl.load(inv_freq_ptr + j, mask=mask, other=0.0)
+    if LIBDEVICE:   # CUDA's cosf/sinf, as torch's cos/sin on the GPU (tl.cos may lower to an approximation)
+        c = libdevice.cos(freqs)
+        s = libdevice.sin(freqs)
+    else:
+        c = tl.cos(freqs)
+        s = tl.sin(freqs)
+    c = c.to(cos_ptr.dtype.element_ty)
+    s = s.to(sin_ptr.dtype.element_ty)
+    tl.store(cos_ptr + t * stride_cos + j, c, mask=mask)
+    tl.store(cos_ptr + t * stride_cos + HALF + j, c, mask=mask)
+    tl.store(sin_ptr + t * stride_sin + j, s, mask=mask)
+    tl.store(sin_ptr + t * stride_sin + HALF + j, s, mask=mask)
+
+
+def rope_tables(positions: torch.Tensor, inv_freq: torch.Tensor,
+                dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin ``[T, 2 * len(inv_freq)]`` in ``dtype`` for ``positions`` ``[T]``, as transformers computes them
+    (float32 ``position * inv_freq``, float32 cos/sin, cast to ``dtype``; both halves equal): one launch
+    instead of the seven small torch ops of `RotaryEmbedding`."""
+    check_tensor("positions", positions, ndim=1, dtype=(torch.int64, torch.int32))
+    check_tensor("inv_freq", inv_freq, ndim=1, dtype=torch.float32, device=positions.device)
+    t, half = positions.shape[0], inv_freq.shape[0]
+    cos = torch.empty((t, 2 * half), dtype=dtype, device=positions.device)
+    sin = torch.empty_like(cos)
+    if t > 0:
+        _rope_tables_kernel[(t,)](positions, inv_freq, cos, sin, cos.stride(0), sin.stride(0),
+                                  HALF=half, HALF_PAD=next_pow2(half), LIBDEVICE=not interpret_mode(), num_warps=1)
+    return cos, sin

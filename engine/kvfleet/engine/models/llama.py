@@ -7,6 +7,7 @@ checkpoints except the fused `qkv_proj` and `gate_up_proj` (see `load_weights`).
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable
 from typing import Any
 
@@ -17,7 +18,8 @@ from kvfleet.engine.attention import get_attention_backend
 from kvfleet.engine.attention.metadata import AttentionMetadata
 from kvfleet.engine.model_config import ModelConfig
 from kvfleet.engine.models.base import CausalLM
-from kvfleet.engine.models.layers import RMSNorm, RotaryEmbedding, apply_rotary_qk, silu_and_mul
+from kvfleet.engine.models.fp8 import Fp8Linear
+from kvfleet.engine.models.layers import RMSNorm, RotaryEmbedding, silu_and_mul
 from kvfleet.engine.models.linear import (
     ColumnParallelLinear,
     ParallelLMHead,
@@ -26,6 +28,7 @@ from kvfleet.engine.models.linear import (
     VocabParallelEmbedding,
     default_weight_loader,
 )
+from kvfleet.engine.rope import Rotary
 
 # checkpoint name fragment -> (our fused parameter fragment, shard id)
 _STACKED = {
@@ -50,18 +53,19 @@ class LlamaAttention(nn.Module):
         self.scale = cfg.head_dim**-0.5
         self.attention_fn = attention_fn
 
-    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+    def forward(self, hidden: torch.Tensor, rotary: Rotary,
                 kv_cache: torch.Tensor, attn_metadata: AttentionMetadata) -> torch.Tensor:
-        tokens = hidden.shape[0]
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        q, k, v = self.qkv_proj(hidden).split([q_size, kv_size, kv_size], dim=-1)
+        qkv = self.qkv_proj(hidden)   # `hidden` may be a QuantizedActivation (FP8, fused quantization)
+        tokens = qkv.shape[0]
+        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
         q = q.reshape(tokens, self.num_heads, self.head_dim)
         k = k.reshape(tokens, self.num_kv_heads, self.head_dim)
         v = v.reshape(tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary_qk(q, k, cos, sin)
-        out = self.attention_fn(q, k, v, kv_cache, attn_metadata, self.scale)
+        # the attention op rotates q and k: its cache write and the rotation are one kernel on CUDA
+        out = self.attention_fn(q, k, v, kv_cache, attn_metadata, self.scale, rotary=rotary)
         return self.o_proj(out.reshape(tokens, q_size))
 
 
@@ -71,9 +75,10 @@ class LlamaMLP(nn.Module):
         size = cfg.intermediate_size
         self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, [size, size], cfg.mlp_bias)
         self.down_proj = RowParallelLinear(size, cfg.hidden_size, cfg.mlp_bias)
+        self.quant_fp8 = False   # the activation kernel quantizes for an FP8 down_proj
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x), self.quant_fp8))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -84,11 +89,32 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                kv_cache: torch.Tensor, attn_metadata: AttentionMetadata) -> torch.Tensor:
-        attn = self.self_attn(self.input_layernorm(hidden), cos, sin, kv_cache, attn_metadata)
-        normed, hidden = self.post_attention_layernorm.add_and_norm(attn, hidden)  # fused on CUDA
-        return hidden + self.mlp(normed)
+    def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, rotary: Rotary,
+                kv_cache: torch.Tensor, attn_metadata: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """(hidden, residual) -> (this layer's MLP output, its residual stream before that output is added).
+
+        `residual` None: `hidden` is the stream itself (the first layer, or every layer when the adds
+        are not deferred); otherwise the stream is hidden + residual, added by the input norm's fused
+        kernel, as the next layer's (or the final norm's) adds this layer's output."""
+        if residual is None:
+            normed, residual = self.input_layernorm(hidden), hidden
+        else:
+            normed, residual = self.input_layernorm.add_and_norm(hidden, residual)  # fused on CUDA
+        attn = self.self_attn(normed, rotary, kv_cache, attn_metadata)
+        normed, residual = self.post_attention_layernorm.add_and_norm(attn, residual)  # fused on CUDA
+        return self.mlp(normed), residual
+
+    def fuse_fp8_activation_quant(self) -> int:
+        """The kernels before qkv, gate_up and down quantize for them (models.fp8.FusesFp8ActivationQuant);
+        only once those are FP8 layers."""
+        consumers = (self.self_attn.qkv_proj, self.mlp.gate_up_proj, self.mlp.down_proj)
+        if not all(isinstance(c, Fp8Linear) for c in consumers):
+            raise ValueError("quantization: fused FP8 activation quantization needs FP8 qkv, gate_up and down "
+                             "layers")
+        self.input_layernorm.quant_fp8 = True
+        self.post_attention_layernorm.quant_fp8 = True
+        self.mlp.quant_fp8 = True
+        return 3
 
 
 class LlamaModel(nn.Module):
@@ -98,16 +124,24 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, attention_fn) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+        # read once: "0" adds each layer's MLP output to the stream by itself (one more kernel a layer,
+        # the A/B baseline) instead of in the next norm's fused add
+        self.defer_residual_add = os.environ.get("KVFLEET_FUSED_RESIDUAL", "1") != "0"
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[torch.Tensor], attn_metadata: AttentionMetadata) -> torch.Tensor:
         if len(kv_caches) != len(self.layers):
             raise ValueError(f"kv_caches: {len(kv_caches)} tensors for {len(self.layers)} layers")
         hidden = self.embed_tokens(input_ids)
-        cos, sin = self.rotary_emb(positions, hidden.dtype)
+        rotary = Rotary(*self.rotary_emb(positions, hidden.dtype))
+        residual: torch.Tensor | None = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden = layer(hidden, cos, sin, kv_cache, attn_metadata)
-        return self.norm(hidden)
+            hidden, residual = layer(hidden, residual, rotary, kv_cache, attn_metadata)
+            if not self.defer_residual_add:
+                hidden, residual = hidden + residual, None
+        if residual is None:
+            return self.norm(hidden)
+        return self.norm.add_and_norm(hidden, residual)[0]
 
 
 class LlamaForCausalLM(CausalLM):

@@ -11,13 +11,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import resource
 import signal
 import sys
 import time
 from pathlib import Path
 from types import FrameType
-from typing import Any
+from typing import Any, Mapping
 
 import uvicorn
 
@@ -94,6 +95,26 @@ def raise_open_files_limit(wanted: int) -> None:
                                                                                       "wanted": wanted})
 
 
+# The engine's step loop is a Python thread beside the event loop that serves HTTP. CPython hands the GIL to a
+# waiting thread only every `sys.getswitchinterval()` (5 ms by default): each time the event loop wakes for a
+# request's bytes or a token to send while the step loop runs Python, it can wait that long.
+DEFAULT_GIL_SWITCH_INTERVAL_MS = 5.0
+
+
+def gil_switch_interval_s(env: Mapping[str, str]) -> float:
+    """The interpreter's thread switch interval for the server, from `KVFLEET_GIL_SWITCH_INTERVAL_MS`."""
+    raw = env.get("KVFLEET_GIL_SWITCH_INTERVAL_MS", "")
+    if not raw:
+        return DEFAULT_GIL_SWITCH_INTERVAL_MS / 1e3
+    try:
+        ms = float(raw)
+    except ValueError:
+        raise ValueError(f"KVFLEET_GIL_SWITCH_INTERVAL_MS: {raw!r} is not a number of milliseconds") from None
+    if not (0.01 <= ms <= 100):
+        raise ValueError(f"KVFLEET_GIL_SWITCH_INTERVAL_MS: {raw} must be within 0.01..100 ms")
+    return ms / 1e3
+
+
 def default_model() -> str:
     from kvfleet.engine.tokenizer import find_default_model
 
@@ -103,10 +124,11 @@ def default_model() -> str:
 def run_server(args: argparse.Namespace) -> int:
     setup_logging(args.log_level)
     try:
+        sys.setswitchinterval(gil_switch_interval_s(os.environ))
         model = args.model or default_model()
         keys = load_keys(args.api_key, args.api_keys_file)
         template = Path(args.chat_template).read_text(encoding="utf-8") if args.chat_template else None
-    except (KeyFileError, OSError) as exc:
+    except (KeyFileError, OSError, ValueError) as exc:
         print(f"kvfleet serve: error: {exc}", file=sys.stderr)
         return 2
     name = args.served_model_name or (args.model if args.model else Path(model).stem.split(".")[0])

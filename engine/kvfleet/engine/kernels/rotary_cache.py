@@ -1,0 +1,133 @@
+"""Rotary embedding of q and k fused with the write of k and v into the paged KV cache.
+
+One program per token: it rotates the token's query heads in place, rotates its
+key heads and stores them, with its value heads, at the token's cache slot
+(``rotary.apply_rotary_cos_sin`` followed by ``reshape_and_cache``, in one launch
+instead of two; the rotated keys are only needed in the cache, so ``k`` itself is
+left as it was, unless asked to rotate it in place as well: ``rotate_k``). ``cos``/``sin`` are per token ``[T, D]`` in Hugging Face's layout
+(both halves equal) or ``[T, D/2]``; the rotation is done in float32 and rounded to
+the input dtype before it is cast to the cache's, as the two kernels do. A slot of
+-1 writes nothing (padding rows of a CUDA-graph batch); the query is rotated anyway.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import SUPPORTED_DTYPES, check_tensor, fail, next_pow2
+from .reshape_and_cache import reshape_and_cache_ref
+from .rotary import check_qk
+
+
+@triton.jit
+def _store_kv(cache_ptr, slot, k1, k2, v_ptr, t, hk, j, kmask, stride_vt, stride_vh,
+              stride_c_kv, stride_c_blk, stride_c_slot, stride_c_head,
+              HK: tl.constexpr, HALF: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+              BLOCK_SIZE: tl.constexpr):
+    """The token's rotated key halves and its value heads, at its cache slot."""
+    dst = cache_ptr + (slot // BLOCK_SIZE) * stride_c_blk + (slot % BLOCK_SIZE) * stride_c_slot
+    kdst = dst + hk[:, None] * stride_c_head + j[None, :]
+    ty = cache_ptr.dtype.element_ty
+    tl.store(kdst, k1.to(ty), mask=kmask)
+    tl.store(kdst + HALF, k2.to(ty), mask=kmask)
+    d = tl.arange(0, D_PAD)
+    vmask = (hk[:, None] < HK) & (d[None, :] < HEAD_DIM)
+    v = tl.load(v_ptr + t * stride_vt + hk[:, None] * stride_vh + d[None, :], mask=vmask)
+    tl.store(dst + stride_c_kv + hk[:, None] * stride_c_head + d[None, :], v.to(ty), mask=vmask)
+
+
+@triton.jit
+def _rotary_cache_kernel(
+    q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, cache_ptr, slot_ptr,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_cos, stride_sin,
+    stride_c_kv, stride_c_blk, stride_c_slot, stride_c_head,
+    HQ: tl.constexpr, HK: tl.constexpr, HQ_PAD: tl.constexpr, HK_PAD: tl.constexpr,
+    HALF: tl.constexpr, HALF_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, ROTATE_K: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    j = tl.arange(0, HALF_PAD)
+    jmask = j < HALF
+    cos = tl.load(cos_ptr + t * stride_cos + j, mask=jmask, other=0.0).to(tl.float32)[None, :]
+    sin = tl.load(sin_ptr + t * stride_sin + j, mask=jmask, other=0.0).to(tl.float32)[None, :]
+
+    hq = tl.arange(0, HQ_PAD)
+    qmask = (hq[:, None] < HQ) & jmask[None, :]
+    qp = q_ptr + t * stride_qt + hq[:, None] * stride_qh + j[None, :]
+    x1 = tl.load(qp, mask=qmask, other=0.0)
+    x2 = tl.load(qp + HALF, mask=qmask, other=0.0)
+    a, b = x1.to(tl.float32), x2.to(tl.float32)
+    tl.store(qp, (a * cos - b * sin).to(x1.dtype), mask=qmask)
+    tl.store(qp + HALF, (b * cos + a * sin).to(x1.dtype), mask=qmask)
+
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    hk = tl.arange(0, HK_PAD)
+    kmask = (hk[:, None] < HK) & jmask[None, :]
+    kp = k_ptr + t * stride_kt + hk[:, None] * stride_kh + j[None, :]
+    if ROTATE_K:   # k rotated in place too (every row, as q), for a reader of the step's keys besides the cache
+        y1 = tl.load(kp, mask=kmask, other=0.0)
+        y2 = tl.load(kp + HALF, mask=kmask, other=0.0)
+        c, e = y1.to(tl.float32), y2.to(tl.float32)
+        r1, r2 = (c * cos - e * sin).to(y1.dtype), (e * cos + c * sin).to(y1.dtype)
+        tl.store(kp, r1, mask=kmask)
+        tl.store(kp + HALF, r2, mask=kmask)
+        if slot >= 0:
+            _store_kv(cache_ptr, slot, r1, r2, v_ptr, t, hk, j, kmask, stride_vt, stride_vh,
+                      stride_c_kv, stride_c_blk, stride_c_slot, stride_c_head, HK, HALF, HEAD_DIM, D_PAD, BLOCK_SIZE)
+    else:
+        if slot >= 0:
+            y1 = tl.load(kp, mask=kmask, other=0.0)
+            y2 = tl.load(kp + HALF, mask=kmask, other=0.0)
+            c, e = y1.to(tl.float32), y2.to(tl.float32)
+            _store_kv(cache_ptr, slot, (c * cos - e * sin).to(y1.dtype), (e * cos + c * sin).to(y1.dtype), v_ptr,
+                      t, hk, j, kmask, stride_vt, stride_vh, stride_c_kv, stride_c_blk, stride_c_slot,
+                      stride_c_head, HK, HALF, HEAD_DIM, D_PAD, BLOCK_SIZE)
+
+
+def rotary_and_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                     kv_cache: torch.Tensor, slot_mapping: torch.Tensor, rotate_k: bool = False) -> None:
+    """Rotate ``q`` ``[T, Hq, D]`` in place; store rotated ``k`` and ``v`` ``[T, Hkv, D]`` at ``slot_mapping``
+    in ``kv_cache`` ``[2, blocks, block_size, Hkv, D]``. ``k`` is not modified unless ``rotate_k``: then it is
+    rotated in place too (for the prefill kernel that reads a fresh prompt's keys from ``k``)."""
+    check_qk(q, k)
+    check_tensor("v", v, ndim=3, dtype=q.dtype, device=q.device)
+    check_tensor("kv_cache", kv_cache, ndim=5, dtype=SUPPORTED_DTYPES, device=q.device)
+    t, hq, d = q.shape
+    hk = k.shape[1]
+    if not (kv_cache.shape[0] == 2 and kv_cache.shape[3:] == (hk, d)):
+        fail("kv_cache", f"shape {tuple(kv_cache.shape)} does not match (2, blocks, block_size, {hk}, {d})")
+    if not (v.shape == k.shape):
+        fail("v", f"shape {tuple(v.shape)} != k {tuple(k.shape)}")
+    for name, x in (("cos", cos), ("sin", sin)):
+        check_tensor(name, x, ndim=2, device=q.device)
+        if not (x.shape[0] == t and x.shape[1] in (d, d // 2)):
+            fail(name, f"shape {tuple(x.shape)} != ({t}, {d})")
+    check_tensor("slot_mapping", slot_mapping, ndim=1, dtype=(torch.int64, torch.int32), device=q.device)
+    if not (slot_mapping.shape[0] == t):
+        fail("slot_mapping", f"length {slot_mapping.shape[0]} != tokens {t}")
+    if t == 0:
+        return
+    half = d // 2
+    _rotary_cache_kernel[(t,)](
+        q, k, v, cos, sin, kv_cache, slot_mapping,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0), sin.stride(0),
+        kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
+        HQ=hq, HK=hk, HQ_PAD=next_pow2(hq), HK_PAD=next_pow2(hk), HALF=half, HALF_PAD=next_pow2(half),
+        HEAD_DIM=d, D_PAD=next_pow2(d), BLOCK_SIZE=kv_cache.shape[2], ROTATE_K=rotate_k, num_warps=4,
+    )
+
+
+def rotary_and_cache_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                         kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
+    """Plain-PyTorch reference: returns the rotated q and writes the cache (float32 math)."""
+    half = q.shape[-1] // 2
+    c, s = cos[:, None, :half].float(), sin[:, None, :half].float()
+
+    def rot(x: torch.Tensor) -> torch.Tensor:
+        a, b = x[..., :half].float(), x[..., half:].float()
+        return torch.cat([a * c - b * s, b * c + a * s], dim=-1).to(x.dtype)
+
+    reshape_and_cache_ref(rot(k).to(kv_cache.dtype), v.to(kv_cache.dtype), kv_cache, slot_mapping)
+    return rot(q)
