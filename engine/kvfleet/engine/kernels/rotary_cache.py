@@ -4,10 +4,12 @@ One program per token: it rotates the token's query heads in place, rotates its
 key heads and stores them, with its value heads, at the token's cache slot
 (``rotary.apply_rotary_cos_sin`` followed by ``reshape_and_cache``, in one launch
 instead of two; the rotated keys are only needed in the cache, so ``k`` itself is
-left as it was, unless asked to rotate it in place as well: ``rotate_k``). ``cos``/``sin`` are per token ``[T, D]`` in Hugging Face's layout
-(both halves equal) or ``[T, D/2]``; the rotation is done in float32 and rounded to
-the input dtype before it is cast to the cache's, as the two kernels do. A slot of
--1 writes nothing (padding rows of a CUDA-graph batch); the query is rotated anyway.
+left as it was, unless ``rotate_k`` asks to rotate it in place as well: the v2
+prefill kernel reads a fresh prompt's keys from ``k``). ``cos``/``sin`` are per
+token ``[T, D]`` in Hugging Face's layout (both halves equal) or ``[T, D/2]``; the
+rotation is done in float32 and rounded to the input dtype before it is cast to the
+cache's, as the two kernels do. A slot of -1 writes nothing (padding rows of a
+CUDA-graph batch); the query is rotated anyway.
 """
 
 from __future__ import annotations
