@@ -81,10 +81,13 @@ def test_rotary_cos_sin_matches_model_layer() -> None:
     assert rel_err(q, ref_q) < 1e-6 and rel_err(k, ref_k) < 1e-6
 
 
-@pytest.mark.parametrize("arch,rotary_cache,merge", [("llama", True, "fused"), ("qwen3", True, "fused"),
-                                                     ("llama", False, "kernel")])
-def test_model_on_triton_op_matches_transformers(arch: str, rotary_cache: bool, merge: str, tiny_model_factory: Any,
-                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("arch,rotary_cache,merge,kernel", [
+    ("llama", True, "fused", "v1"), ("qwen3", True, "fused", "v1"), ("llama", False, "kernel", "v1"),
+    ("llama", True, "fused", "v2"),    # the prefill reads its fresh K/V from k, rotated in place by the fused kernel
+    ("qwen3", False, "fused", "v2"),   # ... rotated by the rotary kernel
+])
+def test_model_on_triton_op_matches_transformers(arch: str, rotary_cache: bool, merge: str, kernel: str,
+                                                 tiny_model_factory: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """The model over the Triton op (rotary fused with the cache write; split decode steps, their partials
     merged by the last split program) gives transformers' logits: a 70-token prefill, then 10 decode steps."""
     import transformers
@@ -94,6 +97,7 @@ def test_model_on_triton_op_matches_transformers(arch: str, rotary_cache: bool, 
     from kvfleet.engine.model_loader import load_model
 
     monkeypatch.setattr(triton_backend, "FUSED_ROTARY_CACHE", rotary_cache)
+    monkeypatch.setattr(triton_backend, "PREFILL_KERNEL", kernel)
     monkeypatch.setattr(paged_decode, "DEFAULT_MERGE", merge)
     folder = tiny_model_factory(arch)
     cfg = ModelConfig.from_pretrained(folder)
