@@ -80,9 +80,9 @@ def variants(tile: tuple[int, int, int, int]) -> list[tuple[str, Any]]:
         ("v1", lambda: _compile(_prefill_kernel, dict(COMMON, BLOCK_M=bm, BLOCK_N=bn), {}, warps, stages)),
         ("v2-paged", lambda: _compile(_prefill_kernel_v2, dict(v2, HAS_KV=False, KV_TMA=False),
                                       {"k_desc": "*bf16", "v_desc": "*bf16"}, warps, stages)),
-        ("v2 fresh k/v by TMA", lambda: _compile(_prefill_kernel_v2, dict(v2, HAS_KV=True, KV_TMA=True),
+        ("v2 new k/v by TMA", lambda: _compile(_prefill_kernel_v2, dict(v2, HAS_KV=True, KV_TMA=True),
                                                  {"k_desc": desc, "v_desc": desc}, warps, stages)),
-        ("v2 fresh k/v by pointers", lambda: _compile(_prefill_kernel_v2, dict(v2, HAS_KV=True, KV_TMA=False),
+        ("v2 new k/v by pointers", lambda: _compile(_prefill_kernel_v2, dict(v2, HAS_KV=True, KV_TMA=False),
                                                       {"k_desc": "*bf16", "v_desc": "*bf16"}, warps, stages)),
     ]
 

@@ -47,10 +47,11 @@ def test_prefill_v2_matches_reference(dtype: torch.dtype, hq: int, hkv: int, d: 
 
 @pytest.mark.parametrize("dtype,skip_decode,tma", [(torch.float32, False, False), (torch.bfloat16, True, False),
                                                    (torch.float32, True, True), (torch.bfloat16, False, True)])
-def test_prefill_v2_reads_fresh_prompts_from_contiguous_kv(dtype: torch.dtype, skip_decode: bool, tma: bool) -> None:
+def test_prefill_v2_reads_new_tokens_from_contiguous_kv(dtype: torch.dtype, skip_decode: bool, tma: bool) -> None:
     gen = torch.Generator().manual_seed(torch.seed() % 2**31)
-    # fresh prompts (one shorter than a key tile) beside a chunk over a cached prefix and a decode row
-    q_lens, prefix = [19, 40, 12, 5, 1], [0, 0, 30, 0, 44]
+    # fresh prompts (one shorter than a key tile) beside chunks over cached prefixes (one a whole number of key
+    # tiles, one not) and a decode row
+    q_lens, prefix = [19, 40, 12, 5, 21, 1], [0, 0, 30, 0, 32, 44]
     seq_lens = [p + q for p, q in zip(prefix, q_lens, strict=True)]
     batch = make_batch(gen, seq_lens, q_lens, hq=8, hkv=2, d=32, block_size=4, dtype=dtype)
     reshape_and_cache(batch.k, batch.v, batch.kv_cache, batch.slot_mapping)
@@ -60,9 +61,8 @@ def test_prefill_v2_reads_fresh_prompts_from_contiguous_kv(dtype: torch.dtype, s
     kv = torch.randn(batch.q.shape[0], 2, 3, 32, generator=gen).to(dtype)
     kv[:, 1, :2] = batch.v
     k, v = batch.k.clone(), kv[:, 1, :2]
-    for b, p in enumerate(prefix):   # the fresh prompts' blocks must not be read
-        if p == 0:
-            batch.kv_cache[:, batch.block_tables[b, :-(-seq_lens[b] // 4)].long()] = float("nan")
+    # the step's own keys must come from k/v, not from the cache (the decode row's too, when the prefill serves it)
+    batch.kv_cache.view(2, -1, 2, 32)[:, batch.slot_mapping] = float("nan")
     out = torch.full_like(batch.q, float("nan"))
     work = prefill_work(batch.query_start_loc.tolist(), 16, skip_decode, "cpu", seq_lens)
     prefill_attention_v2(batch.q, batch.kv_cache, batch.block_tables, batch.seq_lens, batch.query_start_loc,

@@ -26,8 +26,8 @@ def test_v2_default_tiles_compile_for_sm90_without_spills(tmp_path: Path) -> Non
     assert len(rows) == 8
     assert not [r for r in rows if "error" in r]
     # what the engine launches on Hopper with KVFLEET_PREFILL_KERNEL=v2 / v2-paged (v1 and the pointer fallback
-    # for fresh K/V are compiled above but not held to this)
-    launched = [r for r in rows if r["kernel"] in ("v2-paged", "v2 fresh k/v by TMA")]
+    # for new K/V are compiled above but not held to this)
+    launched = [r for r in rows if r["kernel"] in ("v2-paged", "v2 new k/v by TMA")]
     assert len(launched) == 4
     for r in launched:
         assert r["fits"] and r["stack_bytes"] == 0, r

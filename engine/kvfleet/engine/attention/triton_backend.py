@@ -60,7 +60,7 @@ PREFILL_KERNELS = ("v1", "v2", "v2-paged")
 
 def prefill_kernel_choice(raw: str) -> str:
     """KVFLEET_PREFILL_KERNEL: "v1" (the first kernel, the default), "v2" (`prefill_attention_v2`: split causal
-    loop, heaviest-first work, GQA-ordered grid, fresh prompts' K/V from the step's projections, by TMA on
+    loop, heaviest-first work, GQA-ordered grid, the new tokens' K/V from the step's projections by TMA on
     Hopper) or "v2-paged" (v2 reading every key through the block table); issue 16's A/B on the GPU."""
     choice = raw.strip() or "v1"
     if choice not in PREFILL_KERNELS:
@@ -115,12 +115,13 @@ def triton_paged_attention(
     writes k/v into kv_cache, then attends."""
     md = attn_metadata
     plan = _prefill_plan(md, q.dtype, q.device) if md.max_query_len > 1 else None
-    # v2: fresh prompts read the K/V just written from k/v themselves, by TMA (Hopper); not by pointers, whose
-    # second pipeline would double the kernel's shared memory. k must then hold the rotated keys, as the cache.
-    fresh_kv = (plan is not None and plan.kernel == "v2" and k.dtype == kv_cache.dtype
+    # v2: the step's new keys and values are read from k/v themselves, by TMA (Hopper); where TMA does not apply,
+    # pointer loads of k/v would only save the block-table lookups: not used (the sweep's "contiguous kv" rows
+    # measure it). k must then hold the rotated keys, as the cache does.
+    new_kv = (plan is not None and plan.kernel == "v2" and k.dtype == kv_cache.dtype
                 and tma_applies(k, v, plan.tile[1]))
     if rotary is not None and FUSED_ROTARY_CACHE:
-        rotary_and_cache(q, k, v, rotary.cos, rotary.sin, kv_cache, md.slot_mapping, rotate_k=fresh_kv)
+        rotary_and_cache(q, k, v, rotary.cos, rotary.sin, kv_cache, md.slot_mapping, rotate_k=new_kv)
     else:
         if rotary is not None:
             apply_rotary_cos_sin(q, k, rotary.cos, rotary.sin)
@@ -139,8 +140,8 @@ def triton_paged_attention(
     args = (q, kv_cache, md.block_tables, md.seq_lens, md.query_start_loc, md.max_query_len, scale, out)
     if kernel != "v1":
         prefill_attention_v2(*args, skip_decode=mixed, block_m=block_m, block_n=block_n, work=work,
-                             num_warps=warps, num_stages=stages, k=k if fresh_kv else None,
-                             v=v if fresh_kv else None)
+                             num_warps=warps, num_stages=stages, k=k if new_kv else None,
+                             v=v if new_kv else None)
     else:
         prefill_attention(*args, skip_decode=mixed, block_m=block_m, block_n=block_n, work=work,
                           num_warps=warps, num_stages=stages)

@@ -14,10 +14,10 @@ fast on Hopper:
   prompt's long last tiles do not start last and leave the GPU idle at the tail; without a list, the
   program order still runs the last query tiles first.
 
-Optionally (``k``/``v`` given) a sequence with nothing cached (a fresh prompt) reads its keys and values from
-the step's contiguous K/V projections instead of through the block table (a per-sequence branch in one
-compiled variant); on Hopper those tiles come by TMA (tensor descriptors), the way the tutorial's kernel
-loads them (the paged cache's 16-token blocks are gathered row by row instead).
+Optionally (``k``/``v`` given) the keys and values of the step's new tokens are read from its contiguous K/V
+projections instead of through the block table (all of a fresh prompt's; a chunk's own, after its cached
+prefix's through the block table); on Hopper those tiles come by TMA (tensor descriptors), the way the
+tutorial's kernel loads them (the paged cache's 16-token blocks are gathered row by row instead).
 """
 
 from __future__ import annotations
@@ -58,24 +58,25 @@ def _load_rows(ptrs, nmask, dmask, N_MASK: tl.constexpr, D_MASK: tl.constexpr):
 
 
 @triton.jit
-def _attend(acc, l_i, m_i, q, q_pos, lo, hi, k_base, v_base, k_desc, v_desc, bt_row, q_start, kvh, d, dmask,
+def _attend(acc, l_i, m_i, q, q_pos, lo, hi, k_base, v_base, k_desc, v_desc, bt_row, kv_row0, kvh, d, dmask,
             scale_log2, stride_c_blk, stride_c_slot, stride_kt, stride_vt,
             HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, D_MASK: tl.constexpr,
             UPCAST: tl.constexpr, PREC: tl.constexpr, MASKED: tl.constexpr, SRC: tl.constexpr):
     """Online softmax over key positions [lo, hi) in BLOCK_N tiles. MASKED: the diagonal (causal mask, keys
-    past ``hi`` masked); otherwise every key is visible to every row and nothing is masked."""
+    past ``hi`` masked); otherwise every key is visible to every row and nothing is masked. SRC: PAGED reads
+    through the block table; CONTIG/CONTIG_TMA read key position n at row ``kv_row0 + n`` of k/v."""
     arange_n = tl.arange(0, BLOCK_N)
     for n0 in range(lo, hi, BLOCK_N):
         offs_n = n0 + arange_n
         nmask = offs_n < hi
         if SRC == CONTIG_TMA:   # TMA boxes of the contiguous k/v; rows past the sequence are the next one's (or zeros)
-            k = k_desc.load([q_start + n0, kvh * HEAD_DIM])
-            v = v_desc.load([q_start + n0, kvh * HEAD_DIM])
+            k = k_desc.load([kv_row0 + n0, kvh * HEAD_DIM])
+            v = v_desc.load([kv_row0 + n0, kvh * HEAD_DIM])
             if MASKED:
                 v = tl.where(nmask[:, None], v, 0.0)   # p is 0 there; keep a stray inf from making 0 * inf
         else:
             if SRC == CONTIG:
-                tok = (q_start + offs_n).to(tl.int64)
+                tok = (kv_row0 + offs_n).to(tl.int64)
                 k_row = tok * stride_kt
                 v_row = tok * stride_vt
             else:
@@ -108,18 +109,40 @@ def _attend(acc, l_i, m_i, q, q_pos, lo, hi, k_base, v_base, k_desc, v_desc, bt_
 
 
 @triton.jit
-def _attend_causal(acc, l_i, m_i, q, q_pos, full_end, end_n, k_base, v_base, k_desc, v_desc, bt_row, q_start, kvh,
-                   d, dmask, scale_log2, stride_c_blk, stride_c_slot, stride_kt, stride_vt,
+def _attend_causal(acc, l_i, m_i, q, q_pos, ctx, q_first, end_n, c_base, k_base, v_base, k_desc, v_desc, bt_row,
+                   q_start, kvh, d, dmask, scale_log2, stride_c_kv, stride_c_blk, stride_c_slot, stride_kt, stride_vt,
                    HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, D_MASK: tl.constexpr,
-                   UPCAST: tl.constexpr, PREC: tl.constexpr, SRC: tl.constexpr):
-    """1. keys every row of the tile sees (below its first query position, whole key tiles): no masks at all;
-    2. the diagonal: causal mask and the sequence's end."""
-    acc, l_i, m_i = _attend(acc, l_i, m_i, q, q_pos, 0, full_end, k_base, v_base, k_desc, v_desc, bt_row, q_start,
-                            kvh, d, dmask, scale_log2, stride_c_blk, stride_c_slot, stride_kt, stride_vt,
-                            HEAD_DIM, BLOCK_SIZE, BLOCK_N, D_MASK, UPCAST, PREC, False, SRC)
-    return _attend(acc, l_i, m_i, q, q_pos, full_end, end_n, k_base, v_base, k_desc, v_desc, bt_row, q_start,
-                   kvh, d, dmask, scale_log2, stride_c_blk, stride_c_slot, stride_kt, stride_vt,
-                   HEAD_DIM, BLOCK_SIZE, BLOCK_N, D_MASK, UPCAST, PREC, True, SRC)
+                   UPCAST: tl.constexpr, PREC: tl.constexpr, NEW_SRC: tl.constexpr):
+    """Every key of a query tile whose first query sits at position ``q_first`` (>= ctx), its last key
+    ``end_n - 1``: keys below ``q_first`` are seen by every row of the tile (no causal mask), the rest form the
+    diagonal. NEW_SRC PAGED: every key through the block table, whole unmasked key tiles up to ``q_first``
+    rounded down, then the diagonal. Otherwise the ``ctx`` cached keys come through the block table (the last
+    partial tile masked at ``ctx`` only) and the step's new keys from k/v, counted from ``ctx`` so that their
+    unmasked tiles are whole too."""
+    if NEW_SRC == PAGED:
+        full_end = (q_first // BLOCK_N) * BLOCK_N
+        acc, l_i, m_i = _attend(acc, l_i, m_i, q, q_pos, 0, full_end, c_base, c_base + stride_c_kv, k_desc, v_desc,
+                                bt_row, 0, kvh, d, dmask, scale_log2, stride_c_blk, stride_c_slot, stride_kt,
+                                stride_vt, HEAD_DIM, BLOCK_SIZE, BLOCK_N, D_MASK, UPCAST, PREC, False, PAGED)
+        return _attend(acc, l_i, m_i, q, q_pos, full_end, end_n, c_base, c_base + stride_c_kv, k_desc, v_desc,
+                       bt_row, 0, kvh, d, dmask, scale_log2, stride_c_blk, stride_c_slot, stride_kt,
+                       stride_vt, HEAD_DIM, BLOCK_SIZE, BLOCK_N, D_MASK, UPCAST, PREC, True, PAGED)
+    ctx_full = (ctx // BLOCK_N) * BLOCK_N
+    acc, l_i, m_i = _attend(acc, l_i, m_i, q, q_pos, 0, ctx_full, c_base, c_base + stride_c_kv, k_desc, v_desc,
+                            bt_row, 0, kvh, d, dmask, scale_log2, stride_c_blk, stride_c_slot, stride_kt,
+                            stride_vt, HEAD_DIM, BLOCK_SIZE, BLOCK_N, D_MASK, UPCAST, PREC, False, PAGED)
+    # the cached keys' last partial tile: every row sees them all, masked only past ctx
+    acc, l_i, m_i = _attend(acc, l_i, m_i, q, q_pos, ctx_full, ctx, c_base, c_base + stride_c_kv, k_desc, v_desc,
+                            bt_row, 0, kvh, d, dmask, scale_log2, stride_c_blk, stride_c_slot, stride_kt,
+                            stride_vt, HEAD_DIM, BLOCK_SIZE, BLOCK_N, D_MASK, UPCAST, PREC, True, PAGED)
+    new_full = ctx + ((q_first - ctx) // BLOCK_N) * BLOCK_N
+    kv_row0 = q_start - ctx   # key position n of this step's tokens is row q_start + (n - ctx) of k/v
+    acc, l_i, m_i = _attend(acc, l_i, m_i, q, q_pos, ctx, new_full, k_base, v_base, k_desc, v_desc,
+                            bt_row, kv_row0, kvh, d, dmask, scale_log2, stride_c_blk, stride_c_slot, stride_kt,
+                            stride_vt, HEAD_DIM, BLOCK_SIZE, BLOCK_N, D_MASK, UPCAST, PREC, False, NEW_SRC)
+    return _attend(acc, l_i, m_i, q, q_pos, new_full, end_n, k_base, v_base, k_desc, v_desc,
+                   bt_row, kv_row0, kvh, d, dmask, scale_log2, stride_c_blk, stride_c_slot, stride_kt,
+                   stride_vt, HEAD_DIM, BLOCK_SIZE, BLOCK_N, D_MASK, UPCAST, PREC, True, NEW_SRC)
 
 
 # stride_bt, batch and num_tiles change from step to step: specializing on them (== 1, multiple of 16) would
@@ -170,25 +193,14 @@ def _prefill_kernel_v2(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
     bt_row = block_tables_ptr + b.to(tl.int64) * stride_bt
-    full_end = ((ctx + tile * BLOCK_M) // BLOCK_N) * BLOCK_N
-    end_n = tl.minimum(seq_len, ctx + (tile + 1) * BLOCK_M)
+    q_first = ctx + tile * BLOCK_M                           # the tile's first query position
+    end_n = tl.minimum(seq_len, ctx + (tile + 1) * BLOCK_M)  # one past its last key
     c_base = cache_ptr + kvh * stride_c_head
-    if HAS_KV:
-        if ctx == 0:   # nothing cached: the keys are this step's, read from the contiguous k/v
-            acc, l_i, m_i = _attend_causal(
-                acc, l_i, m_i, q, q_pos, full_end, end_n, k_ptr + kvh * stride_kh, v_ptr + kvh * stride_vh,
-                k_desc, v_desc, bt_row, q_start, kvh, d, dmask, scale_log2, stride_c_blk, stride_c_slot, stride_kt,
-                stride_vt, HEAD_DIM, BLOCK_SIZE, BLOCK_N, D_MASK, UPCAST, PREC, CONTIG_TMA if KV_TMA else CONTIG)
-        else:
-            acc, l_i, m_i = _attend_causal(
-                acc, l_i, m_i, q, q_pos, full_end, end_n, c_base, c_base + stride_c_kv,
-                k_desc, v_desc, bt_row, q_start, kvh, d, dmask, scale_log2, stride_c_blk, stride_c_slot, stride_kt,
-                stride_vt, HEAD_DIM, BLOCK_SIZE, BLOCK_N, D_MASK, UPCAST, PREC, PAGED)
-    else:
-        acc, l_i, m_i = _attend_causal(
-            acc, l_i, m_i, q, q_pos, full_end, end_n, c_base, c_base + stride_c_kv,
-            k_desc, v_desc, bt_row, q_start, kvh, d, dmask, scale_log2, stride_c_blk, stride_c_slot, stride_kt,
-            stride_vt, HEAD_DIM, BLOCK_SIZE, BLOCK_N, D_MASK, UPCAST, PREC, PAGED)
+    NEW_SRC: tl.constexpr = (CONTIG_TMA if KV_TMA else CONTIG) if HAS_KV else PAGED
+    acc, l_i, m_i = _attend_causal(
+        acc, l_i, m_i, q, q_pos, ctx, q_first, end_n, c_base, k_ptr + kvh * stride_kh, v_ptr + kvh * stride_vh,
+        k_desc, v_desc, bt_row, q_start, kvh, d, dmask, scale_log2, stride_c_kv, stride_c_blk, stride_c_slot,
+        stride_kt, stride_vt, HEAD_DIM, BLOCK_SIZE, BLOCK_N, D_MASK, UPCAST, PREC, NEW_SRC)
 
     out = acc / l_i[:, None]   # l_i >= 1: the row's maximum contributes exp2(0)
     ptrs = out_ptr + rows[:, None] * stride_ot + h * stride_oh + d[None, :]
@@ -251,8 +263,7 @@ def prefill_attention_v2(
     ``work``: optional ``prefill_work(...)`` list built with the same ``block_m`` and ``skip_decode`` (pass
     ``seq_lens`` to it for the heaviest-first order); without it the grid covers every (tile, sequence) pair.
     ``k``/``v`` ``[T, Hkv, D]`` (both or neither): the step's new keys and values, as written into the cache;
-    a sequence with nothing cached reads its keys from them instead of through the block table (the others
-    from the cache, as without them).
+    each sequence reads its new tokens' keys from them and only its cached prefix through the block table.
     ``kv_tma``: with ``k``/``v``, load their tiles with TMA (tensor descriptors; Hopper's bulk copies, which
     Triton pipelines without address arithmetic); None: where it applies (a power-of-two head dim, 16-byte
     aligned rows; on CUDA a device of compute capability >= 9). Tile arguments left as None take
