@@ -24,7 +24,8 @@
 #   ab-online         kvfleet serve once per setting in ONLINE_AB (~2 each), each labelled by its setting
 #   ab-fp8            kvfleet --quantization fp8 once per setting in FP8_AB (~1.5 each)
 #   sweeps            kernel sweeps: bench/gpu_attention_sweep.py (prefill attention kernels and tiles) and
-#                     bench/gpu_fp8_sweep.py (FP8 matmul paths at small M) (~3)
+#                     bench/gpu_fp8_sweep.py (FP8 matmul paths at small M), bench/gpu_decode_step.py (the
+#                     decode step's kernel-count knobs, graph step at batch 1/4/16) (~6)
 #   summary           the comparison table of everything in $RUNS (also printed after every call)
 #
 # Knobs: BUDGET_S (default 570: stop starting stages that would not end inside it), KV_ENV (extra environment
@@ -50,7 +51,7 @@ WORKLOADS_LLAMA=${WORKLOADS_LLAMA:-chat-mix random-1024-128 long-prompt shared-p
 WORKLOADS_QWEN=${WORKLOADS_QWEN:-chat-mix random-1024-128}
 WORKLOADS_FP8=${WORKLOADS_FP8:-chat-mix random-1024-128}
 WORKLOADS_AB=${WORKLOADS_AB:-long-prompt shared-prefix}
-PREFILL_AB=${PREFILL_AB:-KVFLEET_PREFILL_TILE=128,64,4,3}
+PREFILL_AB=${PREFILL_AB:-KVFLEET_PREFILL_KERNEL=v1}
 ONLINE_AB=${ONLINE_AB:-KVFLEET_GIL_SWITCH_INTERVAL_MS=0.5}
 FP8_AB=${FP8_AB:-KVFLEET_FP8_SMALL_M_MAX=0}
 KV_ENV=${KV_ENV:-}
@@ -134,7 +135,9 @@ sweeps)
   step attention-sweep 150 env $KV_ENV $PY bench/gpu_attention_sweep.py "$RUNS/attn-sweep"
   cp "$RUNS/attn-sweep/"*.txt "$OUT/" 2>/dev/null
   step fp8-sweep 120 env $KV_ENV $PY bench/gpu_fp8_sweep.py "$RUNS/fp8-sweep"
-  cp "$RUNS/fp8-sweep/"*.txt "$OUT/" 2>/dev/null ;;
+  cp "$RUNS/fp8-sweep/"*.txt "$OUT/" 2>/dev/null
+  step decode-step 150 env $KV_ENV $PY bench/gpu_decode_step.py "$RUNS/decode-step" "$LLAMA"
+  cp "$RUNS/decode-step/"*.txt "$OUT/" 2>/dev/null ;;
 summary) ;;
 *) echo "unknown stage $s" | tee -a "$LOG" ;;
 esac; done

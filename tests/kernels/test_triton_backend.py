@@ -61,7 +61,7 @@ def test_triton_op_matches_torch_op(q_lens: list[int], seq_lens: list[int], rota
 
 
 def test_prefill_kernel_choice() -> None:
-    assert prefill_kernel_choice("") == "v1" and prefill_kernel_choice(" v2 ") == "v2"
+    assert prefill_kernel_choice("") == "v2" and prefill_kernel_choice(" v1 ") == "v1"
     assert prefill_kernel_choice("v2-paged") == "v2-paged"
     with pytest.raises(ValueError, match="KVFLEET_PREFILL_KERNEL"):
         prefill_kernel_choice("v3")

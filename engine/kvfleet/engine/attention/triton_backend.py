@@ -59,10 +59,10 @@ PREFILL_KERNELS = ("v1", "v2", "v2-paged")
 
 
 def prefill_kernel_choice(raw: str) -> str:
-    """KVFLEET_PREFILL_KERNEL: "v1" (the first kernel, the default), "v2" (`prefill_attention_v2`: split causal
-    loop, heaviest-first work, GQA-ordered grid, the new tokens' K/V from the step's projections by TMA on
-    Hopper) or "v2-paged" (v2 reading every key through the block table); issue 16's A/B on the GPU."""
-    choice = raw.strip() or "v1"
+    """KVFLEET_PREFILL_KERNEL: "v2" (the default, `prefill_attention_v2`: split causal loop, heaviest-first
+    work, GQA-ordered grid, the new tokens' K/V from the step's projections by TMA on Hopper), "v2-paged" (v2
+    reading every key through the block table) or "v1" (the first kernel); issue 16's A/B on the GPU."""
+    choice = raw.strip() or "v2"
     if choice not in PREFILL_KERNELS:
         raise ValueError(f"KVFLEET_PREFILL_KERNEL: expected one of {', '.join(PREFILL_KERNELS)}, got {raw!r}")
     return choice

@@ -139,9 +139,10 @@ class LlamaModel(nn.Module):
             hidden, residual = layer(hidden, residual, rotary, kv_cache, attn_metadata)
             if not self.defer_residual_add:
                 hidden, residual = hidden + residual, None
-        if residual is None:
-            return self.norm(hidden)
-        return self.norm.add_and_norm(hidden, residual)[0]
+        out = self.norm(hidden) if residual is None else self.norm.add_and_norm(hidden, residual)[0]
+        if not isinstance(out, torch.Tensor):   # only norms read by an FP8 layer quantize; the LM head is not one
+            raise TypeError("the final norm returned a quantized activation")
+        return out
 
 
 class LlamaForCausalLM(CausalLM):
