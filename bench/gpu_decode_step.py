@@ -80,8 +80,8 @@ VARIANTS = [
     Variant("before (all off)", False, False, False, "kernel", 64),
     Variant("+ residual add in the norm", True, False, False, "kernel", 64),
     Variant("+ rotary fused with the cache write", True, True, False, "kernel", 64),
-    Variant("+ rotary tables in one kernel", True, True, True, "kernel", 64),
-    Variant("+ fused split merge (all on, defaults)", True, True, True, "fused", 64),
+    Variant("+ rotary tables in one kernel (the defaults)", True, True, True, "kernel", 64),
+    Variant("+ fused split merge (all on)", True, True, True, "fused", 64),
     Variant("all on, split >= 128 keys", True, True, True, "fused", 128),
     Variant("all on, split >= 256 keys", True, True, True, "fused", 256),
 ]

@@ -170,6 +170,9 @@ class KvfleetBench:
                            quantization=getattr(args, "quantization", None))
         t = time.monotonic()
         self.engine = engine = LLMEngine(cfg)
+        # the server's warm-up too (every step shape, so no kernel compiles inside a timed run), as vLLM's
+        # LLM() compiles and warms up before generate(); counted in init_s, as vLLM's is
+        self.warmup = engine.warm_up()
         self.init_s = time.monotonic() - t
         self.cuda = engine.device.type == "cuda"
         for i, r in enumerate(warm):
@@ -234,7 +237,8 @@ class KvfleetBench:
             tpot.append(b)
         stats = engine.stats()
         res: dict[str, Any] = {
-            "wall_s": wall, "init_s": self.init_s, "max_model_len": self.max_model_len,
+            "wall_s": wall, "init_s": self.init_s, "warmup_s": self.warmup.seconds,
+            "warmup_triton_compiles": self.warmup.triton_compiles, "max_model_len": self.max_model_len,
             "requests_with_wrong_length": short,
             "ttft_ms": _ms(percentiles(ttft)), "tpot_ms": _ms(percentiles(tpot)),
             "kv_blocks_total": stats["kv_blocks_total"], "kv_block_size": block_size,

@@ -51,8 +51,10 @@ MERGES = ("fused", "kernel")
 
 
 def _merge_from_env() -> str:
-    """KVFLEET_DECODE_MERGE: "fused" (default: the last split program merges) or "kernel" (a second launch)."""
-    raw = os.environ.get("KVFLEET_DECODE_MERGE", "").strip() or "fused"
+    """KVFLEET_DECODE_MERGE: "kernel" (default: a second launch merges the splits) or "fused" (the last split
+    program merges). On the H200 (issue 16, lease 3) the fused merge was slower: 10.98 against 7.84 us a layer
+    at batch 1, and the engine's graph step 5.04 against 4.89 ms (bench/results/issue16/lease3/decode_step.txt)."""
+    raw = os.environ.get("KVFLEET_DECODE_MERGE", "").strip() or "kernel"
     if raw not in MERGES:
         fail("KVFLEET_DECODE_MERGE", f"expected one of {MERGES}, got {raw!r}")
     return raw
