@@ -218,6 +218,15 @@ class ClusterSetup:
         self.operator.stop()
 
 
+def pin_apart(engine_pid: int, cpu: int) -> None:
+    """The engine's threads on `cpu`; this process, and so the gateways and the flood started after, on the rest."""
+    others = set(os.sched_getaffinity(0)) - {cpu}
+    if cpu not in os.sched_getaffinity(0) or not others:
+        raise SystemExit(f"--engine-cpu {cpu}: needs that CPU and at least one other in this process's affinity")
+    subprocess.run(["taskset", "-a", "-c", "-p", str(cpu), str(engine_pid)], check=True, capture_output=True)
+    os.sched_setaffinity(0, others)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--label", default="local")
@@ -233,6 +242,9 @@ def main() -> int:
     parser.add_argument("--flood-nice", type=int, default=0,
                         help="nice the flood's client process (it stands for remote clients; on one machine its CPU "
                              "comes out of the server's)")
+    parser.add_argument("--engine-cpu", type=int, default=None,
+                        help="pin the engine (all its threads) to this CPU and everything else (gateway, clients) to "
+                             "the others, as an engine pod with its own cores would be (not with --on-cluster)")
     parser.add_argument("--on-cluster", action="store_true",
                         help="on the local cluster (make cluster-up): Tenants, a shared ModelDeployment, an engine pod")
     parser.add_argument("--out", type=Path)
@@ -250,6 +262,8 @@ def main() -> int:
         model = make_tiny_model("llama", tmp / "models", max_position_embeddings=1024)
         engines = start_engines(Path(model), tmp, 1, "--max-model-len", "1024", "--max-num-seqs",
                                 str(args.max_num_seqs), timeout=600)
+        if args.engine_cpu is not None:
+            pin_apart(engines[0].proc.pid, args.engine_cpu)
 
         def make_gateway(name: str, fairness: str) -> GatewayProcess:
             return static_gateway(name, engines[0], args, tmp, fairness)
