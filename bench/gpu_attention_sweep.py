@@ -44,6 +44,7 @@ import torch.nn.functional as F  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from kvfleet.engine.attention import build_attention_metadata  # noqa: E402
+from kvfleet.engine.bench.decode_probe import median_cuda_ms  # noqa: E402
 from kvfleet.engine.kernels import reshape_and_cache  # noqa: E402
 from kvfleet.engine.kernels.prefill_attention import prefill_attention, prefill_work  # noqa: E402
 from kvfleet.engine.kernels.prefill_attention_v2 import default_tile_v2, prefill_attention_v2  # noqa: E402
@@ -82,18 +83,7 @@ CASES: list[tuple[str, list[int], list[int]]] = [
 
 
 def bench_ms(fn: Callable[[], Any], iters: int = 20) -> float:
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return sorted(times)[len(times) // 2]
+    return median_cuda_ms(fn, iters)
 
 
 def causal_flops(q_lens: list[int], ctx: list[int]) -> float:

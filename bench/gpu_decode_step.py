@@ -31,13 +31,11 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import math
 import os
 import sys
 import tempfile
 import time
-import traceback
 from pathlib import Path
 from typing import Any, Callable
 
@@ -55,15 +53,17 @@ from kvfleet.engine.kernels.rotary import apply_rotary_cos_sin  # noqa: E402
 from kvfleet.engine.kernels.rotary_cache import rotary_and_cache  # noqa: E402
 from kvfleet.engine.models import layers  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gpu_report import GpuReport  # noqa: E402
+
 DEV = torch.device("cpu" if DRY else "cuda")
+RUN = GpuReport(on_cuda=DEV.type == "cuda")
 BF16 = torch.bfloat16
 LAYERS = 2 if DRY else 32
 CTX = 64 if DRY else 1024
 BATCHES = (1, 4) if DRY else (1, 4, 16)
 MAX_MODEL_LEN = 8192 + 512 + 64   # as gpu_profile_issue16.py's engine: the graphs' split count follows it
 HQ, HKV, D, BLOCK = 32, 8, 128, 16
-REPORT: dict[str, Any] = {}
-LINES: list[str] = []
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,27 +87,7 @@ VARIANTS = [
 ]
 
 
-def say(line: str) -> None:
-    LINES.append(line)
-    print(line, flush=True)
-
-
-def section(name: str) -> Callable[[Callable[[], Any]], Callable[[], None]]:
-    def wrap(fn: Callable[[], Any]) -> Callable[[], None]:
-        def run() -> None:
-            t = time.monotonic()
-            say(f"\n=== {name}")
-            try:
-                REPORT[name] = fn()
-            except Exception as e:  # noqa: BLE001 - the next section still runs
-                REPORT[name] = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-3000:]}
-                say(f"FAILED: {type(e).__name__}: {e}")
-            say(f"({name}: {time.monotonic() - t:.1f} s)")
-            if DEV.type == "cuda":
-                torch.cuda.empty_cache()
-        run.__name__ = fn.__name__
-        return run
-    return wrap
+say, section = RUN.say, RUN.section
 
 
 def graph_us_per_call(calls: list[Callable[[], Any]], iters: int = 20) -> float:
@@ -339,9 +319,8 @@ def main() -> int:
     for fn in (decode_attention, cache_write, engine_variants):
         if not only or any(w in fn.__name__ for w in only):
             fn()
-    (out / "decode_step.json").write_text(json.dumps(REPORT, indent=1, default=str) + "\n")
-    (out / "decode_step.txt").write_text("\n".join(LINES) + "\n")
-    failed = [k for k, val in REPORT.items() if isinstance(val, dict) and "error" in val]
+    RUN.write(out, "decode_step")
+    failed = RUN.failed()
     print(f"written to {out}; failed sections: {failed or 'none'}")
     return 0
 

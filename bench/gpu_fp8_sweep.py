@@ -41,6 +41,8 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gpu_report import GpuReport  # noqa: E402
+
 from kvfleet.engine.bench.decode_probe import median_cuda_ms  # noqa: E402
 from kvfleet.engine.kernels.fp8_gemm import Fp8GemmConfig, default_config, fp8_gemm, num_sms  # noqa: E402
 from kvfleet.engine.kernels.fp8_quant import per_token_quant_fp8  # noqa: E402
@@ -57,12 +59,8 @@ MAX_COPIES = 16
 ITERS = 20
 BUDGET_S = float(os.environ.get("SWEEP_BUDGET_S", "80"))
 T0 = time.monotonic()
-LINES: list[str] = []
-
-
-def say(line: str) -> None:
-    LINES.append(line)
-    print(line, flush=True)
+RUN = GpuReport(on_cuda=DEV.type == "cuda")
+say = RUN.say
 
 
 def scaled(n: int) -> int:
@@ -327,7 +325,7 @@ def write(out: Path, report: dict[str, Any]) -> None:
     except Exception as e:  # noqa: BLE001 - the rows are written regardless
         report["summary"] = {"error": f"{type(e).__name__}: {e}"}
     (out / "fp8_sweep.json").write_text(json.dumps(report, indent=1, default=str) + "\n")
-    (out / "fp8_sweep.txt").write_text("\n".join(LINES) + "\n")
+    (out / "fp8_sweep.txt").write_text("\n".join(RUN.lines) + "\n")
 
 
 def main() -> int:

@@ -24,12 +24,10 @@ the others:
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import sys
 import time
-import traceback
 from pathlib import Path
 from typing import Any, Callable
 
@@ -43,10 +41,12 @@ import torch.nn.functional as F  # noqa: E402
 from kvfleet.engine.attention import build_attention_metadata, torch_paged_attention  # noqa: E402
 from kvfleet.engine.bench.decode_probe import median_cuda_ms  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gpu_report import GpuReport  # noqa: E402
+
 DEV = torch.device("cpu" if DRY else "cuda")
+RUN = GpuReport(on_cuda=DEV.type == "cuda")
 BF16 = torch.bfloat16
-REPORT: dict[str, Any] = {}
-LINES: list[str] = []
 
 
 def S(n: int) -> int:
@@ -68,27 +68,7 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return float((o - r).norm() / r.norm().clamp_min(1e-30))
 
 
-def say(line: str) -> None:
-    LINES.append(line)
-    print(line, flush=True)
-
-
-def section(name: str) -> Callable[[Callable[[], Any]], Callable[[], None]]:
-    def wrap(fn: Callable[[], Any]) -> Callable[[], None]:
-        def run() -> None:
-            t = time.monotonic()
-            say(f"\n=== {name}")
-            try:
-                REPORT[name] = fn()
-            except Exception as e:  # noqa: BLE001 - the next section still runs
-                REPORT[name] = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-3000:]}
-                say(f"FAILED: {type(e).__name__}: {e}")
-            say(f"({name}: {time.monotonic() - t:.1f} s)")
-            if DEV.type == "cuda":
-                torch.cuda.empty_cache()
-        run.__name__ = fn.__name__
-        return run
-    return wrap
+say, section = RUN.say, RUN.section
 
 
 @section("ceilings")
@@ -404,9 +384,8 @@ def main() -> int:
     for fn in (ceilings, prefill_attention_bench, fp8_linear_bench, engine_profile):
         if not only or any(w in fn.__name__ for w in only):
             fn()
-    (out / "profile.json").write_text(json.dumps(REPORT, indent=1, default=str) + "\n")
-    (out / "profile.txt").write_text("\n".join(LINES) + "\n")
-    failed = [k for k, v in REPORT.items() if isinstance(v, dict) and "error" in v]
+    RUN.write(out, "profile")
+    failed = RUN.failed()
     print(f"profile written to {out}; failed sections: {failed or 'none'}")
     return 0
 

@@ -137,3 +137,11 @@ def check_paged_attention_args(q: torch.Tensor, out: torch.Tensor, kv_cache: tor
     if not (query_start_loc.shape[0] == batch + 1):
         fail("query_start_loc", f"length must be B+1 = {batch + 1}")
     return block_size, hkv, d, hq, batch
+
+
+def check_prefill_work(work: torch.Tensor, device: torch.device) -> int:
+    """The checks on a prefill kernel's ``prefill_work`` list; -> its number of (sequence, query tile) pairs."""
+    check_tensor("work", work, ndim=2, dtype=torch.int32, device=device)
+    if not (work.shape[1] == 2):
+        fail("work", f"expected [n, 2] (sequence, tile), got {tuple(work.shape)}")
+    return int(work.shape[0])

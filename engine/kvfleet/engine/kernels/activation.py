@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from ._common import SUPPORTED_DTYPES, check_tensor, fail, next_pow2
-from .fp8_quant import MIN_SCALE, QuantizedActivation, finish, fp8_out_buffers
+from .fp8_quant import MIN_SCALE, QuantizedActivation, e4m3_scale, finish, fp8_out_buffers, to_e4m3
 
 _SINGLE_PASS_MAX = 16384   # a row up to this many columns is held in registers (Llama-8B's intermediate: 14336)
 _LOOP_BLOCK = 4096
@@ -94,22 +94,17 @@ def _silu_mul_quant_kernel(
     if SINGLE_PASS:
         mask = cols < n_cols
         y = _silu_mul_row(x_row, cols, mask, n_cols)
-        scale = tl.maximum(tl.max(tl.abs(y), 0) / 448.0, min_scale)
-        q = tl.minimum(tl.maximum(y / scale, -448.0), 448.0)
-        if not CAST_IN_TORCH:
-            q = q.to(q_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
-        tl.store(q_row + cols, q, mask=mask)
+        scale = e4m3_scale(tl.max(tl.abs(y), 0), min_scale)
+        tl.store(q_row + cols, to_e4m3(y, scale, q_ptr, CAST_IN_TORCH), mask=mask)
     else:   # the row twice: its amax, then the values (recomputed: cheaper than a round trip through memory)
         amax = tl.zeros([BLOCK], dtype=tl.float32)
         for start in range(0, n_cols, BLOCK):
             mask = start + cols < n_cols
             amax = tl.maximum(amax, tl.abs(_silu_mul_row(x_row, start + cols, mask, n_cols)))
-        scale = tl.maximum(tl.max(amax, 0) / 448.0, min_scale)
+        scale = e4m3_scale(tl.max(amax, 0), min_scale)
         for start in range(0, n_cols, BLOCK):
             mask = start + cols < n_cols
-            q = tl.minimum(tl.maximum(_silu_mul_row(x_row, start + cols, mask, n_cols) / scale, -448.0), 448.0)
-            if not CAST_IN_TORCH:
-                q = q.to(q_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
+            q = to_e4m3(_silu_mul_row(x_row, start + cols, mask, n_cols), scale, q_ptr, CAST_IN_TORCH)
             tl.store(q_row + start + cols, q, mask=mask)
     tl.store(s_ptr + row, scale)
 

@@ -66,6 +66,22 @@ def finish(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> Quantize
 
 
 @triton.jit
+def e4m3_scale(amax, min_scale):
+    """A row's scale from its largest magnitude: ``max(amax / 448, min_scale)``."""
+    return tl.maximum(amax / 448.0, min_scale)
+
+
+@triton.jit
+def to_e4m3(y, scale, q_ptr, CAST_IN_TORCH: tl.constexpr):
+    """``clamp(y / scale, -448, 448)``, rounded to E4M3 on the GPU (kept float32 for PyTorch to cast when
+    interpreted: ``CAST_IN_TORCH``)."""
+    q = tl.minimum(tl.maximum(y / scale, -448.0), 448.0)
+    if not CAST_IN_TORCH:
+        q = q.to(q_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
+    return q
+
+
+@triton.jit
 def _per_token_quant_kernel(
     x_ptr, q_ptr, s_ptr, stride_x, stride_q, n_cols, min_scale,
     BLOCK: tl.constexpr, SINGLE_PASS: tl.constexpr, CAST_IN_TORCH: tl.constexpr,
@@ -77,25 +93,19 @@ def _per_token_quant_kernel(
     if SINGLE_PASS:
         mask = cols < n_cols
         x = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
-        scale = tl.maximum(tl.max(tl.abs(x), 0) / 448.0, min_scale)
-        q = tl.minimum(tl.maximum(x / scale, -448.0), 448.0)
-        if not CAST_IN_TORCH:
-            q = q.to(q_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
-        tl.store(q_row + cols, q, mask=mask)
+        scale = e4m3_scale(tl.max(tl.abs(x), 0), min_scale)
+        tl.store(q_row + cols, to_e4m3(x, scale, q_ptr, CAST_IN_TORCH), mask=mask)
     else:
         amax = tl.zeros([BLOCK], dtype=tl.float32)
         for start in range(0, n_cols, BLOCK):
             mask = start + cols < n_cols
             x = tl.load(x_row + start + cols, mask=mask, other=0.0).to(tl.float32)
             amax = tl.maximum(amax, tl.abs(x))
-        scale = tl.maximum(tl.max(amax, 0) / 448.0, min_scale)
+        scale = e4m3_scale(tl.max(amax, 0), min_scale)
         for start in range(0, n_cols, BLOCK):
             mask = start + cols < n_cols
             x = tl.load(x_row + start + cols, mask=mask, other=0.0).to(tl.float32)
-            q = tl.minimum(tl.maximum(x / scale, -448.0), 448.0)
-            if not CAST_IN_TORCH:
-                q = q.to(q_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
-            tl.store(q_row + start + cols, q, mask=mask)
+            tl.store(q_row + start + cols, to_e4m3(x, scale, q_ptr, CAST_IN_TORCH), mask=mask)
     tl.store(s_ptr + row, scale)
 
 
@@ -106,9 +116,7 @@ def per_token_quant_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if x.stride(1) != 1:
         fail("x", "its last dimension must be contiguous")
     rows, n_cols = x.shape
-    cast_in_torch = interpret_mode()
-    q = torch.empty((rows, n_cols), dtype=torch.float32 if cast_in_torch else FP8_DTYPE, device=x.device)
-    scale = torch.empty((rows, 1), dtype=torch.float32, device=x.device)
+    q, scale, cast_in_torch = fp8_out_buffers(rows, n_cols, x.device)
     if rows == 0 or n_cols == 0:
         return q.to(FP8_DTYPE), scale.fill_(MIN_SCALE)
     single = n_cols <= _SINGLE_PASS_MAX

@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import check_paged_attention_args, check_tensor, dot_precision, fail, next_pow2, upcast_dots
+from ._common import check_paged_attention_args, check_prefill_work, dot_precision, fail, next_pow2, upcast_dots
 
 LOG2E = 1.4426950408889634
 
@@ -150,10 +150,7 @@ def prefill_attention(
     if block_m is None:
         block_m = default_block_m(max_query_len, q.dtype)
     if work is not None:
-        check_tensor("work", work, ndim=2, dtype=torch.int32, device=q.device)
-        if not (work.shape[1] == 2):
-            fail("work", f"expected [n, 2] (sequence, tile), got {tuple(work.shape)}")
-        if work.shape[0] == 0:
+        if check_prefill_work(work, q.device) == 0:
             return out
         grid: tuple[int, ...] = (work.shape[0], hq)
     else:

@@ -31,6 +31,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ._common import (
     check_paged_attention_args,
+    check_prefill_work,
     check_tensor,
     dot_precision,
     fail,
@@ -289,10 +290,7 @@ def prefill_attention_v2(
                 fail(name, f"expected shape {(q.shape[0], hkv, d)}, got {tuple(t.shape)}")
     num_tiles = triton.cdiv(max_query_len, block_m)
     if work is not None:
-        check_tensor("work", work, ndim=2, dtype=torch.int32, device=q.device)
-        if not (work.shape[1] == 2):
-            fail("work", f"expected [n, 2] (sequence, tile), got {tuple(work.shape)}")
-        if work.shape[0] == 0:
+        if check_prefill_work(work, q.device) == 0:
             return out
         programs = work.shape[0] * hq
     else:

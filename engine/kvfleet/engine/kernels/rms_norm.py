@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from ._common import SUPPORTED_DTYPES, check_tensor, fail, next_pow2
-from .fp8_quant import MIN_SCALE, QuantizedActivation, finish, fp8_out_buffers
+from .fp8_quant import MIN_SCALE, QuantizedActivation, e4m3_scale, finish, fp8_out_buffers, to_e4m3
 
 
 @triton.jit
@@ -43,11 +43,8 @@ def _rms_norm_kernel(
     y = normed.to(tl.float32) * w.to(tl.float32)
     if QUANT:   # per-token E4M3 of the model-dtype output (fp8_quant's arithmetic)
         y = y.to(x.dtype).to(tl.float32)
-        scale = tl.maximum(tl.max(tl.abs(y), 0) / 448.0, min_scale)
-        q = tl.minimum(tl.maximum(y / scale, -448.0), 448.0)
-        if not CAST_IN_TORCH:
-            q = q.to(q_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
-        tl.store(q_ptr + row * stride_q + cols, q, mask=mask)
+        scale = e4m3_scale(tl.max(tl.abs(y), 0), min_scale)
+        tl.store(q_ptr + row * stride_q + cols, to_e4m3(y, scale, q_ptr, CAST_IN_TORCH), mask=mask)
         tl.store(s_ptr + row, scale)
     else:
         tl.store(out_ptr + row * stride_o + cols, y.to(out_ptr.dtype.element_ty), mask=mask)

@@ -26,6 +26,24 @@ def build_cos_sin_cache(inv_freq: torch.Tensor, max_positions: int, device: torc
 
 
 @triton.jit
+def rotated(p, mask, cos, sin, HALF: tl.constexpr):
+    """The rotated halves (x1 cos - x2 sin, x2 cos + x1 sin) of the heads ``[x1 | x2]`` at ``p``, in their dtype."""
+    x1 = tl.load(p, mask=mask, other=0.0)
+    x2 = tl.load(p + HALF, mask=mask, other=0.0)
+    a, b = x1.to(tl.float32), x2.to(tl.float32)
+    return (a * cos - b * sin).to(x1.dtype), (b * cos + a * sin).to(x1.dtype)
+
+
+@triton.jit
+def rotate_in_place(p, mask, cos, sin, HALF: tl.constexpr):
+    """`rotated`, stored back at ``p``; returns the halves too."""
+    r1, r2 = rotated(p, mask, cos, sin, HALF)
+    tl.store(p, r1, mask=mask)
+    tl.store(p + HALF, r2, mask=mask)
+    return r1, r2
+
+
+@triton.jit
 def _rotary_kernel(
     pos_ptr, q_ptr, k_ptr, cos_ptr, sin_ptr,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_cos, stride_sin,
@@ -44,20 +62,9 @@ def _rotary_kernel(
     h = tl.arange(0, H_PAD)
 
     qmask = (h[:, None] < HQ) & jmask[None, :]
-    qp = q_ptr + t * stride_qt + h[:, None] * stride_qh + j[None, :]
-    x1 = tl.load(qp, mask=qmask, other=0.0)
-    x2 = tl.load(qp + HALF, mask=qmask, other=0.0)
-    a, b = x1.to(tl.float32), x2.to(tl.float32)
-    tl.store(qp, (a * cos - b * sin).to(x1.dtype), mask=qmask)
-    tl.store(qp + HALF, (b * cos + a * sin).to(x1.dtype), mask=qmask)
-
+    rotate_in_place(q_ptr + t * stride_qt + h[:, None] * stride_qh + j[None, :], qmask, cos, sin, HALF)
     kmask = (h[:, None] < HK) & jmask[None, :]
-    kp = k_ptr + t * stride_kt + h[:, None] * stride_kh + j[None, :]
-    y1 = tl.load(kp, mask=kmask, other=0.0)
-    y2 = tl.load(kp + HALF, mask=kmask, other=0.0)
-    c, e = y1.to(tl.float32), y2.to(tl.float32)
-    tl.store(kp, (c * cos - e * sin).to(y1.dtype), mask=kmask)
-    tl.store(kp + HALF, (e * cos + c * sin).to(y1.dtype), mask=kmask)
+    rotate_in_place(k_ptr + t * stride_kt + h[:, None] * stride_kh + j[None, :], kmask, cos, sin, HALF)
 
 
 def check_qk(q: torch.Tensor, k: torch.Tensor) -> None:

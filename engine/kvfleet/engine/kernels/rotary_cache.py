@@ -20,7 +20,7 @@ import triton.language as tl
 
 from ._common import SUPPORTED_DTYPES, check_tensor, fail, next_pow2
 from .reshape_and_cache import reshape_and_cache_ref
-from .rotary import check_qk
+from .rotary import check_qk, rotate_in_place, rotated
 
 
 @triton.jit
@@ -57,35 +57,22 @@ def _rotary_cache_kernel(
 
     hq = tl.arange(0, HQ_PAD)
     qmask = (hq[:, None] < HQ) & jmask[None, :]
-    qp = q_ptr + t * stride_qt + hq[:, None] * stride_qh + j[None, :]
-    x1 = tl.load(qp, mask=qmask, other=0.0)
-    x2 = tl.load(qp + HALF, mask=qmask, other=0.0)
-    a, b = x1.to(tl.float32), x2.to(tl.float32)
-    tl.store(qp, (a * cos - b * sin).to(x1.dtype), mask=qmask)
-    tl.store(qp + HALF, (b * cos + a * sin).to(x1.dtype), mask=qmask)
+    rotate_in_place(q_ptr + t * stride_qt + hq[:, None] * stride_qh + j[None, :], qmask, cos, sin, HALF)
 
     slot = tl.load(slot_ptr + t).to(tl.int64)
     hk = tl.arange(0, HK_PAD)
     kmask = (hk[:, None] < HK) & jmask[None, :]
     kp = k_ptr + t * stride_kt + hk[:, None] * stride_kh + j[None, :]
     if ROTATE_K:   # k rotated in place too (every row, as q), for a reader of the step's keys besides the cache
-        y1 = tl.load(kp, mask=kmask, other=0.0)
-        y2 = tl.load(kp + HALF, mask=kmask, other=0.0)
-        c, e = y1.to(tl.float32), y2.to(tl.float32)
-        r1, r2 = (c * cos - e * sin).to(y1.dtype), (e * cos + c * sin).to(y1.dtype)
-        tl.store(kp, r1, mask=kmask)
-        tl.store(kp + HALF, r2, mask=kmask)
+        r1, r2 = rotate_in_place(kp, kmask, cos, sin, HALF)
         if slot >= 0:
             _store_kv(cache_ptr, slot, r1, r2, v_ptr, t, hk, j, kmask, stride_vt, stride_vh,
                       stride_c_kv, stride_c_blk, stride_c_slot, stride_c_head, HK, HALF, HEAD_DIM, D_PAD, BLOCK_SIZE)
     else:
         if slot >= 0:
-            y1 = tl.load(kp, mask=kmask, other=0.0)
-            y2 = tl.load(kp + HALF, mask=kmask, other=0.0)
-            c, e = y1.to(tl.float32), y2.to(tl.float32)
-            _store_kv(cache_ptr, slot, (c * cos - e * sin).to(y1.dtype), (e * cos + c * sin).to(y1.dtype), v_ptr,
-                      t, hk, j, kmask, stride_vt, stride_vh, stride_c_kv, stride_c_blk, stride_c_slot,
-                      stride_c_head, HK, HALF, HEAD_DIM, D_PAD, BLOCK_SIZE)
+            r1, r2 = rotated(kp, kmask, cos, sin, HALF)
+            _store_kv(cache_ptr, slot, r1, r2, v_ptr, t, hk, j, kmask, stride_vt, stride_vh, stride_c_kv,
+                      stride_c_blk, stride_c_slot, stride_c_head, HK, HALF, HEAD_DIM, D_PAD, BLOCK_SIZE)
 
 
 def rotary_and_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
