@@ -11,6 +11,8 @@
 #   profile           bench/gpu_profile_issue16.py: prefill attention at long contexts (our kernel's tiles
 #                     against torch's flash SDPA), decode step at batch 1 against its floor, one long-prompt
 #                     step and one batch-1 decode step under torch.profiler, Triton compiles after warm-up (~1.5)
+#   host-profile      bench/gpu_host_profile.py: host time against GPU time of eager mixed/prefill forwards
+#                     per prefill kernel, launch costs, cProfile of a mixed forward (~1.5)
 #   kv-llama          kvfleet offline, Llama-3.1-8B: the 2 public workloads + the 3 classes, one engine (~2.5)
 #   vllm-llama        vLLM offline, same (~3.5; vLLM starts in ~1 min)
 #   kv-qwen vllm-qwen the same for Qwen3-0.6B, public workloads only (~1 / ~2)
@@ -107,6 +109,9 @@ wheels)
 profile)
   step profile 180 env $KV_ENV $PY bench/gpu_profile_issue16.py "$RUNS/profile"
   cp "$RUNS/profile/profile.txt" "$OUT/" 2>/dev/null ;;
+host-profile)
+  step host-profile 200 env $KV_ENV $PY bench/gpu_host_profile.py "$RUNS/host-profile"
+  cp "$RUNS/host-profile/host_profile.txt" "$OUT/" 2>/dev/null ;;
 kv-llama) offline kvfleet "$LLAMA" 240 $WORKLOADS_LLAMA ;;
 vllm-llama) need_vllm "$s" && offline vllm "$LLAMA" 330 $WORKLOADS_LLAMA ;;
 kv-qwen) offline kvfleet "$QWEN" 120 $WORKLOADS_QWEN ;;
