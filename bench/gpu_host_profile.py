@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import cProfile
 import io
+import logging
 import os
 import pstats
 import sys
@@ -102,8 +103,12 @@ def _engine(model: str) -> Any:
     cfg = EngineConfig(model=model, load_format="dummy", dtype="bfloat16", device=DEV.type,
                        max_model_len=4096, max_num_seqs=64, max_num_batched_tokens=8192,
                        num_kv_blocks=2048 if DRY else None, gpu_memory_utilization=0.5)
+    t = time.monotonic()
     eng = LLMEngine(cfg)
-    eng.warm_up()
+    init_s = time.monotonic() - t
+    w = eng.warm_up()
+    say(f"engine init {init_s:.1f} s (KVFLEET_MIXED_CUDA_GRAPHS={os.environ.get('KVFLEET_MIXED_CUDA_GRAPHS', '')!r}), "
+        f"warm-up {w.seconds:.2f} s")
     return eng
 
 
@@ -178,6 +183,30 @@ def forwards() -> dict[str, Any]:
                 res[f"{name} [{kernel}]"] = t
                 say(f"{name:24s} [{kernel:8s}] host {t['host_ms']:7.2f} ms   GPU {t['gpu_ms']:7.2f} ms")
         triton_backend.PREFILL_KERNEL = "v2"
+        # the same steps replayed from captured graphs (kvfleet.engine.mixed_graphs), through the executor
+        executor = runner.executor
+        graphs = executor.graphs
+        res["mixed_graph_buckets"] = graphs.mixed.sizes if graphs is not None and graphs.mixed is not None else []
+        for name, (d, ctx, p) in cases.items():
+            if p == 0:
+                continue
+            md0, ids, pos = _step_inputs(eng, d, ctx, p)
+            if not (graphs is not None and graphs.can_run(ids.shape[0], md0)):
+                say(f"{name:24s} [graph   ] not capturable here")
+                continue
+            t = _time_forward(lambda i, q, k, m: executor.forward(i, q, k, m), kv,
+                              lambda d=d, ctx=ctx, p=p: _step_inputs(eng, d, ctx, p)[0], ids, pos, iters)
+            res[f"{name} [graph]"] = t
+            say(f"{name:24s} [graph   ] host {t['host_ms']:7.2f} ms   GPU {t['gpu_ms']:7.2f} ms")
+            # the replay against the eager forward on the same inputs: hidden rows and their greedy tokens
+            eager = model(ids, pos, kv, _step_inputs(eng, d, ctx, p)[0]).float()
+            replay = executor.forward(ids, pos, kv, _step_inputs(eng, d, ctx, p)[0]).float()
+            err = ((replay - eager).norm() / eager.norm()).item()
+            le, lr = executor.compute_logits(eager.to(BF16)), executor.compute_logits(replay.to(BF16))
+            same = (le.argmax(-1) == lr.argmax(-1)).float().mean().item()
+            res[f"{name} [graph] vs eager"] = {"rel_err": err, "greedy_agree": same}
+            say(f"{name:24s} graph vs eager: hidden rel err {err:.2e}, "
+                f"greedy tokens equal on {100 * same:.1f} % of rows")
         md, ids, pos = _step_inputs(eng, *MIXED)
         if DEV.type == "cuda":   # implicit host syncs inside the forward
             import warnings
@@ -222,6 +251,8 @@ def forwards() -> dict[str, Any]:
 def main() -> int:
     out = Path(sys.argv[1] if len(sys.argv) > 1 else "host-profile-out")
     out.mkdir(parents=True, exist_ok=True)
+    logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
+    logging.getLogger("kvfleet.engine.cuda_graphs").setLevel(logging.INFO)   # the captures' times and memory
     launch_costs()
     forwards()
     RUN.write(out, "host_profile")

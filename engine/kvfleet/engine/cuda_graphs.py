@@ -1,4 +1,4 @@
-"""CUDA graphs for decode steps.
+"""CUDA graphs for decode steps (and, through `kvfleet.engine.mixed_graphs`, for steps with prefill).
 
 At start, one graph of the model's forward is captured per padded batch size
 up to ``max_num_seqs``, largest first, all in one
@@ -6,7 +6,8 @@ memory pool, reading static input buffers. A decode step of ``n`` sequences
 copies its inputs into the buffers of the smallest bucket ``>= n`` (padding rows:
 slot -1 so nothing is written, context length 0 so nothing is read) and replays
 that graph: one launch instead of hundreds of kernel launches from Python.
-Mixed or prefill steps, and batches beyond the largest bucket, run eagerly.
+Batches beyond the largest bucket run eagerly; so do steps with prefill, unless the runner was built with
+captured mixed steps (`mixed_graphs.MixedGraphs`, sharing the pool), which then replay when they fit.
 
 Padded batch sizes: 1, 2, 4, 8, every 16 to 256, every 32 to 512, every 64 beyond.
 The model executors (``kvfleet.engine.model_executor``) capture it on CUDA and replay it through
@@ -19,13 +20,16 @@ import functools
 import logging
 import os
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from kvfleet.engine.attention.metadata import AttentionMetadata
 from kvfleet.engine.distributed import parallel_state
 from kvfleet.engine.models.base import CausalLM
+
+if TYPE_CHECKING:
+    from kvfleet.engine.mixed_graphs import MixedGraphs
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +57,18 @@ def tp_graph_mode() -> str:
     if raw not in modes:
         raise ValueError(f"KVFLEET_TP_CUDA_GRAPHS: '0', '1' or 'piecewise', got {raw!r}")
     return modes[raw]
+
+
+def mixed_graph_limit() -> int:
+    """KVFLEET_MIXED_CUDA_GRAPHS: the largest captured step in tokens (default 2048, 0 = none)."""
+    raw = os.environ.get("KVFLEET_MIXED_CUDA_GRAPHS", "").strip() or "2048"
+    try:
+        n = int(raw)
+    except ValueError:
+        n = -1
+    if n < 0 or n > 65536:
+        raise ValueError(f"KVFLEET_MIXED_CUDA_GRAPHS: expected a token count in [0, 65536], got {raw!r}")
+    return n
 
 
 def pick_bucket(sizes: list[int], n: int) -> int | None:
@@ -124,6 +140,7 @@ class CudaGraphRunner:
         self.graphs: dict[int, Any] = {}   # CUDAGraph or PiecewiseGraph, each with replay()
         self.outputs: dict[int, torch.Tensor] = {}
         self.pool: Any = None
+        self.mixed: MixedGraphs | None = None   # steps with prefill, captured after the decode graphs when set
 
     def _metadata(self, bs: int) -> AttentionMetadata:
         # max_seq_len = max_model_len fixes the decode kernel's split count for every replay
@@ -170,17 +187,31 @@ class CudaGraphRunner:
         used = free_before - torch.cuda.mem_get_info(self.device)[0]
         logger.info("captured %d decode CUDA graphs (batch %d..%d) in %.1fs, %.0f MiB",
                     len(self.graphs), self.sizes[0], self.sizes[-1], time.monotonic() - start, used / 2**20)
+        if self.mixed is not None and not piecewise:
+            start, free_before = time.monotonic(), torch.cuda.mem_get_info(self.device)[0]
+            self.pool = self.mixed.capture(self.pool, stream, capture_error_mode)
+            torch.cuda.synchronize(self.device)
+            used = free_before - torch.cuda.mem_get_info(self.device)[0]
+            logger.info("captured %d CUDA graphs of steps with prefill (%d..%d tokens) in %.1fs, %.0f MiB",
+                        len(self.mixed.graphs), self.mixed.sizes[0], self.mixed.sizes[-1],
+                        time.monotonic() - start, used / 2**20)
 
     def release(self) -> None:
         """Destroy the graphs now, whoever else still holds this runner: under tensor parallelism NCCL's
         teardown waits for every graph that captured its communicator."""
         self.graphs.clear()
         self.outputs.clear()
+        if self.mixed is not None:
+            self.mixed.graphs.clear()
+            self.mixed.outputs.clear()
+            self.mixed = None
         self.pool = None
         torch.cuda.synchronize(self.device)
 
     def can_run(self, num_tokens: int, attn_metadata: AttentionMetadata) -> bool:
         md = attn_metadata
+        if md.max_query_len > 1:
+            return self.mixed is not None and self.mixed.can_run(num_tokens, md)
         return (bool(self.graphs) and md.max_query_len == 1 and num_tokens == md.num_seqs
                 and num_tokens <= self.sizes[-1] and md.block_tables.shape[1] <= self.max_blocks
                 and md.max_seq_len <= self.max_model_len)
@@ -188,9 +219,14 @@ class CudaGraphRunner:
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
             attn_metadata: AttentionMetadata) -> torch.Tensor:
         n = input_ids.shape[0]
+        same_caches = kv_caches is self.kv_caches or all(
+            a.data_ptr() == b.data_ptr() for a, b in zip(kv_caches, self.kv_caches, strict=True))
+        if attn_metadata.max_query_len > 1 and self.mixed is not None:
+            if not same_caches:
+                raise ValueError("kv_caches: not the caches the graphs were captured over")
+            return self.mixed.run(input_ids, positions, attn_metadata)
         bs = pick_bucket(self.sizes, n)
-        if bs is None or kv_caches is not self.kv_caches and any(
-                a.data_ptr() != b.data_ptr() for a, b in zip(kv_caches, self.kv_caches, strict=True)):
+        if bs is None or not same_caches:
             raise ValueError("attn_metadata: batch not capturable (check can_run first) or KV cache replaced")
         md = attn_metadata
         width = md.block_tables.shape[1]
@@ -207,10 +243,20 @@ class CudaGraphRunner:
 
 
 def build_graph_runner(model: CausalLM, kv_caches: list[torch.Tensor], max_num_seqs: int, max_model_len: int,
-                       block_size: int, device: torch.device) -> CudaGraphRunner | None:
-    """Capture decode graphs on CUDA; None elsewhere (the runner then stays eager)."""
+                       block_size: int, device: torch.device, mixed_max_tokens: int = 0) -> CudaGraphRunner | None:
+    """Capture decode graphs on CUDA, and steps with prefill of up to `mixed_max_tokens` tokens (0: none; they
+    need the Triton attention backend); None elsewhere (the runner then stays eager)."""
     if device.type != "cuda":
         return None
     runner = CudaGraphRunner(model, kv_caches, max_num_seqs, max_model_len, block_size, device)
+    if mixed_max_tokens > 0:
+        from kvfleet.engine.attention.triton_backend import triton_paged_attention
+        from kvfleet.engine.mixed_graphs import MixedGraphs
+
+        if model.attention_fn is triton_paged_attention:
+            runner.mixed = MixedGraphs(model, kv_caches, mixed_max_tokens, max_num_seqs, max_model_len, block_size,
+                                       device)
+        else:
+            logger.info("steps with prefill run eagerly: captured ones need the Triton attention backend")
     runner.capture()
     return runner

@@ -39,8 +39,8 @@ class ModelExecutor(Protocol):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                 attn_metadata: AttentionMetadata, logit_rows: Sequence[int] = (), *,
                 eager: bool = False) -> torch.Tensor:
-        """The step's final hidden states [T, hidden]: a captured decode graph's replay when one fits
-        the batch (unless `eager`), else the eager forward. `logit_rows`: the rows whose logits the
+        """The step's final hidden states [T, hidden]: a captured graph's replay when one fits the step
+        (unless `eager`), else the eager forward. `logit_rows`: the rows whose logits the
         caller computes next (`compute_logits(hidden[rows])`): tensor-parallel workers compute theirs
         with the step, so that call then waits for no message."""
         ...
@@ -54,9 +54,10 @@ class ModelExecutor(Protocol):
         ...
 
     def capture_graphs(self, kv_caches: list[torch.Tensor], max_batch: int, max_model_len: int,
-                       block_size: int) -> None:
+                       block_size: int, mixed_max_tokens: int = 0) -> None:
         """Capture decode CUDA graphs over these caches (CUDA only; sets `graphs`, or leaves it None
-        where this executor runs decode eagerly)."""
+        where this executor runs decode eagerly), and steps with prefill of up to `mixed_max_tokens` tokens
+        where the executor supports them (`kvfleet.engine.mixed_graphs`)."""
         ...
 
     def free_cache(self) -> None:
@@ -93,8 +94,9 @@ class LocalExecutor:
         copy_blocks(kv_caches, src, dst)
 
     def capture_graphs(self, kv_caches: list[torch.Tensor], max_batch: int, max_model_len: int,
-                       block_size: int) -> None:
-        self.graphs = build_graph_runner(self.model, kv_caches, max_batch, max_model_len, block_size, self.device)
+                       block_size: int, mixed_max_tokens: int = 0) -> None:
+        self.graphs = build_graph_runner(self.model, kv_caches, max_batch, max_model_len, block_size, self.device,
+                                         mixed_max_tokens)
 
     def free_cache(self) -> None:
         pass

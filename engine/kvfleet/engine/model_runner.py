@@ -27,6 +27,7 @@ from kvfleet.engine.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
 from kvfleet.engine.core.request import Request
 from kvfleet.engine.core.runner_output import ModelRunnerOutput, PromptLogprob, SampleLogprobs
 from kvfleet.engine.core.scheduler import ScheduledRequest, SchedulerOutput
+from kvfleet.engine.cuda_graphs import mixed_graph_limit
 from kvfleet.engine.kv_cache import allocate_kv_cache
 from kvfleet.engine.model_config import ModelConfig
 from kvfleet.engine.model_executor import ModelExecutor, build_executor
@@ -192,7 +193,9 @@ class ModelRunner:
             # decode CUDA graphs over these KV tensors (kvfleet.engine.cuda_graphs); under tensor
             # parallelism every rank captures its own
             self.executor.capture_graphs(self.kv_caches, self.engine_config.max_num_seqs,
-                                         self.model_config.max_model_len, self.block_size)
+                                         self.model_config.max_model_len, self.block_size,
+                                         min(mixed_graph_limit(), self.engine_config.resolve_batched_tokens(
+                                             self.model_config.max_model_len, on_gpu=True)))
 
     # --- one step ------------------------------------------------------------------
     def release(self, request_ids: list[str]) -> None:

@@ -16,11 +16,17 @@ import functools
 import os
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from kvfleet.engine.attention.metadata import AttentionMetadata
 from kvfleet.engine.kernels.paged_decode import choose_num_splits, paged_decode_attention
-from kvfleet.engine.kernels.prefill_attention import default_block_m, prefill_attention, prefill_work
+from kvfleet.engine.kernels.prefill_attention import (
+    default_block_m,
+    prefill_attention,
+    prefill_work,
+    prefill_work_pairs,
+)
 from kvfleet.engine.kernels.prefill_attention_v2 import default_tile_v2, prefill_attention_v2, tma_applies
 from kvfleet.engine.kernels.reshape_and_cache import reshape_and_cache
 from kvfleet.engine.kernels.rotary import apply_rotary_cos_sin
@@ -81,6 +87,18 @@ class PrefillPlan(NamedTuple):
     work: torch.Tensor                 # the prefill kernel's work list
 
 
+def _prefill_tile(kernel: str, max_query_len: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
+    """The prefill kernel's tile for a step whose longest query is `max_query_len` tokens."""
+    if kernel != "v1":
+        tile = default_tile_v2(max_query_len, dtype)
+    else:
+        tile = (default_block_m(max_query_len, dtype), 64, 4, 2)
+    custom = prefill_tile(os.environ.get("KVFLEET_PREFILL_TILE", ""))
+    if custom is not None and max_query_len > 16:
+        tile = custom
+    return tile
+
+
 def _prefill_plan(md: AttentionMetadata, dtype: torch.dtype, device: torch.device) -> PrefillPlan:
     """The step's `PrefillPlan`, kept in `md.plans` for the other layers."""
     plan = md.plans.get("triton_prefill")
@@ -89,17 +107,57 @@ def _prefill_plan(md: AttentionMetadata, dtype: torch.dtype, device: torch.devic
     qsl = md.query_start_loc_cpu
     mixed = any(qsl[i + 1] - qsl[i] == 1 for i in range(len(qsl) - 1))
     kernel = PREFILL_KERNEL
-    if kernel != "v1":
-        tile = default_tile_v2(md.max_query_len, dtype)
-    else:
-        tile = (default_block_m(md.max_query_len, dtype), 64, 4, 2)
-    custom = prefill_tile(os.environ.get("KVFLEET_PREFILL_TILE", ""))
-    if custom is not None and md.max_query_len > 16:
-        tile = custom
+    tile = _prefill_tile(kernel, md.max_query_len, dtype)
     # v2 takes its work heaviest first (the sequences' key counts)
     work = prefill_work(qsl, tile[0], mixed, device, md.seq_lens_cpu if kernel != "v1" else None)
     md.plans["triton_prefill"] = plan = PrefillPlan(mixed, kernel, tile, work)
     return plan
+
+
+# a work entry that no program acts on: its query tile starts past every sequence's query (tile * BLOCK_M >= q_len)
+_IDLE_TILE = 1 << 20
+
+
+class CapturedPrefill:
+    """The prefill plan of captured mixed steps (`kvfleet.engine.mixed_graphs`): one tile for every step and a
+    work list of fixed capacity per token bucket, refilled before each replay from the step's host lists, the
+    unused entries idle. A captured step is always planned as mixed (the decode kernel runs after the prefill
+    one and finds nothing to do when no sequence decodes)."""
+
+    def __init__(self, max_tokens: int, max_prefill_seqs: int, dtype: torch.dtype, device: torch.device) -> None:
+        self.kernel = PREFILL_KERNEL
+        self.tile = _prefill_tile(self.kernel, max_tokens, dtype)
+        self.max_prefill_seqs = max_prefill_seqs
+        self.work = torch.zeros((self.capacity(max_tokens), 2), dtype=torch.int32, device=device)
+        self.work[:, 1] = _IDLE_TILE
+
+    def capacity(self, num_tokens: int) -> int:
+        """Work entries of a bucket of `num_tokens`: every tile of its tokens plus one partial tile per prompt."""
+        return -(-num_tokens // self.tile[0]) + self.max_prefill_seqs
+
+    def plan(self, num_tokens: int) -> PrefillPlan:
+        """The plan a bucket's graph is captured with (put it in the captured metadata's `plans`)."""
+        return PrefillPlan(True, self.kernel, self.tile, self.work[:self.capacity(num_tokens)])
+
+    def fits(self, md: AttentionMetadata, num_tokens: int) -> bool:
+        """Whether the step's work fits the bucket's list."""
+        qsl, bm = md.query_start_loc_cpu, self.tile[0]
+        lens = [qsl[i + 1] - qsl[i] for i in range(len(qsl) - 1)]
+        prompts = [n for n in lens if n > 1]
+        return len(prompts) <= self.max_prefill_seqs and sum(-(-n // bm) for n in prompts) <= self.capacity(num_tokens)
+
+    def load(self, md: AttentionMetadata, num_tokens: int) -> None:
+        """Write the step's work list (`fits` checked) into the bucket's entries, the rest idle; no host wait."""
+        cap = self.capacity(num_tokens)
+        rows = np.zeros((cap, 2), dtype=np.int32)
+        rows[:, 1] = _IDLE_TILE
+        pairs = prefill_work_pairs(md.query_start_loc_cpu, self.tile[0], True,
+                                   md.seq_lens_cpu if self.kernel != "v1" else None)
+        rows.reshape(-1)[:len(pairs)] = pairs
+        host = torch.from_numpy(rows)
+        if self.work.device.type == "cuda":
+            host = host.pin_memory()   # a pageable copy would wait for the previous step's kernels
+        self.work[:cap].copy_(host, non_blocking=True)
 
 
 def triton_paged_attention(

@@ -106,10 +106,11 @@ class TensorParallelExecutor:
         copy_blocks(kv_caches, src.to(self.device), dst.to(self.device))
 
     def capture_graphs(self, kv_caches: list[torch.Tensor], max_batch: int, max_model_len: int,
-                       block_size: int) -> None:
+                       block_size: int, mixed_max_tokens: int = 0) -> None:
         """Decode CUDA graphs on every rank: each captures the same batch sizes in the same order over
         its own shard and KV cache, so the all-reduces inside the graphs pair up at replay (or, with
-        KVFLEET_TP_CUDA_GRAPHS=piecewise, the eager all-reduces between the graphs' parts)."""
+        KVFLEET_TP_CUDA_GRAPHS=piecewise, the eager all-reduces between the graphs' parts). Steps with
+        prefill stay eager under tensor parallelism (`mixed_max_tokens` is not used)."""
         mode = tp_graph_mode()
         if mode == "eager":
             logger.info("tensor parallel: decode steps run eager (KVFLEET_TP_CUDA_GRAPHS=0)")

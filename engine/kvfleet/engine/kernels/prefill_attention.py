@@ -98,9 +98,10 @@ def default_block_m(max_query_len: int, dtype: torch.dtype) -> int:
     return 16 if max_query_len <= 16 else (64 if dtype != torch.float32 else 32)
 
 
-def prefill_work(query_start_loc_cpu: list[int], block_m: int, skip_decode: bool,
-                 device: torch.device | str, seq_lens_cpu: list[int] | None = None) -> torch.Tensor:
-    """int32 ``[n, 2]`` (sequence, query tile) pairs that have work, from the host copy of query_start_loc.
+def prefill_work_pairs(query_start_loc_cpu: list[int], block_m: int, skip_decode: bool,
+                       seq_lens_cpu: list[int] | None = None) -> list[int]:
+    """Flat ``[seq, tile, seq, tile, ...]``: the (sequence, query tile) pairs that have work, from the host copy
+    of query_start_loc (pure; `prefill_work` puts it on the device).
 
     With ``seq_lens_cpu`` the pairs come heaviest first (most keys to read: cached prefix plus the tile's
     causal span), so the longest programs of a causal prompt start first instead of last (v2's order)."""
@@ -116,8 +117,19 @@ def prefill_work(query_start_loc_cpu: list[int], block_m: int, skip_decode: bool
             q_len = query_start_loc_cpu[b + 1] - query_start_loc_cpu[b]
             return seq_lens_cpu[b] - q_len + min((t + 1) * block_m, q_len)
         pairs.sort(key=keys, reverse=True)   # stable: ties keep sequence order
-    flat = [x for pair in pairs for x in pair]
-    return torch.tensor(flat, dtype=torch.int32).view(-1, 2).to(device, non_blocking=True)
+    return [x for pair in pairs for x in pair]
+
+
+def prefill_work(query_start_loc_cpu: list[int], block_m: int, skip_decode: bool,
+                 device: torch.device | str, seq_lens_cpu: list[int] | None = None) -> torch.Tensor:
+    """int32 ``[n, 2]`` (sequence, query tile) pairs that have work (`prefill_work_pairs`) on ``device``. The copy
+    goes through pinned memory: one from pageable memory would wait for every kernel queued before it (with async
+    scheduling, the whole previous step)."""
+    flat = torch.tensor(prefill_work_pairs(query_start_loc_cpu, block_m, skip_decode, seq_lens_cpu),
+                        dtype=torch.int32).view(-1, 2)
+    if torch.device(device).type == "cpu":
+        return flat
+    return flat.pin_memory().to(device, non_blocking=True)
 
 
 def prefill_attention(

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from kvfleet.engine.attention import AttentionFn
 from kvfleet.engine.attention.metadata import AttentionMetadata
 from kvfleet.engine.model_config import ModelConfig
 
@@ -17,6 +18,7 @@ class CausalLM(nn.Module):
     sets both as defaults); under tensor parallelism it holds this rank's shard of every layer."""
 
     config: ModelConfig
+    attention_fn: AttentionFn   # the attention backend every layer calls (captured steps depend on which)
 
     def __init__(self, config: ModelConfig, device: str | torch.device = "cpu") -> None:
         super().__init__()

@@ -149,6 +149,7 @@ class LlamaForCausalLM(CausalLM):
     def __init__(self, cfg: ModelConfig, attention_fn: Any = None, device: str | torch.device = "cpu") -> None:
         super().__init__(cfg, device)
         attention_fn = attention_fn or get_attention_backend(device)
+        self.attention_fn = attention_fn
         self.model = LlamaModel(cfg, attention_fn)
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size)
         if cfg.tie_word_embeddings:
