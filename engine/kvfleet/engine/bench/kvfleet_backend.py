@@ -55,7 +55,7 @@ class StepTimers:
         self._originals = [(sched, "schedule", sched.schedule), (sched, "update_from_output", sched.update_from_output),
                            (runner, "execute", runner.execute), (runner, "launch", runner.launch),
                            (runner, "collect", runner.collect), (executor, "forward", executor.forward),
-                           (runner, "sampler", runner.sampler)]
+                           (executor, "compute_logits", executor.compute_logits), (runner, "sampler", runner.sampler)]
 
         def schedule(*a: Any, **kw: Any) -> Any:
             t = time.perf_counter()
@@ -73,6 +73,7 @@ class StepTimers:
             runner.launch = timed("execute", runner.launch)
             runner.collect = timed("wait", runner.collect)
         executor.forward = timed("forward", executor.forward, synced=sync_forward)
+        executor.compute_logits = timed("logits", executor.compute_logits, synced=sync_forward)
         runner.sampler = _TimedCallable(runner.sampler, self._cur, sync if sync_forward else (lambda: None))
         sched.update_from_output = timed("update", sched.update_from_output)
         self.batch = 0
@@ -98,13 +99,14 @@ class StepTimers:
         out = {}
         for kind, tot in self.totals.items():
             n = max(1.0, tot["steps"])
-            fwd, smp = tot.get("forward", 0.0), tot.get("sample", 0.0)
-            prep = tot.get("execute", 0.0) - fwd - smp
+            fwd, smp, lgt = tot.get("forward", 0.0), tot.get("sample", 0.0), tot.get("logits", 0.0)
+            prep = tot.get("execute", 0.0) - fwd - smp - lgt
             rest = (tot["step"] - tot.get("schedule", 0.0) - tot.get("execute", 0.0) - tot.get("wait", 0.0)
                     - tot.get("update", 0.0))
             out[kind] = {"steps": int(tot["steps"]), "mean_batch": tot["batch_sum"] / n,
                          "step_ms": 1e3 * tot["step"] / n, "schedule_ms": 1e3 * tot.get("schedule", 0.0) / n,
-                         "prepare_ms": 1e3 * prep / n, "forward_ms": 1e3 * fwd / n, "sample_ms": 1e3 * smp / n,
+                         "prepare_ms": 1e3 * prep / n, "forward_ms": 1e3 * fwd / n, "logits_ms": 1e3 * lgt / n,
+                         "sample_ms": 1e3 * smp / n,
                          "update_ms": 1e3 * tot.get("update", 0.0) / n, "outputs_ms": 1e3 * rest / n,
                          "wait_ms": 1e3 * tot.get("wait", 0.0) / n}
         return out
@@ -126,6 +128,23 @@ def _params(r: BenchRequest) -> Any:
     from kvfleet.engine.sampling_params import SamplingParams
 
     return SamplingParams(max_tokens=r.max_tokens, n=r.n, temperature=r.temperature, ignore_eos=True)
+
+
+_ALLOCATOR_COUNTS = {"device": ("num_alloc_retries", "num_device_alloc", "num_device_free", "num_sync_all_streams"),
+                     "host": ("num_host_alloc", "num_host_free")}
+
+
+def _allocator_counts(cuda: bool) -> dict[str, int]:
+    """Counters of PyTorch's CUDA caching allocators (device and pinned host) that mean a call into the driver."""
+    if not cuda:
+        return {}
+    import torch
+
+    dev = torch.cuda.memory_stats()
+    counts = {f"device.{k}": int(dev.get(k, 0)) for k in _ALLOCATOR_COUNTS["device"]}
+    host = torch.cuda.host_memory_stats()
+    counts.update({f"host.{k}": int(host.get(k, 0)) for k in _ALLOCATOR_COUNTS["host"]})
+    return counts
 
 
 def _write_profile(prof: Any, path: str) -> None:
@@ -187,6 +206,7 @@ class KvfleetBench:
         if cuda:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
+        alloc_before = _allocator_counts(cuda)
         before = engine.stats()
         # With async scheduling the forward is not synchronised (that would undo the overlap): its
         # timer is then launch time only, and "outputs" is the host time not hidden behind the device.
@@ -248,6 +268,10 @@ class KvfleetBench:
             "cuda_graphs": engine.runner.executor.graphs is not None,
         }
         if cuda:
+            # allocator events during the run: a device allocation retry (cudaFree) or a new pinned host block
+            # (cudaHostAlloc) makes the host wait for the device, undoing async scheduling's overlap
+            after = _allocator_counts(cuda)
+            res["allocator_events"] = {k: after[k] - alloc_before.get(k, 0) for k in after}
             res["peak_gpu_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
             res["peak_gpu_reserved_gib"] = torch.cuda.max_memory_reserved() / 2**30
             free, total = torch.cuda.mem_get_info()
