@@ -7,9 +7,9 @@ engines' queue depth (scraping the ready pods' ``/metrics``, loopback only, or t
 Debian's package scraping the pods the test lists from the apiserver, labelled as a PodMonitor would), scales up
 by several replicas
 at once, Kueue admits only what the tenant's quota allows, and after the load stops the deployment shrinks back
-after ``scaleDownDelaySeconds``. Replica counts and pods are read from the API. The scrape run writes
-``docs/autoscaling-run.md`` and ``docs/autoscaling-run.png`` (``KVFLEET_AUTOSCALING_REPORT_DIR`` overrides the
-folder).
+after ``scaleDownDelaySeconds``. Replica counts and pods are read from the API. The scrape run writes its table and
+plot (``autoscaling-run.md``, ``autoscaling-run.png``) under ``build/autoscaling-run/`` (git-ignored: a test run
+leaves the tree clean); ``KVFLEET_AUTOSCALING_REPORT_DIR=docs`` regenerates the published copy in ``docs/``.
 """
 from __future__ import annotations
 
@@ -185,11 +185,13 @@ class Recorder:
 
 
 def report_dir() -> Path:
-    return Path(os.environ.get("KVFLEET_AUTOSCALING_REPORT_DIR") or REPO / "docs")
+    out = Path(os.environ.get("KVFLEET_AUTOSCALING_REPORT_DIR") or REPO / "build" / "autoscaling-run")
+    out.mkdir(parents=True, exist_ok=True)
+    return out
 
 
 def write_report(rows: list[dict[str, Any]], marks: dict[str, float], sc: Scenario, out: Path) -> None:
-    """docs/autoscaling-run.md (table) and .png (plot), from the recorded samples only."""
+    """autoscaling-run.md (table) and .png (plot) in `out`, from the recorded samples only."""
     import matplotlib
 
     matplotlib.use("Agg")

@@ -57,9 +57,13 @@ class RMSNorm(nn.Module):
         return self.forward(h), h
 
 
+# read once, like the kernels it selects: "0" keeps the torch path on CUDA too (A/B checks)
+FUSED_KERNELS = os.environ.get("KVFLEET_FUSED_KERNELS", "1") != "0"
+
+
 def _fused(x: torch.Tensor) -> bool:
     """Use the Triton kernels for CUDA tensors unless KVFLEET_FUSED_KERNELS=0."""
-    return x.is_cuda and os.environ.get("KVFLEET_FUSED_KERNELS", "1") != "0"
+    return FUSED_KERNELS and x.is_cuda
 
 
 def silu_and_mul(x: torch.Tensor, quant_fp8: bool = False) -> torch.Tensor | kernels.QuantizedActivation:
