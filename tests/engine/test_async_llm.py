@@ -56,7 +56,9 @@ def test_accepted_requests_count_as_waiting_before_the_engine_thread_takes_them(
 
     async def main():
         tasks = [asyncio.create_task(collect(engine, [3, 4, 5 + i], params, f"w{i}")) for i in range(5)]
-        await asyncio.sleep(0.05)                        # each generator has queued its request
+        deadline = time.monotonic() + 10                 # until each generator has queued its request (bounded)
+        while sum(engine.stats()[k] for k in ("num_waiting", "num_running")) < 5 and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
         held = engine.stats()
         released_at = time.monotonic()
         gate.set()
