@@ -174,6 +174,37 @@ def test_warmup_refuses_a_busy_engine_and_plans_for_short_contexts(tiny_model_fa
     assert [r.sampling.get("n", 1) for w in warmup_plan(128, 100, max_num_seqs=1) for r in w.requests] == [1] * 4
 
 
+class _NoFitGraphs:
+    """Stands in for captured graphs that fit no step: what the warm-up does when graphs exist (CUDA)."""
+
+    def can_run(self, num_tokens: int, attn_metadata: Any) -> bool:
+        return False
+
+
+def test_warmup_runs_its_plan_again_eagerly_where_graphs_were_captured(tiny_model_factory: Any,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """Steps that fit no graph launch the eager kernel variants: with graphs the plan runs once replayed, once
+    with every forward eager, and leaves the runner replaying again."""
+    engine = LLMEngine(EngineConfig(model=str(tiny_model_factory("llama")), dtype="float32", device="cpu",
+                                    num_kv_blocks=64, max_model_len=128))
+    executor = engine.runner.executor
+    seen: list[bool] = []
+    real = executor.forward
+
+    def forward(*a: Any, eager: bool = False, **kw: Any) -> Any:
+        seen.append(eager)
+        return real(*a, eager=eager, **kw)
+
+    monkeypatch.setattr(executor, "forward", forward)
+    assert run_warmup(engine).requests == 4 and not seen.count(True)   # no graphs: one pass, never forced
+    seen.clear()
+    monkeypatch.setattr(executor, "graphs", _NoFitGraphs())
+    report = run_warmup(engine)
+    assert report.requests == 8
+    assert seen.count(False) == seen.count(True) > 0 and seen.index(True) > seen.index(False)
+    assert engine.runner.eager_forward is False and engine.stats()["kv_blocks_used"] == 0
+
+
 def test_warmup_of_an_engine_of_one_sequence_at_a_time(tiny_model_factory: Any) -> None:
     """`--max-num-seqs 1` refuses n=2: the warm-up's parallel-sampling request asks for what fits."""
     engine = LLMEngine(EngineConfig(model=str(tiny_model_factory("llama")), dtype="float32", device="cpu",

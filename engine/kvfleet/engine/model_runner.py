@@ -121,6 +121,7 @@ class ModelRunner:
         # Async scheduling on CUDA: host-to-device copies must not wait for the step in flight.
         self.non_blocking = bool(engine_config.async_scheduling) and device.type == "cuda"
         self.num_placeholder_inputs = 0   # decode inputs taken on the device (async scheduling)
+        self.eager_forward = False   # run every step's forward eagerly (the warm-up's pass for the eager kernels)
         self._block_rows = BlockTableRows(math.ceil((model_config.max_model_len + 1) / self.block_size) + 1)
 
     # --- KV cache ------------------------------------------------------------------
@@ -269,7 +270,8 @@ class ModelRunner:
         plp_rows, plp_k = self._prompt_logprob_rows(scheduled, qsl)
         if plp_rows:
             idx += [r.row for r in plp_rows]
-        hidden = self.executor.forward(prepared.input_ids, prepared.positions, self.kv_caches, md, idx)
+        hidden = self.executor.forward(prepared.input_ids, prepared.positions, self.kv_caches, md, idx,
+                                       eager=self.eager_forward)
         if not idx:
             return InFlight([], None, out)
         logits = self.executor.compute_logits(hidden[host_tensor(idx, np.int64, dev, self.non_blocking)])

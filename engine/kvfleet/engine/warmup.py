@@ -16,6 +16,10 @@ real engine, so it covers what the model runner really launches:
 4. alone, a 12-token prompt with n=2: a prefill-only step with the narrow tile, then the fork and the
    copy-on-write block copy of parallel sampling (n=1 in an engine of max_num_seqs 1, which refuses n=2).
 
+Where CUDA graphs were captured, the plan runs twice: replayed, then with every forward eager, since the steps
+that fit no graph (more prompts or tokens than a captured step with prefill takes) launch the kernels'
+eager variants (the narrow prefill tile above all), which the replays never compile.
+
 Afterwards nothing is left behind: no request, no KV block in use, the prefix cache emptied (the warm-up's
 blocks were cached on their salted hashes), and the counters the server exports reset.
 `KVFLEET_WARMUP=0` skips it (the server then runs only a one-token request, as before).
@@ -100,19 +104,27 @@ def run_warmup(engine: Any, plan: list[Wave] | None = None) -> WarmupReport:
     compiles = TRITON_COMPILES.count
     t0 = time.monotonic()
     steps, n = 0, 0
-    for wave in plan:
-        for req in wave.requests:
-            ids = rng.integers(0, high, size=req.prompt_len).tolist()
-            params = SamplingParams(max_tokens=req.max_tokens, ignore_eos=True, **req.sampling)
-            engine.add_request(f"kvfleet-warmup-{n}", {"prompt_token_ids": ids}, params, cache_salt=WARMUP_SALT)
-            n += 1
-        for _ in range(wave.steps if wave.steps is not None else 1000):
-            if wave.steps is None and not engine.has_unfinished_requests():
-                break
-            engine.step()
-            steps += 1
-    if engine.has_unfinished_requests():
-        raise RuntimeError("warm-up: requests did not finish in 1000 steps")
+    runner = engine.runner
+    passes = [False, True] if runner.executor.graphs is not None else [False]   # eager: the steps no graph fits
+    try:
+        for eager in passes:
+            runner.eager_forward = eager
+            for wave in plan:
+                for req in wave.requests:
+                    ids = rng.integers(0, high, size=req.prompt_len).tolist()
+                    params = SamplingParams(max_tokens=req.max_tokens, ignore_eos=True, **req.sampling)
+                    engine.add_request(f"kvfleet-warmup-{n}", {"prompt_token_ids": ids}, params,
+                                       cache_salt=WARMUP_SALT)
+                    n += 1
+                for _ in range(wave.steps if wave.steps is not None else 1000):
+                    if wave.steps is None and not engine.has_unfinished_requests():
+                        break
+                    engine.step()
+                    steps += 1
+            if engine.has_unfinished_requests():
+                raise RuntimeError("warm-up: requests did not finish in 1000 steps")
+    finally:
+        runner.eager_forward = False
     _clean_up(engine)
     done = TRITON_COMPILES.count
     report = WarmupReport(n, steps, time.monotonic() - t0, None if not TRITON_COMPILES.installed else done - compiles)
