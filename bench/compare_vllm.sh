@@ -92,6 +92,12 @@ online() {  # online ENGINE MAX_S [flags]
 }
 setting_env() { echo "${1//,KVFLEET_/ KVFLEET_}"; }   # VAR=V[,VAR=V...] -> VAR=V VAR=V
 setting_label() { echo "${1//KVFLEET_/}" | tr 'A-Z' 'a-z' | tr '_=,' '-.-'; }
+need_server() {   # kvfleet serve's HTTP stack comes with vLLM's wheels on the GPU image (it has no uvicorn of its own)
+  if $PY -c "import uvicorn, fastapi" 2>/dev/null; then return 0; fi
+  echo "SKIP $1: uvicorn/fastapi are not installed yet (they come with vLLM's wheels: run the wheels stage first)" \
+    | tee -a "$LOG"
+  return 1
+}
 need_vllm() {
   if PYTHONPATH=/tmp/site $PY -c "import vllm" 2>/dev/null; then return 0; fi
   echo "SKIP $1: vLLM is not installed yet (carry the remaining .whl-parts and run the wheels stage)" | tee -a "$LOG"
@@ -116,19 +122,19 @@ kv-llama) offline kvfleet "$LLAMA" 240 $WORKLOADS_LLAMA ;;
 vllm-llama) need_vllm "$s" && offline vllm "$LLAMA" 330 $WORKLOADS_LLAMA ;;
 kv-qwen) offline kvfleet "$QWEN" 120 $WORKLOADS_QWEN ;;
 vllm-qwen) need_vllm "$s" && offline vllm "$QWEN" 180 $WORKLOADS_QWEN ;;
-kv-online) online kvfleet 240 ${LABEL:+--label "$LABEL"} ;;
+kv-online) need_server "$s" && online kvfleet 240 ${LABEL:+--label "$LABEL"} ;;
 vllm-online) need_vllm "$s" && online vllm 400 --health-limit-s 300 ;;
 kv-fp8) XARGS="--quantization fp8" offline kvfleet "$LLAMA" 200 $WORKLOADS_FP8 ;;
 vllm-fp8) need_vllm "$s" && XARGS="--quantization fp8" offline vllm "$LLAMA" 260 $WORKLOADS_FP8 ;;
 ab-nowarmup)
-  KV_ENV="$KV_ENV KVFLEET_WARMUP=0" LOADS=low:0.5:16 online kvfleet 120 --label nowarmup ;;
+  need_server "$s" && KV_ENV="$KV_ENV KVFLEET_WARMUP=0" LOADS=low:0.5:16 online kvfleet 120 --label nowarmup ;;
 ab-prefill)
   for setting in $PREFILL_AB; do
     KV_ENV="$KV_ENV $(setting_env "$setting")" LABEL=$(setting_label "$setting") \
       offline kvfleet "$LLAMA" 150 $WORKLOADS_AB
   done ;;
 ab-online)
-  for setting in $ONLINE_AB; do
+  need_server "$s" && for setting in $ONLINE_AB; do
     KV_ENV="$KV_ENV $(setting_env "$setting")" online kvfleet 240 --label "$(setting_label "$setting")"
   done ;;
 ab-fp8)
