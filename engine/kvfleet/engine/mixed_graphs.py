@@ -16,8 +16,8 @@ static buffers; a step copies its inputs into them and replays the smallest buck
 Only steps that fit (tokens, sequences, prompts, work entries, block-table width) replay; the rest, and every
 step beyond the limit (long prefill chunks, where the GPU work dwarfs the launches), run eagerly.
 KVFLEET_MIXED_CUDA_GRAPHS (`cuda_graphs.mixed_graph_limit`): the largest bucket in tokens (default 2048; 0 turns
-them off). Single process only:
-under tensor parallelism steps with prefill stay eager.
+them off). Single process only: under tensor parallelism steps with prefill stay eager. Where graphs exist the
+warm-up also runs every step shape eagerly (`kvfleet.engine.warmup`), for the steps that fit no bucket.
 """
 
 from __future__ import annotations
