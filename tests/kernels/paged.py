@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kvfleet.engine.attention import AttentionMetadata, build_attention_metadata
+
 
 @dataclass
 class PagedBatch:
@@ -50,6 +52,27 @@ def make_batch(gen: torch.Generator, seq_lens: list[int], q_lens: list[int], hq:
         query_start_loc=qsl,
         max_query_len=max(q_lens),
     )
+
+
+def metadata_step(gen: torch.Generator, q_lens: list[int], seq_lens: list[int], block_size: int = 8,
+                  hq: int = 4, hkv: int = 2, d: int = 16, extra_blocks: int = 2
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata]:
+    """A step as the attention ops take it: q/k/v of its new tokens, a random cache over shuffled blocks, and
+    its `AttentionMetadata` (host lists included)."""
+    num_blocks = sum(-(-s // block_size) for s in seq_lens) + extra_blocks
+    perm = torch.randperm(num_blocks, generator=gen).tolist()
+    tables, i = [], 0
+    for s in seq_lens:
+        n = -(-s // block_size)
+        tables.append(perm[i:i + n])
+        i += n
+    md = build_attention_metadata(q_lens, seq_lens, tables, block_size)
+    t = sum(q_lens)
+    cache = torch.randn(2, num_blocks, block_size, hkv, d, generator=gen)
+    q = torch.randn(t, hq, d, generator=gen)
+    k = torch.randn(t, hkv, d, generator=gen)
+    v = torch.randn(t, hkv, d, generator=gen)
+    return q, k, v, cache, md
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:

@@ -7,12 +7,12 @@ cache must come out as the step's own metadata gives them, whatever the padding 
 import pytest
 import torch
 
-from kvfleet.engine.attention import build_attention_metadata, triton_backend
+from kvfleet.engine.attention import AttentionMetadata, build_attention_metadata, triton_backend
 from kvfleet.engine.attention.triton_backend import triton_paged_attention
 from kvfleet.engine.cuda_graphs import mixed_graph_limit
 from kvfleet.engine.mixed_graphs import BUCKET_TOKENS, MixedStepBuffers, mixed_graph_sizes, pick_token_bucket
 
-from .paged import rel_err
+from .paged import metadata_step, rel_err
 
 BLOCK = 8
 
@@ -40,19 +40,9 @@ def test_the_limit_comes_from_the_environment(monkeypatch: pytest.MonkeyPatch) -
             mixed_graph_limit()
 
 
-def _step(gen: torch.Generator, q_lens: list[int], seq_lens: list[int], hq: int = 4, hkv: int = 2, d: int = 16):
-    num_blocks = sum(-(-s // BLOCK) for s in seq_lens) + 4
-    perm = torch.randperm(num_blocks, generator=gen).tolist()
-    tables, i = [], 0
-    for s in seq_lens:
-        n = -(-s // BLOCK)
-        tables.append(perm[i:i + n])
-        i += n
-    md = build_attention_metadata(q_lens, seq_lens, tables, BLOCK)
-    t = sum(q_lens)
-    cache = torch.randn(2, num_blocks, BLOCK, hkv, d, generator=gen)
-    q, k, v = (torch.randn(t, h, d, generator=gen) for h in (hq, hkv, hkv))
-    return q, k, v, cache, md
+def _step(gen: torch.Generator, q_lens: list[int], seq_lens: list[int]) -> tuple[
+        torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata]:
+    return metadata_step(gen, q_lens, seq_lens, BLOCK, extra_blocks=4)
 
 
 def _padded(x: torch.Tensor, rows: int, gen: torch.Generator) -> torch.Tensor:

@@ -11,25 +11,8 @@ from kvfleet.engine.kernels import apply_rotary_cos_sin
 from kvfleet.engine.models.layers import RotaryEmbedding, apply_rotary
 from kvfleet.engine.rope import Rotary
 
+from .paged import metadata_step as _step
 from .paged import rel_err
-
-
-def _step(gen: torch.Generator, q_lens: list[int], seq_lens: list[int], block_size: int = 8,
-          hq: int = 4, hkv: int = 2, d: int = 16):
-    num_blocks = sum(-(-s // block_size) for s in seq_lens) + 2
-    perm = torch.randperm(num_blocks, generator=gen).tolist()
-    tables, i = [], 0
-    for s in seq_lens:
-        n = -(-s // block_size)
-        tables.append(perm[i:i + n])
-        i += n
-    md = build_attention_metadata(q_lens, seq_lens, tables, block_size)
-    t = sum(q_lens)
-    cache = torch.randn(2, num_blocks, block_size, hkv, d, generator=gen)
-    q = torch.randn(t, hq, d, generator=gen)
-    k = torch.randn(t, hkv, d, generator=gen)
-    v = torch.randn(t, hkv, d, generator=gen)
-    return q, k, v, cache, md
 
 
 @pytest.mark.parametrize("q_lens,seq_lens", [

@@ -195,8 +195,7 @@ class ModelRunner:
             # parallelism every rank captures its own
             self.executor.capture_graphs(self.kv_caches, self.engine_config.max_num_seqs,
                                          self.model_config.max_model_len, self.block_size,
-                                         min(mixed_graph_limit(), self.engine_config.resolve_batched_tokens(
-                                             self.model_config.max_model_len, on_gpu=True)))
+                                         min(mixed_graph_limit(), self.max_num_batched_tokens))
 
     # --- one step ------------------------------------------------------------------
     def release(self, request_ids: list[str]) -> None:
