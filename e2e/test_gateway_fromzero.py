@@ -232,14 +232,17 @@ def test_limits_refuse_at_the_declared_numbers(kube: Kube, tenants: Any, flavors
         long_done = threading.Event()
         out: dict[str, int] = {}
 
-        def long_request() -> None:
-            out["status"] = chat(gw, keys["conc"], model=model, max_tokens=400, min_tokens=400,
+        def long_request() -> None:   # as long as the tiny model's 1024 positions allow (24 prompt tokens)
+            out["status"] = chat(gw, keys["conc"], model=model, max_tokens=960, min_tokens=960,
                                  ignore_eos=True).status_code
             long_done.set()
 
         threading.Thread(target=long_request, daemon=True).start()
-        wait_for("the long request in flight", lambda: gw.metric("kvfleet_gateway_tenant_requests_in_progress",
-                                                                 tenant=names["conc"]) == 1, timeout=30)
+        # checked closely (not wait_for's 0.25 s), so the second request follows the first while it surely runs
+        deadline = time.monotonic() + 30
+        while gw.metric("kvfleet_gateway_tenant_requests_in_progress", tenant=names["conc"]) != 1:
+            assert time.monotonic() < deadline, "timed out waiting for the long request in flight"
+            time.sleep(0.02)
         resp = chat(gw, keys["conc"], model=model)
         assert resp.status_code == 429, resp.text
         assert "limit of 1 concurrent requests (maxConcurrentRequests)" in resp.json()["error"]["message"]
