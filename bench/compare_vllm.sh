@@ -13,6 +13,8 @@
 #                     step and one batch-1 decode step under torch.profiler, Triton compiles after warm-up (~1.5)
 #   host-profile      bench/gpu_host_profile.py: host time against GPU time of eager mixed/prefill forwards
 #                     per prefill kernel, launch costs, cProfile of a mixed forward (~1.5)
+#   kv-diag           where mixed steps wait: bench/gpu_sync_probe.py (which allocator calls wait for queued
+#                     GPU work), then kvfleet offline chat-mix with --sync-debug (labelled sync-debug) (~1.5)
 #   kv-llama          kvfleet offline, Llama-3.1-8B: the 2 public workloads + the 3 classes, one engine (~2.5)
 #   vllm-llama        vLLM offline, same (~3.5; vLLM starts in ~1 min)
 #   kv-qwen vllm-qwen the same for Qwen3-0.6B, public workloads only (~1 / ~2)
@@ -118,6 +120,10 @@ profile)
 host-profile)
   step host-profile 200 env $KV_ENV $PY bench/gpu_host_profile.py "$RUNS/host-profile"
   cp "$RUNS/host-profile/host_profile.txt" "$OUT/" 2>/dev/null ;;
+kv-diag)
+  step sync-probe 60 env $KV_ENV $PY bench/gpu_sync_probe.py "$RUNS/sync-probe"
+  cp "$RUNS/sync-probe/sync_probe.txt" "$OUT/" 2>/dev/null
+  LABEL=sync-debug XARGS="--sync-debug" offline kvfleet "$LLAMA" 150 chat-mix ;;
 kv-llama) offline kvfleet "$LLAMA" 240 $WORKLOADS_LLAMA ;;
 vllm-llama) need_vllm "$s" && offline vllm "$LLAMA" 330 $WORKLOADS_LLAMA ;;
 kv-qwen) offline kvfleet "$QWEN" 120 $WORKLOADS_QWEN ;;

@@ -59,7 +59,11 @@ def test_throughput_cli_on_a_tiny_model(backend: str, tiny_model_factory, tmp_pa
         assert res["requests_with_wrong_length"] == 0
         assert res["ttft_ms"]["p50"] > 0 and res["kv_peak"]["kv_blocks_used"] > 0
         assert res["kv_peak"]["wasted_blocks_per_seq"] < 1.0
-        assert res["step_breakdown_ms"]["decode"]["steps"] > 0
+        decode = res["step_breakdown_ms"]["decode"]
+        assert decode["steps"] > 0 and decode["gc_ms"] >= 0 and decode["sampling_batch_ms"] > 0
+        slowest = decode["slowest"]
+        assert 0 < len(slowest) <= 5 and slowest[0]["step_ms"] >= slowest[-1]["step_ms"] > 0
+        assert slowest[0]["batch"] >= 1 and slowest[0]["forward_ms"] > 0
     else:
         assert res["batches"] == 2
 

@@ -9,9 +9,13 @@ and mixed steps, to show where a step's time goes.
 from __future__ import annotations
 
 import argparse
+import gc
+import heapq
 import logging
 import time
-from collections import defaultdict
+import traceback
+import warnings
+from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Any, Callable
 
@@ -55,7 +59,11 @@ class StepTimers:
         self._originals = [(sched, "schedule", sched.schedule), (sched, "update_from_output", sched.update_from_output),
                            (runner, "execute", runner.execute), (runner, "launch", runner.launch),
                            (runner, "collect", runner.collect), (executor, "forward", executor.forward),
-                           (executor, "compute_logits", executor.compute_logits), (runner, "sampler", runner.sampler)]
+                           (executor, "compute_logits", executor.compute_logits), (runner, "sampler", runner.sampler),
+                           (runner, "_sampling_batch", runner._sampling_batch)]
+        self._slowest: dict[str, list[tuple[float, int, dict[str, float]]]] = defaultdict(list)
+        self._seq = 0
+        self._gc_start = 0.0
 
         def schedule(*a: Any, **kw: Any) -> Any:
             t = time.perf_counter()
@@ -75,6 +83,8 @@ class StepTimers:
         executor.forward = timed("forward", executor.forward, synced=sync_forward)
         executor.compute_logits = timed("logits", executor.compute_logits, synced=sync_forward)
         runner.sampler = _TimedCallable(runner.sampler, self._cur, sync if sync_forward else (lambda: None))
+        runner._sampling_batch = timed("sampling_batch", runner._sampling_batch)
+        gc.callbacks.append(self._on_gc)
         sched.update_from_output = timed("update", sched.update_from_output)
         self.batch = 0
 
@@ -82,6 +92,15 @@ class StepTimers:
         """Put the engine's own methods back (the next workload's timers wrap them afresh)."""
         for obj, name, orig in self._originals:
             setattr(obj, name, orig)
+        gc.callbacks.remove(self._on_gc)
+
+    def _on_gc(self, phase: str, info: dict[str, int]) -> None:
+        """Time the interpreter's garbage collections (a full one can stall a step by itself)."""
+        if phase == "start":
+            self._gc_start = time.perf_counter()
+        elif self._gc_start:
+            self._cur["gc"] = self._cur.get("gc", 0.0) + time.perf_counter() - self._gc_start
+            self._gc_start = 0.0
 
     def end_step(self, step_s: float) -> None:
         if not self._cur:
@@ -92,24 +111,75 @@ class StepTimers:
         tot["batch_sum"] += self.batch
         for k, v in self._cur.items():
             tot[k] += v
+        # the slowest steps of each kind with their parts: a mean can hide one stall
+        self._seq += 1
+        entry = (step_s, self._seq, {**self._cur, "batch": float(self.batch)})
+        slow = self._slowest[self.kind]
+        if len(slow) < 5:
+            heapq.heappush(slow, entry)
+        elif step_s > slow[0][0]:
+            heapq.heapreplace(slow, entry)
         self._cur.clear()
 
-    def report(self) -> dict[str, dict[str, float]]:
-        """Per kind of step: count, mean batch, and mean milliseconds of each part."""
-        out = {}
+    def report(self) -> dict[str, dict[str, Any]]:
+        """Per kind of step: count, mean batch, mean milliseconds of each part, and the slowest steps."""
+        out: dict[str, dict[str, Any]] = {}
         for kind, tot in self.totals.items():
             n = max(1.0, tot["steps"])
             fwd, smp, lgt = tot.get("forward", 0.0), tot.get("sample", 0.0), tot.get("logits", 0.0)
-            prep = tot.get("execute", 0.0) - fwd - smp - lgt
+            bat = tot.get("sampling_batch", 0.0)
+            prep = tot.get("execute", 0.0) - fwd - smp - lgt - bat
             rest = (tot["step"] - tot.get("schedule", 0.0) - tot.get("execute", 0.0) - tot.get("wait", 0.0)
                     - tot.get("update", 0.0))
             out[kind] = {"steps": int(tot["steps"]), "mean_batch": tot["batch_sum"] / n,
                          "step_ms": 1e3 * tot["step"] / n, "schedule_ms": 1e3 * tot.get("schedule", 0.0) / n,
                          "prepare_ms": 1e3 * prep / n, "forward_ms": 1e3 * fwd / n, "logits_ms": 1e3 * lgt / n,
-                         "sample_ms": 1e3 * smp / n,
+                         "sample_ms": 1e3 * smp / n, "sampling_batch_ms": 1e3 * bat / n,
+                         "gc_ms": 1e3 * tot.get("gc", 0.0) / n,
                          "update_ms": 1e3 * tot.get("update", 0.0) / n, "outputs_ms": 1e3 * rest / n,
-                         "wait_ms": 1e3 * tot.get("wait", 0.0) / n}
+                         "wait_ms": 1e3 * tot.get("wait", 0.0) / n,
+                         "slowest": [_slow_step(n_, dt, parts)
+                                     for dt, n_, parts in sorted(self._slowest[kind], reverse=True)]}
         return out
+
+
+def _slow_step(seq: int, step_s: float, parts: dict[str, float]) -> dict[str, Any]:
+    out: dict[str, Any] = {"step": seq, "batch": int(parts.get("batch", 0)), "step_ms": 1e3 * step_s}
+    out.update({f"{k}_ms": 1e3 * v for k, v in parts.items() if k != "batch"})
+    return out
+
+
+class SyncRecorder:
+    """Where the host waits for the device during a run: `torch.cuda.set_sync_debug_mode("warn")` warns at
+    each synchronizing call (pageable copies, `.item()`, `nonzero`...); the Python stacks are counted."""
+
+    def __init__(self) -> None:
+        self.counts: Counter[tuple[str, ...]] = Counter()
+
+    def __enter__(self) -> "SyncRecorder":
+        import torch
+
+        self._catch = warnings.catch_warnings()
+        self._catch.__enter__()
+        warnings.simplefilter("always")
+        warnings.showwarning = self._record
+        torch.cuda.set_sync_debug_mode("warn")
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        import torch
+
+        torch.cuda.set_sync_debug_mode("default")
+        self._catch.__exit__(None, None, None)
+
+    def _record(self, message: Warning | str, category: type[Warning], filename: str, lineno: int,
+                file: Any = None, line: str | None = None) -> None:
+        frames = [f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in traceback.extract_stack()[:-1]
+                  if "kvfleet" in f.filename and "kvfleet_backend" not in f.filename]
+        self.counts[tuple(frames[-4:]) + (str(message)[:80],)] += 1
+
+    def report(self) -> list[dict[str, Any]]:
+        return [{"count": n, "stack": list(k)} for k, n in self.counts.most_common(12)]
 
 
 class _TimedCallable:
@@ -228,12 +298,16 @@ class KvfleetBench:
         for i, r in enumerate(reqs):
             engine.add_request(f"r{i}", {"prompt_token_ids": r.prompt_token_ids}, _params(r), arrival_time=t0)
         prof_path = getattr(args, "profile_host", None)
+        sync_rec = SyncRecorder() if cuda and getattr(args, "sync_debug", False) else None
         try:
             if prof_path:  # where the host's time goes on the real machine (slows the run: not for reported figures)
                 import cProfile
 
                 prof = cProfile.Profile()
                 done = prof.runcall(_drain, engine, on_step)
+            elif sync_rec is not None:
+                with sync_rec:
+                    done = _drain(engine, on_step)
             else:
                 done = _drain(engine, on_step)
             if cuda:
@@ -281,6 +355,8 @@ class KvfleetBench:
 
             b, ctx = (int(x) for x in args.decode_probe.lower().split("x"))
             res["decode_probe"] = probe_decode_step(engine, b, ctx)
+        if sync_rec is not None:
+            res["sync_points"] = sync_rec.report()
         res["tensor_parallel_size"] = args.tensor_parallel_size
         res["async_scheduling"] = bool(engine.config.async_scheduling)
         engine.kv.reset_prefix_cache()   # the next workload starts from an empty prefix cache

@@ -56,6 +56,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--no-prefix-caching", action="store_true")
     ap.add_argument("--profile-host", default=None, metavar="FILE",
                     help="kvfleet: cProfile the timed run, top functions to FILE (slows the run)")
+    ap.add_argument("--sync-debug", action="store_true",
+                    help="kvfleet on CUDA: count the Python stacks of calls that make the host wait for the device "
+                         "(torch.cuda.set_sync_debug_mode; slows the run: not for reported figures)")
     ap.add_argument("--hf-batch-size", type=int, default=64)
     ap.add_argument("--warmup-requests", type=int, default=4)
     ap.add_argument("--label", default=None, help="free text stored in the JSON")
