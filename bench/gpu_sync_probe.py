@@ -57,8 +57,16 @@ def main(out_dir: str) -> None:
     def pinned_copy() -> None:
         torch.ones(1024).pin_memory().to("cuda", non_blocking=True)
 
+    weight = torch.zeros(128256, 4096, dtype=torch.bfloat16, device="cuda")   # Llama-3.1-8B's lm_head
+    hidden = torch.zeros(1024, 4096, dtype=torch.bfloat16, device="cuda")
+
+    def logits(m: int) -> Callable[[], object]:   # cuBLAS picks a kernel by row count: lazily loaded on first use
+        return lambda: torch.nn.functional.linear(hidden[:m], weight).float()
+
     cached_pinned()
     rows = [probe("sleep only (reference)", cycles, lambda: None)]
+    for m in (1, 37, 300, 859, 1024):
+        rows += [probe(f"logits matmul, {m} rows", cycles, logits(m)) for _ in range(2)]
     for name, fn in [("pin_memory, new size (cudaHostAlloc)", new_pinned), ("pin_memory, cached size", cached_pinned),
                      ("device tensor, new segment (cudaMalloc)", new_device_block),
                      ("pageable host-to-device copy", pageable_copy), ("pinned non-blocking copy", pinned_copy)]:

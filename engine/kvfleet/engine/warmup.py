@@ -20,6 +20,12 @@ Where CUDA graphs were captured, the plan runs twice: replayed, then with every 
 that fit no graph (more prompts or tokens than a captured step with prefill takes) launch the kernels'
 eager variants (the narrow prefill tile above all), which the replays never compile.
 
+On CUDA the warm-up then computes logits once for every row count a step can sample (1..max_num_seqs): cuBLAS
+picks its matmul kernel by the row count, and with CUDA's lazy module loading (the default since 12.2) the
+first launch of each kernel loads it, which waits for all the work queued on the device. Issue 16 measured
+this in the offline chat-mix run: each step that brought a new row count stalled ~350 ms in `compute_logits`,
+a whole step's GPU time with nothing queued behind it (~1 s of the first workload's 22 s).
+
 Afterwards nothing is left behind: no request, no KV block in use, the prefix cache emptied (the warm-up's
 blocks were cached on their salted hashes), and the counters the server exports reset.
 `KVFLEET_WARMUP=0` skips it (the server then runs only a one-token request, as before).
@@ -125,12 +131,30 @@ def run_warmup(engine: Any, plan: list[Wave] | None = None) -> WarmupReport:
                 raise RuntimeError("warm-up: requests did not finish in 1000 steps")
     finally:
         runner.eager_forward = False
+    if engine.device.type == "cuda":
+        secs = warm_logits(runner.executor, engine.config.max_num_seqs, mc.hidden_size, mc.dtype, engine.device)
+        logger.info("warm-up: logits for 1..%d rows in %.2f s", engine.config.max_num_seqs, secs)
     _clean_up(engine)
     done = TRITON_COMPILES.count
     report = WarmupReport(n, steps, time.monotonic() - t0, None if not TRITON_COMPILES.installed else done - compiles)
     logger.info("warm-up: %d requests, %d steps in %.2f s (%s Triton kernel variants compiled)", report.requests,
                 report.steps, report.seconds, report.triton_compiles if report.triton_compiles is not None else "?")
     return report
+
+
+def warm_logits(executor: Any, max_rows: int, hidden_size: int, dtype: Any, device: Any) -> float:
+    """Logits for every row count 1..max_rows, so each matmul kernel cuBLAS picks is loaded before serving
+    (see the module's docstring); -> seconds taken (~1 s for Llama-3.1-8B at 1,024 rows on an H200)."""
+    import torch
+
+    t = time.monotonic()
+    hidden = torch.zeros(max_rows, hidden_size, dtype=dtype, device=device)
+    with torch.inference_mode():
+        for rows in range(1, max_rows + 1):
+            executor.compute_logits(hidden[:rows])
+    if hidden.device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.monotonic() - t
 
 
 def _clean_up(engine: Any) -> None:
