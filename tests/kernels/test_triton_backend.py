@@ -104,28 +104,3 @@ def test_model_on_triton_op_matches_transformers(arch: str, rotary_cache: bool, 
     want = ref[69:80]
     torch.testing.assert_close(ours, want, atol=1e-4, rtol=0)
     assert torch.equal(ours.argmax(-1), want.argmax(-1))
-
-
-@pytest.mark.parametrize("q_lens,seq_lens,cached", [
-    ([20, 1], [60, 9], True),        # a chunk after a cached prefix: the cached-prefix tile, keys paged
-    ([20, 17], [20, 17], False),     # fresh prompts only: v2 as configured
-])
-def test_cached_prefix_tile_applies_to_chunks_after_a_prefix(q_lens: list[int], seq_lens: list[int], cached: bool,
-                                                           monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(triton_backend, "PREFILL_KERNEL", "v2")
-    monkeypatch.setenv("KVFLEET_PREFILL_CACHED_TILE", "16,16,4,2")
-    gen = torch.Generator().manual_seed(3)
-    q, k, v, cache, md = _step(gen, q_lens, seq_lens)
-    cache_ref, q_ref, k_ref = cache.clone(), q.clone(), k.clone()
-    out = triton_paged_attention(q, k, v, cache, md, 0.25)
-    ref = torch_paged_attention(q_ref, k_ref, v, cache_ref, md, 0.25)
-    assert rel_err(out, ref) < 1e-5
-    plan = md.plans["triton_prefill"]
-    assert (plan.kernel, plan.tile) == (("v2-paged", (16, 16, 4, 2)) if cached else ("v2", plan.tile))  # type: ignore[attr-defined]
-    if not cached:
-        assert plan.tile != (16, 16, 4, 2)   # type: ignore[attr-defined]
-
-
-def test_a_bad_cached_prefix_tile_names_its_variable() -> None:
-    with pytest.raises(ValueError, match="KVFLEET_PREFILL_CACHED_TILE"):
-        triton_backend.cached_prefix_tile("64,64")

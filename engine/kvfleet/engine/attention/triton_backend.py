@@ -99,19 +99,6 @@ def _prefill_tile(kernel: str, max_query_len: int, dtype: torch.dtype) -> tuple[
     return tile
 
 
-def cached_prefix_tile(raw: str) -> tuple[int, int, int, int] | None:
-    """KVFLEET_PREFILL_CACHED_TILE="BLOCK_M,BLOCK_N,num_warps,num_stages": for v2, the tile of steps in which a
-    prompt chunk follows a cached prefix, its keys then all read through the block table (v2-paged). Lease 3's
-    sweep found v2-paged 64,64,4,2 fastest for a 2k chunk over 6k cached keys (316 TFLOP/s against 268 for the
-    default TMA path); unset (the default): such steps run as any other."""
-    return prefill_tile(raw, "KVFLEET_PREFILL_CACHED_TILE")
-
-
-def _has_cached_prefix(md: AttentionMetadata) -> bool:
-    qsl, seq = md.query_start_loc_cpu, md.seq_lens_cpu
-    return any(qsl[i + 1] - qsl[i] > 1 and seq[i] > qsl[i + 1] - qsl[i] for i in range(len(seq)))
-
-
 def _prefill_plan(md: AttentionMetadata, dtype: torch.dtype, device: torch.device) -> PrefillPlan:
     """The step's `PrefillPlan`, kept in `md.plans` for the other layers."""
     plan = md.plans.get("triton_prefill")
@@ -121,9 +108,6 @@ def _prefill_plan(md: AttentionMetadata, dtype: torch.dtype, device: torch.devic
     mixed = any(qsl[i + 1] - qsl[i] == 1 for i in range(len(qsl) - 1))
     kernel = PREFILL_KERNEL
     tile = _prefill_tile(kernel, md.max_query_len, dtype)
-    cached_tile = cached_prefix_tile(os.environ.get("KVFLEET_PREFILL_CACHED_TILE", ""))
-    if kernel == "v2" and cached_tile is not None and md.max_query_len > 16 and _has_cached_prefix(md):
-        kernel, tile = "v2-paged", cached_tile
     # v2 takes its work heaviest first (the sequences' key counts)
     work = prefill_work(qsl, tile[0], mixed, device, md.seq_lens_cpu if kernel != "v1" else None)
     md.plans["triton_prefill"] = plan = PrefillPlan(mixed, kernel, tile, work)
