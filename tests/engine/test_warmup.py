@@ -20,7 +20,7 @@ import pytest
 from kvfleet.engine.config import EngineConfig
 from kvfleet.engine.llm_engine import LLMEngine
 from kvfleet.engine.sampling_params import SamplingParams
-from kvfleet.engine.warmup import WARMUP_SALT, run_warmup, warmup_enabled, warmup_plan
+from kvfleet.engine.warmup import WARMUP_SALT, run_warmup, warm_logits, warmup_enabled, warmup_plan
 
 
 class VariantRecorder:
@@ -212,6 +212,27 @@ def test_warmup_of_an_engine_of_one_sequence_at_a_time(tiny_model_factory: Any) 
     report = engine.warm_up()
     assert report.requests == 4 and not engine.has_unfinished_requests()
     assert engine.stats()["kv_blocks_used"] == 0
+
+
+def test_warm_logits_computes_every_row_count_a_step_can_sample(tiny_model_factory: Any,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """cuBLAS loads a matmul kernel per row count on first use (run_warmup calls this on CUDA): every count
+    from 1 to max_rows goes through the executor's own compute_logits, whose rows match the model's."""
+    engine = LLMEngine(EngineConfig(model=str(tiny_model_factory("llama")), dtype="float32", device="cpu",
+                                    num_kv_blocks=64, max_model_len=128, max_num_seqs=6))
+    executor, mc = engine.runner.executor, engine.model_config
+    rows: list[tuple[int, int]] = []
+    real = executor.compute_logits
+
+    def compute_logits(hidden: Any) -> Any:
+        out = real(hidden)
+        rows.append((hidden.shape[0], out.shape[0]))
+        assert out.shape[1] >= mc.vocab_size
+        return out
+
+    monkeypatch.setattr(executor, "compute_logits", compute_logits)
+    secs = warm_logits(executor, 6, mc.hidden_size, mc.dtype, engine.device)
+    assert rows == [(m, m) for m in range(1, 7)] and secs >= 0
 
 
 def test_warmup_switch(monkeypatch: pytest.MonkeyPatch) -> None:
