@@ -37,7 +37,12 @@ import logging
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+    from kvfleet.engine.model_executor import ModelExecutor
 
 logger = logging.getLogger(__name__)
 
@@ -142,7 +147,8 @@ def run_warmup(engine: Any, plan: list[Wave] | None = None) -> WarmupReport:
     return report
 
 
-def warm_logits(executor: Any, max_rows: int, hidden_size: int, dtype: Any, device: Any) -> float:
+def warm_logits(executor: ModelExecutor, max_rows: int, hidden_size: int, dtype: torch.dtype,
+                device: torch.device) -> float:
     """Logits for every row count 1..max_rows, so each matmul kernel cuBLAS picks is loaded before serving
     (see the module's docstring); -> seconds taken (~1 s for Llama-3.1-8B at 1,024 rows on an H200)."""
     import torch
