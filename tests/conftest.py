@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
-from collections.abc import Callable
+import socket
+import urllib.parse
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -51,3 +55,25 @@ def smollm2_path() -> Path:
     from kvfleet.engine.tokenizer import find_default_model
 
     return find_default_model()
+
+
+@contextlib.contextmanager
+def _held_post(base_url: str, path: str, body: dict[str, Any], headers: dict[str, str] | None = None
+               ) -> Iterator[socket.socket]:
+    """POST `body` as JSON and read nothing: the connection stays open inside the block and closes at its end,
+    a client that leaves when the test says so (a client-side read timeout would race the server's speed)."""
+    url = urllib.parse.urlsplit(base_url)
+    data = json.dumps(body).encode()
+    head = {"Host": url.netloc, "Content-Type": "application/json", **(headers or {}),
+            "Content-Length": str(len(data))}
+    with socket.create_connection((url.hostname, url.port), timeout=10) as sock:
+        sock.sendall(f"POST {path} HTTP/1.1\r\n".encode()
+                     + "".join(f"{k}: {v}\r\n" for k, v in head.items()).encode() + b"\r\n" + data)
+        yield sock
+
+
+@pytest.fixture
+def held_post() -> Callable[..., contextlib.AbstractContextManager[socket.socket]]:
+    """held_post(base_url, path, body, headers=None): a request whose client closes the connection on leaving
+    the `with` block, without reading the answer."""
+    return _held_post

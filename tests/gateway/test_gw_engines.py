@@ -6,11 +6,8 @@ e2e/test_gateway.py for it on the local cluster, replicas discovered from the AP
 
 from __future__ import annotations
 
-import json
-import socket
 import threading
 import time
-import urllib.parse
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -133,7 +130,8 @@ def running(engines: list[Engine]) -> float:
     return sum(e.metric("kvfleet:num_requests_running") for e in engines)
 
 
-def test_a_client_that_leaves_aborts_the_upstream_request(fleet: tuple[GatewayProcess, list[Engine]]) -> None:
+def test_a_client_that_leaves_aborts_the_upstream_request(fleet: tuple[GatewayProcess, list[Engine]],
+                                                          held_post: Any) -> None:
     gw, engines = fleet
     before = aborted(engines)
     gone = gw.metric("kvfleet_gateway_request_errors_total", reason="client_disconnected")
@@ -146,11 +144,8 @@ def test_a_client_that_leaves_aborts_the_upstream_request(fleet: tuple[GatewayPr
     # a non-streamed request given up by its client is aborted too: the client closes its connection once the
     # engine runs the request (a client-side timeout would race the engine's speed on a fast machine)
     longest = {"max_tokens": 1000, "min_tokens": 1000, "ignore_eos": True}   # near the engines' 1024 tokens
-    body = json.dumps({"model": "tiny", "prompt": "hi", **longest}).encode()
-    url = urllib.parse.urlsplit(gw.url)
-    with socket.create_connection((url.hostname, url.port), timeout=10) as sock:
-        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: gateway\r\nContent-Type: application/json\r\n"
-                     + f"Authorization: Bearer {KEY_A}\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
+    with held_post(gw.url, "/v1/completions", {"model": "tiny", "prompt": "hi", **longest},
+                   {"Authorization": f"Bearer {KEY_A}"}):
         wait_until("the request running", lambda: running(engines) >= 1, timeout=30)
     wait_until("the engine aborting it", lambda: aborted(engines) >= before + 2 and running(engines) == 0,
                timeout=20)

@@ -10,10 +10,8 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
-import socket
 import threading
 import time
-import urllib.parse
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -102,17 +100,13 @@ def back_to_idle(server: Server, idle: float) -> bool:
     return server.metric("kvfleet:num_requests_running") == 0 and server.metric("kvfleet:kv_cache_usage_perc") == idle
 
 
-def test_disconnect_non_streaming_aborts_and_frees_blocks(server: Server) -> None:
+def test_disconnect_non_streaming_aborts_and_frees_blocks(server: Server, held_post: Callable[..., Any]) -> None:
     idle = server.metric("kvfleet:kv_cache_usage_perc")
     aborts = server.metric("kvfleet:request_success_total", finished_reason="abort")
 
     # the client closes its connection once the request runs (a client-side read timeout would race the engine's
     # speed: on a fast machine the 1000 tokens could be done first)
-    body = json.dumps(LONG).encode()
-    url = urllib.parse.urlsplit(server.url)
-    with socket.create_connection((url.hostname, url.port), timeout=10) as sock:
-        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: server\r\nContent-Type: application/json\r\n"
-                     + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+    with held_post(server.url, "/v1/completions", LONG):
         wait_until(lambda: busy(server, idle), 10, "the request to run")
     wait_until(lambda: back_to_idle(server, idle), 2, "KV blocks freed after the disconnect")
     assert server.metric("kvfleet:request_success_total", finished_reason="abort") - aborts == 1

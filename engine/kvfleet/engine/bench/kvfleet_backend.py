@@ -61,7 +61,7 @@ class StepTimers:
                            (runner, "collect", runner.collect), (executor, "forward", executor.forward),
                            (executor, "compute_logits", executor.compute_logits), (runner, "sampler", runner.sampler),
                            (runner, "_sampling_batch", runner._sampling_batch)]
-        self._slowest: dict[str, list[tuple[float, int, dict[str, float]]]] = defaultdict(list)
+        self._slowest: dict[str, list[tuple[float, int, int, dict[str, float]]]] = defaultdict(list)
         self._seq = 0
         self._gc_start = 0.0
 
@@ -113,7 +113,7 @@ class StepTimers:
             tot[k] += v
         # the slowest steps of each kind with their parts: a mean can hide one stall
         self._seq += 1
-        entry = (step_s, self._seq, {**self._cur, "batch": float(self.batch)})
+        entry = (step_s, self._seq, self.batch, dict(self._cur))
         slow = self._slowest[self.kind]
         if len(slow) < 5:
             heapq.heappush(slow, entry)
@@ -138,15 +138,10 @@ class StepTimers:
                          "gc_ms": 1e3 * tot.get("gc", 0.0) / n,
                          "update_ms": 1e3 * tot.get("update", 0.0) / n, "outputs_ms": 1e3 * rest / n,
                          "wait_ms": 1e3 * tot.get("wait", 0.0) / n,
-                         "slowest": [_slow_step(n_, dt, parts)
-                                     for dt, n_, parts in sorted(self._slowest[kind], reverse=True)]}
+                         "slowest": [{"step": seq, "batch": batch, "step_ms": 1e3 * dt,
+                                      **{f"{k}_ms": 1e3 * v for k, v in parts.items()}}
+                                     for dt, seq, batch, parts in sorted(self._slowest[kind], reverse=True)]}
         return out
-
-
-def _slow_step(seq: int, step_s: float, parts: dict[str, float]) -> dict[str, Any]:
-    out: dict[str, Any] = {"step": seq, "batch": int(parts.get("batch", 0)), "step_ms": 1e3 * step_s}
-    out.update({f"{k}_ms": 1e3 * v for k, v in parts.items() if k != "batch"})
-    return out
 
 
 class SyncRecorder:
