@@ -15,6 +15,9 @@
 #                     per prefill kernel, launch costs, cProfile of a mixed forward (~1.5)
 #   kv-diag           where mixed steps wait: bench/gpu_sync_probe.py (which allocator calls wait for queued
 #                     GPU work), then kvfleet offline chat-mix with --sync-debug (labelled sync-debug) (~1.5)
+#   shared-check      bench/gpu_shared_prefix.py: the shared-prefix decode pass against the reference in bf16, one
+#                     layer's decode attention with and without it at the offline workloads' shapes, greedy
+#                     tokens of an engine with it on and off (~1)
 #   kv-llama          kvfleet offline, Llama-3.1-8B: the 2 public workloads + the 3 classes, one engine (~2.5)
 #   vllm-llama        vLLM offline, same (~3.5; vLLM starts in ~1 min)
 #   kv-qwen vllm-qwen the same for Qwen3-0.6B, public workloads only (~1 / ~2)
@@ -155,6 +158,9 @@ sweeps)
   cp "$RUNS/fp8-sweep/"*.txt "$OUT/" 2>/dev/null
   step decode-step 150 env $KV_ENV $PY bench/gpu_decode_step.py "$RUNS/decode-step" "$LLAMA"
   cp "$RUNS/decode-step/"*.txt "$OUT/" 2>/dev/null ;;
+shared-check)
+  step shared-check 180 env $KV_ENV $PY bench/gpu_shared_prefix.py "$RUNS/shared-check" "$QWEN"
+  cp "$RUNS/shared-check/"*.json "$OUT/" 2>/dev/null ;;
 summary) ;;
 *) echo "unknown stage $s" | tee -a "$LOG" ;;
 esac; done

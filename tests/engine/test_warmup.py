@@ -125,10 +125,12 @@ def test_warmup_covers_every_kernel_variant_of_a_varied_workload(triton_engine: 
     recorder.keys.clear()   # start-up's own launches (the profiling forward) are not the warm-up's merit
     report = engine.warm_up()
     warmed = set(recorder.keys)
-    assert report.requests == 4 and report.steps > 4
+    assert report.requests == 6 and report.steps > 4
     names = {k[0] for k in warmed}
     cache_write = "_rotary_cache_kernel" if triton_backend.FUSED_ROTARY_CACHE else "_reshape_and_cache_kernel"
-    assert {prefill_kernel, "_decode_kernel", cache_write} <= names
+    assert {prefill_kernel, "_decode_kernel", cache_write, "_shared_prefix_kernel"} <= names
+    # decode rows of a mixed step that share a prefix fold its partial in (the SHARED variant)
+    assert any(k[0] == "_decode_kernel" and dict((s[0], s[2]) for s in k[1])["SHARED"] for k in warmed)
     # both prefill tiles, each alone and beside decode rows
     prefill = {(dict((s[0], s[2]) for s in k[1])["BLOCK_M"], dict((s[0], s[2]) for s in k[1])["SKIP_DECODE"])
                for k in warmed if k[0] == prefill_kernel}
@@ -145,7 +147,7 @@ def test_warmup_leaves_nothing_behind(tiny_model_factory: Any) -> None:
                                     num_kv_blocks=64, max_model_len=128))
     fresh = engine.stats()
     report = run_warmup(engine)
-    assert report.requests == 4 and report.seconds > 0
+    assert report.requests == 6 and report.seconds > 0
     st = engine.stats()
     assert not engine.has_unfinished_requests() and not engine.groups
     assert st["kv_blocks_used"] == 0 and st["kv_blocks_cached"] == 0   # nothing in use, nothing cached
@@ -171,7 +173,7 @@ def test_warmup_refuses_a_busy_engine_and_plans_for_short_contexts(tiny_model_fa
             for r in wave.requests:
                 assert r.prompt_len + r.max_tokens < max_len and r.prompt_len >= 1
     assert WARMUP_SALT
-    assert [r.sampling.get("n", 1) for w in warmup_plan(128, 100, max_num_seqs=1) for r in w.requests] == [1] * 4
+    assert [r.sampling.get("n", 1) for w in warmup_plan(128, 100, max_num_seqs=1) for r in w.requests] == [1] * 6
 
 
 class _NoFitGraphs:
@@ -196,11 +198,11 @@ def test_warmup_runs_its_plan_again_eagerly_where_graphs_were_captured(tiny_mode
         return real(*a, eager=eager, **kw)
 
     monkeypatch.setattr(executor, "forward", forward)
-    assert run_warmup(engine).requests == 4 and not seen.count(True)   # no graphs: one pass, never forced
+    assert run_warmup(engine).requests == 6 and not seen.count(True)   # no graphs: one pass, never forced
     seen.clear()
     monkeypatch.setattr(executor, "graphs", _NoFitGraphs())
     report = run_warmup(engine)
-    assert report.requests == 8
+    assert report.requests == 12
     assert seen.count(False) == seen.count(True) > 0 and seen.index(True) > seen.index(False)
     assert engine.runner.eager_forward is False and engine.stats()["kv_blocks_used"] == 0
 
@@ -210,7 +212,7 @@ def test_warmup_of_an_engine_of_one_sequence_at_a_time(tiny_model_factory: Any) 
     engine = LLMEngine(EngineConfig(model=str(tiny_model_factory("llama")), dtype="float32", device="cpu",
                                     num_kv_blocks=64, max_model_len=128, max_num_seqs=1))
     report = engine.warm_up()
-    assert report.requests == 4 and not engine.has_unfinished_requests()
+    assert report.requests == 6 and not engine.has_unfinished_requests()
     assert engine.stats()["kv_blocks_used"] == 0
 
 

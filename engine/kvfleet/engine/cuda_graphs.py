@@ -9,7 +9,10 @@ that graph: one launch instead of hundreds of kernel launches from Python.
 Batches beyond the largest bucket run eagerly; so do steps with prefill, unless the runner was built with
 captured mixed steps (`mixed_graphs.MixedGraphs`, sharing the pool), which then replay when they fit.
 
-Padded batch sizes: 1, 2, 4, 8, every 16 to 256, every 32 to 512, every 64 beyond.
+Padded batch sizes: 1, 2, 4, 8, every 16 to 256, every 32 to 512, every 64 beyond. Sizes of 16 and more are
+captured a second time with the shared-prefix pass (`attention.shared_prefix`: decode rows that share leading
+KV blocks read them once per group) over static plan buffers; a step replays that variant when its plan finds
+a shared prefix, the plain one otherwise, so steps with nothing shared pay nothing for it.
 The model executors (``kvfleet.engine.model_executor``) capture it on CUDA and replay it through
 ``can_run(num_tokens, attn_metadata)`` and ``run(input_ids, positions, kv_caches, attn_metadata)``.
 """
@@ -22,14 +25,18 @@ import os
 import time
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
+from kvfleet.engine.attention import shared_prefix as sp
 from kvfleet.engine.attention.metadata import AttentionMetadata
 from kvfleet.engine.distributed import parallel_state
 from kvfleet.engine.models.base import CausalLM
 
 if TYPE_CHECKING:
     from kvfleet.engine.mixed_graphs import MixedGraphs
+
+SHARED_PLAN = "shared_prefix"   # as attention.triton_backend.SHARED_PLAN (not imported here: it compiles kernels)
 
 logger = logging.getLogger(__name__)
 
@@ -69,6 +76,9 @@ def mixed_graph_limit() -> int:
     if n < 0 or n > 65536:
         raise ValueError(f"KVFLEET_MIXED_CUDA_GRAPHS: expected a token count in [0, 65536], got {raw!r}")
     return n
+
+
+SHARED_PREFIX_MIN_BATCH = 16   # the smallest captured batch with a shared-prefix variant
 
 
 def pick_bucket(sizes: list[int], n: int) -> int | None:
@@ -128,6 +138,7 @@ class CudaGraphRunner:
         self.sizes = graph_batch_sizes(max_batch)
         self.max_model_len = max_model_len
         self.max_blocks = -(-max_model_len // block_size)
+        self.block_size = block_size
         self.device = device
         n = self.sizes[-1]
         self.input_ids = torch.zeros(n, dtype=torch.long, device=device)
@@ -139,17 +150,35 @@ class CudaGraphRunner:
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
         self.graphs: dict[int, Any] = {}   # CUDAGraph or PiecewiseGraph, each with replay()
         self.outputs: dict[int, torch.Tensor] = {}
+        # the shared-prefix variants, by size (Triton attention, one rank: only there are host tables at hand)
+        self.shared: sp.SharedPrefixBuffers | None = None
+        self.shared_graphs: dict[int, Any] = {}
+        self.shared_outputs: dict[int, torch.Tensor] = {}
+        self.members_per_item = 1
+        self.shared_replays = 0   # decode steps replayed with the shared-prefix pass
         self.pool: Any = None
         self.mixed: MixedGraphs | None = None   # steps with prefill, captured after the decode graphs when set
 
-    def _metadata(self, bs: int) -> AttentionMetadata:
+    def enable_shared_prefix(self, num_q_heads: int, members_per_item: int) -> None:
+        """Capture the shared-prefix variants too (before `capture`): `num_q_heads` of this rank, and the
+        sequences one work item takes (`kernels.shared_prefix.members_per_item`)."""
+        kv = self.kv_caches[0]
+        self.shared = sp.SharedPrefixBuffers(self.sizes[-1], num_q_heads, kv.shape[4], self.device)
+        self.members_per_item = members_per_item
+
+    def _metadata(self, bs: int, shared: bool = False) -> AttentionMetadata:
         # max_seq_len = max_model_len fixes the decode kernel's split count for every replay
-        return AttentionMetadata(
+        md = AttentionMetadata(
             slot_mapping=self.slot_mapping[:bs], query_start_loc=self.query_start_loc[:bs + 1],
             seq_lens=self.seq_lens[:bs], block_tables=self.block_tables[:bs],
             max_query_len=1, max_seq_len=self.max_model_len,
             query_start_loc_cpu=list(range(bs + 1)), seq_lens_cpu=[1] * bs,
         )
+        md.plans[SHARED_PLAN] = self.shared.tensors(bs) if shared and self.shared is not None else None
+        return md
+
+    def _shared_sizes(self) -> list[int]:
+        return [bs for bs in self.sizes if bs >= SHARED_PREFIX_MIN_BATCH] if self.shared is not None else []
 
     @torch.inference_mode()
     def capture(self, capture_error_mode: str = "global", piecewise: bool = False) -> None:
@@ -160,8 +189,10 @@ class CudaGraphRunner:
         self.slot_mapping.fill_(-1)
         self.seq_lens.fill_(1)
         stream = torch.cuda.Stream(self.device)
-        for bs in reversed(self.sizes):
-            md = self._metadata(bs)
+        shared_sizes = [] if piecewise else self._shared_sizes()
+        variants = [(bs, False) for bs in self.sizes] + [(bs, True) for bs in shared_sizes]
+        for bs, shared in sorted(variants, reverse=True):
+            md = self._metadata(bs, shared)
             args = (self.input_ids[:bs], self.positions[:bs], self.kv_caches, md)
             stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(stream):
@@ -180,13 +211,14 @@ class CudaGraphRunner:
                     out = self.model(*args)
                 if self.pool is None:
                     self.pool = graph.pool()
-                self.graphs[bs] = graph
-            self.outputs[bs] = out
+                (self.shared_graphs if shared else self.graphs)[bs] = graph
+            (self.shared_outputs if shared else self.outputs)[bs] = out
         self.seq_lens.zero_()
         torch.cuda.synchronize(self.device)
         used = free_before - torch.cuda.mem_get_info(self.device)[0]
-        logger.info("captured %d decode CUDA graphs (batch %d..%d) in %.1fs, %.0f MiB",
-                    len(self.graphs), self.sizes[0], self.sizes[-1], time.monotonic() - start, used / 2**20)
+        logger.info("captured %d decode CUDA graphs (batch %d..%d; %d more with the shared-prefix pass) in %.1fs, "
+                    "%.0f MiB", len(self.graphs), self.sizes[0], self.sizes[-1], len(self.shared_graphs),
+                    time.monotonic() - start, used / 2**20)
         if self.mixed is not None and not piecewise:
             start, free_before = time.monotonic(), torch.cuda.mem_get_info(self.device)[0]
             self.pool = self.mixed.capture(self.pool, stream, capture_error_mode)
@@ -201,6 +233,8 @@ class CudaGraphRunner:
         teardown waits for every graph that captured its communicator."""
         self.graphs.clear()
         self.outputs.clear()
+        self.shared_graphs.clear()
+        self.shared_outputs.clear()
         if self.mixed is not None:
             self.mixed.graphs.clear()
             self.mixed.outputs.clear()
@@ -238,8 +272,23 @@ class CudaGraphRunner:
         if bs > n:
             self.slot_mapping[n:bs].fill_(-1)
             self.seq_lens[n:bs].zero_()
+        plan = self._shared_plan(md, bs)
+        if plan is not None and self.shared is not None:
+            self.shared.load(plan, bs)
+            self.shared_graphs[bs].replay()
+            self.shared_replays += 1
+            return self.shared_outputs[bs][:n]
         self.graphs[bs].replay()
         return self.outputs[bs][:n]
+
+    def _shared_plan(self, md: AttentionMetadata, bs: int) -> sp.SharedPrefixPlan | None:
+        """The step's shared-prefix plan when bucket `bs` has that variant (pure decode: every row decodes)."""
+        if bs not in self.shared_graphs or md.block_tables_cpu is None or not sp.ENABLED:
+            return None
+        n = md.num_seqs
+        return sp.plan_shared_prefixes(md.block_tables_cpu, np.asarray(md.seq_lens_cpu), np.ones(n, dtype=bool),
+                                       self.block_size, self.members_per_item,
+                                       max_items=sp.SharedPrefixBuffers.capacity(bs))
 
 
 def build_graph_runner(model: CausalLM, kv_caches: list[torch.Tensor], max_num_seqs: int, max_model_len: int,
@@ -249,8 +298,13 @@ def build_graph_runner(model: CausalLM, kv_caches: list[torch.Tensor], max_num_s
     if device.type != "cuda":
         return None
     runner = CudaGraphRunner(model, kv_caches, max_num_seqs, max_model_len, block_size, device)
+    from kvfleet.engine.attention.triton_backend import triton_paged_attention
+    from kvfleet.engine.kernels.shared_prefix import members_per_item
+
+    if sp.ENABLED and model.attention_fn is triton_paged_attention and parallel_state.get_tp_size() == 1:
+        hq, hkv = model.config.num_heads, kv_caches[0].shape[3]
+        runner.enable_shared_prefix(hq, members_per_item(hq, hkv))
     if mixed_max_tokens > 0:
-        from kvfleet.engine.attention.triton_backend import triton_paged_attention
         from kvfleet.engine.mixed_graphs import MixedGraphs
 
         if model.attention_fn is triton_paged_attention:

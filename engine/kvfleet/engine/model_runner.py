@@ -234,7 +234,7 @@ class ModelRunner:
             seq_lens=host_tensor(inp.seq_lens, np.int32, dev, nb),
             block_tables=to_device(torch.from_numpy(inp.block_tables), dev, nb),
             max_query_len=inp.max_query_len, max_seq_len=max(inp.seq_lens),
-            query_start_loc_cpu=qsl, seq_lens_cpu=inp.seq_lens)
+            query_start_loc_cpu=qsl, seq_lens_cpu=inp.seq_lens, block_tables_cpu=inp.block_tables)
         input_ids = host_tensor(inp.input_ids, np.int64, dev, nb)
         if inp.placeholder_at:
             if prev is None or prev.sampled_on_device is None:

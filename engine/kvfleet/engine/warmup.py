@@ -14,7 +14,10 @@ real engine, so it covers what the model runner really launches:
 3. then a 33-token prompt with penalties, min_tokens and stop ids, prompt logprobs: a mixed step with the
    wide tile, and the sampler's penalty and masking paths;
 4. alone, a 12-token prompt with n=2: a prefill-only step with the narrow tile, then the fork and the
-   copy-on-write block copy of parallel sampling (n=1 in an engine of max_num_seqs 1, which refuses n=2).
+   copy-on-write block copy of parallel sampling (n=1 in an engine of max_num_seqs 1, which refuses n=2);
+5. a 72-token prompt with n=2, whose two samples share 64 tokens of KV blocks: their decodes take the
+   shared-prefix pass (`attention.shared_prefix`); after one decode step
+6. a 20-token prompt: a mixed step whose decode rows share a prefix.
 
 Where CUDA graphs were captured, the plan runs twice: replayed, then with every forward eager, since the steps
 that fit no graph (more prompts or tokens than a captured step with prefill takes) launch the kernels'
@@ -89,6 +92,8 @@ def warmup_plan(max_model_len: int, vocab_size: int, max_num_seqs: int = 256) ->
                                           "frequency_penalty": 0.2, "presence_penalty": 0.2, "min_tokens": 2,
                                           "stop_token_ids": [stop], "prompt_logprobs": 1}),), None),
         Wave((WarmupRequest(plen(12), 3, {"temperature": 0.7, "n": min(2, max_num_seqs)}),), None),
+        Wave((WarmupRequest(plen(72), 4, {"temperature": 0.7, "n": min(2, max_num_seqs)}),), 2),
+        Wave((WarmupRequest(plen(20), 2, {"temperature": 0.0}),), None),
     ]
 
 

@@ -20,6 +20,9 @@ class AttentionMetadata:
     max_seq_len: int
     query_start_loc_cpu: list[int]  # host copies, for the torch path and for planning
     seq_lens_cpu: list[int]
+    # The block tables on the host (int32 [B, width]), where the builder has them: the shared-prefix plan of
+    # decode rows (`attention.shared_prefix`) is made from them; None: no such plan.
+    block_tables_cpu: np.ndarray | None = None
     # The step's plans of the attention backend (index tensors, tiles), by name: built by the first
     # layer from the host lists above, reused by the others. Not an input: every new metadata starts empty.
     plans: dict[str, object] = field(default_factory=dict, init=False, repr=False, compare=False)
@@ -83,4 +86,5 @@ def build_attention_metadata(
         max_seq_len=max(seq_lens),
         query_start_loc_cpu=qsl,
         seq_lens_cpu=[int(s) for s in seq_lens],
+        block_tables_cpu=padded,
     )

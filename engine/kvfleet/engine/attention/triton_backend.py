@@ -4,9 +4,12 @@ Writes the step's K/V into the paged cache (rotating q and k on the way when giv
 `rotary`: one fused kernel unless KVFLEET_ROTARY_CACHE=0, which keeps the two of
 before, for A/B runs), then runs the prefill kernel for the
 sequences with more than one new token and the (split-K) decode kernel for the
-single-token ones, each kernel skipping the other's sequences. A pure decode
-step (``max_query_len == 1``) launches only the decode kernel and reads no host
-lists, so it can be captured in a CUDA graph. `kvfleet.engine.attention` registers it
+single-token ones, each kernel skipping the other's sequences. Decode rows that
+share leading KV blocks (`attention.shared_prefix`) first attend over that prefix
+together (`kernels.shared_prefix`), then the decode kernel reads the rest of each
+context and folds the prefix's partial in. A pure decode step (``max_query_len == 1``)
+reads no host lists once its shared-prefix plan is in ``md.plans`` (a captured step
+puts its static buffers there), so it can be captured in a CUDA graph. `kvfleet.engine.attention` registers it
 (preferred on CUDA) when a backend is first chosen.
 """
 
@@ -19,8 +22,9 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from kvfleet.engine.attention import shared_prefix as sp
 from kvfleet.engine.attention.metadata import AttentionMetadata
-from kvfleet.engine.kernels.paged_decode import choose_num_splits, paged_decode_attention
+from kvfleet.engine.kernels.paged_decode import SharedPrefixArgs, choose_num_splits, paged_decode_attention
 from kvfleet.engine.kernels.prefill_attention import (
     default_block_m,
     prefill_attention,
@@ -31,6 +35,7 @@ from kvfleet.engine.kernels.prefill_attention_v2 import default_tile_v2, prefill
 from kvfleet.engine.kernels.reshape_and_cache import reshape_and_cache
 from kvfleet.engine.kernels.rotary import apply_rotary_cos_sin
 from kvfleet.engine.kernels.rotary_cache import rotary_and_cache
+from kvfleet.engine.kernels.shared_prefix import members_per_item, shared_prefix_attention
 from kvfleet.engine.rope import Rotary
 
 # read once: "0" rotates q/k with the rotary kernel, then writes the cache with reshape_and_cache
@@ -114,6 +119,28 @@ def _prefill_plan(md: AttentionMetadata, dtype: torch.dtype, device: torch.devic
     return plan
 
 
+SHARED_PLAN = "shared_prefix"   # md.plans key: SharedPrefixTensors, or None for no shared-prefix pass
+
+
+def _shared_prefix_plan(md: AttentionMetadata, q: torch.Tensor,
+                        kv_cache: torch.Tensor) -> sp.SharedPrefixTensors | None:
+    """The step's shared-prefix pass over its decode rows, planned by the first layer from the host block tables
+    (or put in `md.plans` by whoever built the metadata: a captured step's static buffers, or None)."""
+    if SHARED_PLAN in md.plans:
+        plan = md.plans[SHARED_PLAN]
+        return plan if isinstance(plan, sp.SharedPrefixTensors) else None
+    tensors = None
+    if sp.ENABLED and md.block_tables_cpu is not None:
+        qsl = np.asarray(md.query_start_loc_cpu)
+        hq, hkv = q.shape[1], kv_cache.shape[3]
+        host = sp.plan_shared_prefixes(md.block_tables_cpu, np.asarray(md.seq_lens_cpu), np.diff(qsl) == 1,
+                                       kv_cache.shape[2], members_per_item(hq, hkv))
+        if host is not None:
+            tensors = sp.plan_to_device(host, hq, q.shape[2], q.device, non_blocking=q.device.type == "cuda")
+    md.plans[SHARED_PLAN] = tensors
+    return tensors
+
+
 # a work entry that no program acts on: its query tile starts past every sequence's query (tile * BLOCK_M >= q_len)
 _IDLE_TILE = 1 << 20
 
@@ -190,10 +217,16 @@ def triton_paged_attention(
         q = q.contiguous()
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     batch = md.seq_lens.shape[0]
+    shared = _shared_prefix_plan(md, q, kv_cache)
+    if shared is not None:
+        shared_prefix_attention(q, kv_cache, md.block_tables, md.query_start_loc, shared.items, shared.members,
+                                shared.part_out, shared.part_lse, scale)
+    decode_shared = SharedPrefixArgs(shared.kv_start, shared.part_out, shared.part_lse) if shared is not None else None
     if plan is None:
         splits = choose_num_splits(batch, kv_cache.shape[3], md.max_seq_len, _num_sms(q.device))
         return paged_decode_attention(q, kv_cache, md.block_tables, md.seq_lens, md.query_start_loc,
-                                      scale, out, num_splits=splits)
+                                      scale, out, num_splits=splits, merge="kernel" if shared else None,
+                                      shared=decode_shared)
     mixed, kernel, (block_m, block_n, warps, stages), work = plan
     args = (q, kv_cache, md.block_tables, md.seq_lens, md.query_start_loc, md.max_query_len, scale, out)
     if kernel != "v1":
@@ -205,5 +238,6 @@ def triton_paged_attention(
                           num_warps=warps, num_stages=stages)
     if mixed:
         # decode rows of a mixed step: enough programs already come from the batch, no split
-        paged_decode_attention(q, kv_cache, md.block_tables, md.seq_lens, md.query_start_loc, scale, out)
+        paged_decode_attention(q, kv_cache, md.block_tables, md.seq_lens, md.query_start_loc, scale, out,
+                               shared=decode_shared)
     return out

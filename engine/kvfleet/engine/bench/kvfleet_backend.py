@@ -273,6 +273,8 @@ class KvfleetBench:
             torch.cuda.reset_peak_memory_stats()
         alloc_before = _allocator_counts(cuda)
         before = engine.stats()
+        graphs_before = engine.runner.executor.graphs
+        shared_before = graphs_before.shared_replays if graphs_before is not None else 0
         # With async scheduling the forward is not synchronised (that would undo the overlap): its
         # timer is then launch time only, and "outputs" is the host time not hidden behind the device.
         timers = StepTimers(engine, cuda, sync_forward=not engine.config.async_scheduling)
@@ -336,6 +338,10 @@ class KvfleetBench:
             "step_breakdown_ms": timers.report(),
             "cuda_graphs": engine.runner.executor.graphs is not None,
         }
+        graphs = engine.runner.executor.graphs
+        if graphs is not None:
+            # decode steps replayed with the shared-prefix pass (cascade attention), during the timed run
+            res["shared_prefix_replays"] = graphs.shared_replays - shared_before
         if cuda:
             # allocator events during the run: a device allocation retry (cudaFree) or a new pinned host block
             # (cudaHostAlloc) makes the host wait for the device, undoing async scheduling's overlap

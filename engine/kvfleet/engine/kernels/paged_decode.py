@@ -14,18 +14,24 @@ few splits.
 
 Sequences whose query length in this step is not 1 are skipped (the prefill
 kernel handles them), so one mixed batch can be served by both kernels.
+
+With ``shared`` (`SharedPrefixArgs`, cascade attention), a sequence whose leading blocks are shared with
+other decoding sequences reads its keys from ``kv_start[b]`` on: `kernels.shared_prefix` has already
+attended its query over the shared prefix, once for the whole group, and left a normalized partial and its
+log-sum-exp, which the last step (the single split's program, or the merge kernel) folds in.
 """
 
 from __future__ import annotations
 
 import math
 import os
+from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
-from ._common import check_paged_attention_args, dot_precision, fail, next_pow2, upcast_dots
+from ._common import check_paged_attention_args, check_tensor, dot_precision, fail, next_pow2, upcast_dots
 
 LOG2E = 1.4426950408889634
 
@@ -72,6 +78,14 @@ def _split_tokens_from_env() -> int:
     return n
 
 
+class SharedPrefixArgs(NamedTuple):
+    """What the decode kernel needs of a step's shared-prefix pass (`kernels.shared_prefix`)."""
+
+    kv_start: torch.Tensor    # int32 [B]: each sequence's first key left to read (its shared prefix; 0 = none)
+    part_out: torch.Tensor    # float32 [B, Hq, D]: the prefix's normalized partial output (where kv_start > 0)
+    part_lse: torch.Tensor    # float32 [B, Hq]: its log2-sum-exp
+
+
 DEFAULT_MERGE = _merge_from_env()
 DEFAULT_SPLIT_TOKENS = _split_tokens_from_env()
 
@@ -93,14 +107,14 @@ def _merge_counters(device: torch.device, n: int) -> torch.Tensor:
 @triton.jit(do_not_specialize=["stride_bt"])
 def _decode_kernel(
     q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, qsl_ptr,
-    out_ptr, part_out_ptr, part_lse_ptr, counter_ptr,
+    out_ptr, part_out_ptr, part_lse_ptr, counter_ptr, kv_start_ptr, pre_out_ptr, pre_lse_ptr,
     scale_log2,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_c_kv, stride_c_blk, stride_c_slot, stride_c_head, stride_bt,
     stride_pb, stride_ph, stride_ps,
     G: tl.constexpr, G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, MIN_TILES: tl.constexpr,
-    FUSED_MERGE: tl.constexpr, NUM_KV_HEADS: tl.constexpr, S_PAD: tl.constexpr,
+    FUSED_MERGE: tl.constexpr, NUM_KV_HEADS: tl.constexpr, S_PAD: tl.constexpr, SHARED: tl.constexpr,
     UPCAST: tl.constexpr, PREC: tl.constexpr,
 ):
     b = tl.program_id(0)
@@ -111,10 +125,13 @@ def _decode_kernel(
     if q_len != 1:
         return
     seq_len = tl.load(seq_lens_ptr + b)
-    tiles = tl.cdiv(seq_len, BLOCK_N)
+    kv0 = 0
+    if SHARED:
+        kv0 = tl.load(kv_start_ptr + b)   # the keys before it were read once for the sequences sharing them
+    tiles = tl.cdiv(seq_len - kv0, BLOCK_N)
     # at least MIN_TILES per split: a short sequence leaves the later split programs without keys
     tiles_per_split = tl.maximum(tl.cdiv(tiles, NUM_SPLITS), MIN_TILES)
-    start = split * tiles_per_split * BLOCK_N
+    start = kv0 + split * tiles_per_split * BLOCK_N
     end = tl.minimum(start + tiles_per_split * BLOCK_N, seq_len)
 
     g = tl.arange(0, G_PAD)
@@ -156,6 +173,19 @@ def _decode_kernel(
     out = acc / l_safe[:, None]
     omask = gmask[:, None] & dmask[None, :]
     if NUM_SPLITS == 1:
+        if SHARED:
+            # fold in the shared prefix's partial (masked off, i.e. weight 0, where the sequence has none)
+            has = gmask & (kv0 > 0)
+            pre = b.to(tl.int64) * (NUM_KV_HEADS * G) + heads
+            lse_p = tl.load(pre_lse_ptr + pre, mask=has, other=float("-inf"))
+            o_p = tl.load(pre_out_ptr + pre[:, None] * HEAD_DIM + d[None, :], mask=has[:, None] & dmask[None, :],
+                          other=0.0)
+            lse_s = tl.where(l_i == 0.0, float("-inf"), m_i + tl.math.log2(l_safe))
+            top = tl.maximum(lse_s, lse_p)
+            top = tl.where(top == float("-inf"), 0.0, top)
+            w_s = tl.math.exp2(lse_s - top)
+            w_p = tl.math.exp2(lse_p - top)
+            out = (out * w_s[:, None] + o_p * w_p[:, None]) / tl.maximum(w_s + w_p, 1e-30)[:, None]
         tl.store(out_ptr + q_start.to(tl.int64) * stride_ot + heads[:, None] * stride_oh + d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=omask)
     else:
@@ -192,9 +222,10 @@ def _decode_kernel(
 
 @triton.jit
 def _merge_kernel(
-    out_ptr, part_out_ptr, part_lse_ptr, qsl_ptr,
+    out_ptr, part_out_ptr, part_lse_ptr, qsl_ptr, kv_start_ptr, pre_out_ptr, pre_lse_ptr,
     stride_ot, stride_oh, stride_pb, stride_ph, stride_ps,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr, S_PAD: tl.constexpr,
+    NUM_Q_HEADS: tl.constexpr, SHARED: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -207,12 +238,24 @@ def _merge_kernel(
     base = b.to(tl.int64) * stride_pb + h * stride_ph + s * stride_ps
     lse = tl.load(part_lse_ptr + base, mask=smask, other=float("-inf"))
     m = tl.max(lse, 0)
+    lse_p = float("-inf")
+    if SHARED:
+        # the shared prefix's partial is one more term (none where the sequence has no shared prefix)
+        pre = b.to(tl.int64) * NUM_Q_HEADS + h
+        has = tl.load(kv_start_ptr + b) > 0
+        lse_p = tl.load(pre_lse_ptr + pre, mask=has, other=float("-inf"))
+        m = tl.maximum(m, lse_p)
     m = tl.where(m == float("-inf"), 0.0, m)
     w = tl.math.exp2(lse - m)
-    w = w / tl.maximum(tl.sum(w, 0), 1e-30)
+    w_p = tl.math.exp2(lse_p - m)
+    total = tl.maximum(tl.sum(w, 0) + w_p, 1e-30)
     parts = tl.load(part_out_ptr + base[:, None] * HEAD_DIM + d[None, :],
                     mask=smask[:, None] & (d[None, :] < HEAD_DIM), other=0.0)
     out = tl.sum(parts * w[:, None], 0)
+    if SHARED:
+        o_p = tl.load(pre_out_ptr + pre * HEAD_DIM + d, mask=has & (d < HEAD_DIM), other=0.0)
+        out = out + o_p * w_p
+    out = out / total
     tl.store(out_ptr + q_start.to(tl.int64) * stride_ot + h * stride_oh + d, out.to(out_ptr.dtype.element_ty),
              mask=d < HEAD_DIM)
 
@@ -243,13 +286,14 @@ def paged_decode_attention(
     num_stages: int | None = None,
     merge: str | None = None,
     split_tokens: int | None = None,
+    shared: SharedPrefixArgs | None = None,
 ) -> torch.Tensor:
     """Attention of the one query token of each decode sequence over its paged context.
 
     ``q``/``out`` ``[T, Hq, D]``; sequence ``b``'s token is row ``query_start_loc[b]``
     (sequences whose query length is not 1 are left untouched in ``out``). ``merge`` ("fused" or
     "kernel") and ``split_tokens`` (fewest keys per split) default to KVFLEET_DECODE_MERGE and
-    KVFLEET_DECODE_SPLIT_TOKENS.
+    KVFLEET_DECODE_SPLIT_TOKENS. ``shared``: the step's shared-prefix pass has run (see the module's doc).
     """
     block_size, hkv, d, hq, batch = check_paged_attention_args(q, out, kv_cache, block_tables, seq_lens,
                                                                 query_start_loc)
@@ -260,6 +304,15 @@ def paged_decode_attention(
     merge = merge or DEFAULT_MERGE
     if merge not in MERGES:
         fail("merge", f"expected one of {MERGES}, got {merge!r}")
+    if shared is not None:
+        check_tensor("kv_start", shared.kv_start, ndim=1, dtype=torch.int32, device=q.device)
+        check_tensor("part_out", shared.part_out, ndim=3, dtype=torch.float32, device=q.device)
+        check_tensor("part_lse", shared.part_lse, ndim=2, dtype=torch.float32, device=q.device)
+        if not (shared.kv_start.shape[0] >= batch and shared.part_out.shape[0] >= batch
+                and shared.part_lse.shape[0] >= batch):
+            fail("shared", f"kv_start, part_out and part_lse need a row per sequence ({batch})")
+        if num_splits > 1 and merge == "fused":
+            fail("shared", "a shared-prefix pass is merged by the merge kernel: use merge='kernel'")
     if batch == 0:
         return out
     block_n = block_n or DEFAULT_BLOCK_N
@@ -276,24 +329,26 @@ def paged_decode_attention(
     fused = num_splits > 1 and merge == "fused"
     counters = _merge_counters(q.device, batch * hkv) if fused else seq_lens  # unused unless fused
     pstr = (hq * num_splits, num_splits, 1)
+    kv_start, pre_out, pre_lse = shared if shared is not None else (seq_lens, out, out)   # unused unless shared
     _decode_kernel[(batch, hkv, num_splits)](
         q, kv_cache, block_tables, seq_lens, query_start_loc,
-        out, part_out, part_lse, counters,
+        out, part_out, part_lse, counters, kv_start, pre_out, pre_lse,
         scale * LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3), block_tables.stride(0),
         *pstr,
         G=g, G_PAD=max(16, next_pow2(g)), HEAD_DIM=d, D_PAD=d_pad,
         BLOCK_SIZE=block_size, BLOCK_N=block_n, NUM_SPLITS=num_splits, MIN_TILES=min_tiles,
-        FUSED_MERGE=fused, NUM_KV_HEADS=hkv, S_PAD=next_pow2(num_splits),
+        FUSED_MERGE=fused, NUM_KV_HEADS=hkv, S_PAD=next_pow2(num_splits), SHARED=shared is not None,
         UPCAST=upcast_dots(q.dtype), PREC=dot_precision(q.dtype),
         num_warps=num_warps, num_stages=num_stages,
     )
     if num_splits > 1 and not fused:
         _merge_kernel[(batch, hq)](
-            out, part_out, part_lse, query_start_loc,
+            out, part_out, part_lse, query_start_loc, kv_start, pre_out, pre_lse,
             out.stride(0), out.stride(1), *pstr,
             HEAD_DIM=d, D_PAD=d_pad, NUM_SPLITS=num_splits, S_PAD=next_pow2(num_splits),
+            NUM_Q_HEADS=hq, SHARED=shared is not None,
         )
     return out
 
