@@ -184,8 +184,8 @@ def engine_check(model: str) -> dict[str, Any]:
     tokens: dict[bool, list[list[int]]] = {}
     for enabled in (False, True):
         sp.ENABLED = enabled
-        llm = LLM(model=model, load_format="dummy", dtype="bfloat16", gpu_memory_utilization=0.85, max_num_seqs=256, max_model_len=4096,
-                  enable_prefix_caching=True)
+        llm = LLM(model=model, load_format="dummy", dtype="bfloat16", gpu_memory_utilization=0.85, max_num_seqs=256,
+                  max_model_len=4096, enable_prefix_caching=True)
         graphs = llm.llm_engine.runner.executor.graphs
         before = graphs.shared_replays if graphs is not None else 0
         outs = llm.generate(prompts[:8], greedy)   # the prefixes enter the prefix cache first

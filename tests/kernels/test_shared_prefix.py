@@ -10,7 +10,7 @@ import torch
 from kvfleet.engine.attention import build_attention_metadata, torch_paged_attention, triton_backend
 from kvfleet.engine.attention import shared_prefix as sp
 from kvfleet.engine.attention.metadata import AttentionMetadata
-from kvfleet.engine.attention.triton_backend import SHARED_PLAN, triton_paged_attention
+from kvfleet.engine.attention.triton_backend import triton_paged_attention
 from kvfleet.engine.kernels import shared_prefix as kernel
 from kvfleet.engine.kernels.paged_decode import SharedPrefixArgs, paged_attention_ref, paged_decode_attention
 
@@ -115,7 +115,7 @@ def test_triton_op_with_the_shared_prefix_pass_matches_the_reference(name: str, 
     cache_ref = cache.clone()
     out = triton_paged_attention(q.clone(), k, v, cache, md, 0.3)
     ref = torch_paged_attention(q, k, v, cache_ref, md, 0.3)
-    plan = md.plans[SHARED_PLAN]
+    plan = md.plans[sp.PLAN_KEY]
     assert isinstance(plan, sp.SharedPrefixTensors)            # the pass ran
     assert int((plan.kv_start > 0).sum()) >= 2
     assert rel_err(out, ref) < 1e-5
@@ -127,7 +127,7 @@ def test_the_pass_is_off_with_the_knob(monkeypatch: pytest.MonkeyPatch) -> None:
     gen = torch.Generator().manual_seed(1)
     q, k, v, cache, md = _shared_step(gen, *STEPS["decode"])
     out = triton_paged_attention(q.clone(), k, v, cache.clone(), md, 0.3)
-    assert md.plans[SHARED_PLAN] is None
+    assert md.plans[sp.PLAN_KEY] is None
     assert rel_err(out, torch_paged_attention(q, k, v, cache, md, 0.3)) < 1e-5
 
 

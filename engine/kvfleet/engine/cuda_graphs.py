@@ -36,8 +36,6 @@ from kvfleet.engine.models.base import CausalLM
 if TYPE_CHECKING:
     from kvfleet.engine.mixed_graphs import MixedGraphs
 
-SHARED_PLAN = "shared_prefix"   # as attention.triton_backend.SHARED_PLAN (not imported here: it compiles kernels)
-
 logger = logging.getLogger(__name__)
 
 
@@ -174,7 +172,7 @@ class CudaGraphRunner:
             max_query_len=1, max_seq_len=self.max_model_len,
             query_start_loc_cpu=list(range(bs + 1)), seq_lens_cpu=[1] * bs,
         )
-        md.plans[SHARED_PLAN] = self.shared.tensors(bs) if shared and self.shared is not None else None
+        md.plans[sp.PLAN_KEY] = self.shared.tensors(bs) if shared and self.shared is not None else None
         return md
 
     def _shared_sizes(self) -> list[int]:

@@ -22,6 +22,7 @@ import torch
 
 # Not importing the kernels: the graph runner imports this module on every device, and the kernels compile.
 ITEM_FIELDS = 4   # a work item's int32 fields, as kernels.shared_prefix takes them
+PLAN_KEY = "shared_prefix"   # AttentionMetadata.plans key: SharedPrefixTensors, or None for no shared-prefix pass
 
 
 def _enabled_from_env() -> bool:

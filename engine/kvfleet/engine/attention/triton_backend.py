@@ -119,15 +119,12 @@ def _prefill_plan(md: AttentionMetadata, dtype: torch.dtype, device: torch.devic
     return plan
 
 
-SHARED_PLAN = "shared_prefix"   # md.plans key: SharedPrefixTensors, or None for no shared-prefix pass
-
-
 def _shared_prefix_plan(md: AttentionMetadata, q: torch.Tensor,
                         kv_cache: torch.Tensor) -> sp.SharedPrefixTensors | None:
     """The step's shared-prefix pass over its decode rows, planned by the first layer from the host block tables
     (or put in `md.plans` by whoever built the metadata: a captured step's static buffers, or None)."""
-    if SHARED_PLAN in md.plans:
-        plan = md.plans[SHARED_PLAN]
+    if sp.PLAN_KEY in md.plans:
+        plan = md.plans[sp.PLAN_KEY]
         return plan if isinstance(plan, sp.SharedPrefixTensors) else None
     tensors = None
     if sp.ENABLED and md.block_tables_cpu is not None:
@@ -137,7 +134,7 @@ def _shared_prefix_plan(md: AttentionMetadata, q: torch.Tensor,
                                        kv_cache.shape[2], members_per_item(hq, hkv))
         if host is not None:
             tensors = sp.plan_to_device(host, hq, q.shape[2], q.device, non_blocking=q.device.type == "cuda")
-    md.plans[SHARED_PLAN] = tensors
+    md.plans[sp.PLAN_KEY] = tensors
     return tensors
 
 
