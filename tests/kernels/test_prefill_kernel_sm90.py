@@ -31,3 +31,18 @@ def test_v2_default_tiles_compile_for_sm90_without_spills(tmp_path: Path) -> Non
     assert len(launched) == 4
     for r in launched:
         assert r["fits"] and r["stack_bytes"] == 0, r
+
+
+def test_decode_and_shared_prefix_kernels_compile_for_sm90_without_spills(tmp_path: Path) -> None:
+    """The decode kernel with and without the shared-prefix pass, its merge kernel and the shared-prefix kernel, as
+    the engine launches them for Llama-3.1-8B (the interpreter runs them, the compiler alone can reject them)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path / "triton-cache")
+    out = tmp_path / "resources.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "decode_kernel_resources.py"), "--json", str(out)],
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = json.loads(out.read_text())
+    assert {r["kernel"] for r in rows} >= {"decode splits=1 shared", "merge shared", "shared prefix"}
+    for r in rows:
+        assert "error" not in r and r["fits"] and r["stack_bytes"] == 0, r
