@@ -182,3 +182,17 @@ def test_shared_prefix_arguments_are_checked() -> None:
 def test_item_layout_agrees_between_the_planner_and_the_kernel() -> None:
     assert sp.ITEM_FIELDS == kernel.ITEM_FIELDS
     assert kernel.members_per_item(32, 8) == 16 and kernel.members_per_item(16, 16) == 64
+
+
+def test_plan_splits_prompts_that_only_begin_alike() -> None:
+    """Two system prompts with the same first 2 blocks, then 6 blocks of their own: two groups of 6 blocks, not one
+    of 2; three rows sharing 2 blocks and nothing more stay one group."""
+    a = [1, 2, 10, 11, 12, 13, 14, 15]
+    b = [1, 2, 20, 21, 22, 23, 24, 25]
+    rows = [a + [100 + i] for i in range(3)] + [b + [200 + i] for i in range(3)]
+    plan = sp.plan_shared_prefixes(_tables(rows), np.full(6, 34), np.ones(6, dtype=bool), 4, members_per_item=8,
+                                   min_tokens=8)
+    assert plan is not None and plan.kv_start.tolist() == [32] * 6 and plan.num_items == 2
+    loose = [[1, 2, 30 + i, 40 + i] for i in range(3)]
+    plan = sp.plan_shared_prefixes(_tables(loose), np.full(3, 16), np.ones(3, dtype=bool), 4, 8, min_tokens=8)
+    assert plan is not None and plan.kv_start.tolist() == [8] * 3 and plan.num_items == 1

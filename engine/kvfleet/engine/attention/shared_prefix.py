@@ -103,7 +103,7 @@ def plan_shared_prefixes(
         j = i
         while j < n - 1 and linked[j]:
             j += 1
-        groups.append((i, j + 1, int(lcp[i:j].min())))
+        groups += _best_groups(lcp, i, j + 1)[1]
         i = j + 1
     if not groups:
         return None
@@ -133,6 +133,26 @@ def plan_shared_prefixes(
             at += e - s
     return SharedPrefixPlan(np.asarray(items, dtype=np.int32).reshape(-1, ITEM_FIELDS),
                             np.concatenate(members).astype(np.int32), kv_start)
+
+
+def _best_groups(lcp: np.ndarray, start: int, end: int, depth: int = 0) -> tuple[int, list[tuple[int, int, int]]]:
+    """Sorted rows [start, end), neighbours linked by `lcp[start:end - 1]` shared blocks: (blocks of keys saved,
+    the groups). One group shares the weakest link's blocks; when its two sides save more apart (two system
+    prompts that begin with the same 64 tokens, say), they are split there, and so on down (deep splits stop
+    at 32 levels: the rest stays one group)."""
+    links = lcp[start:end - 1]
+    weakest = int(links.min())
+    whole = (end - start - 1) * weakest
+    if end - start < 3 or weakest == int(links.max()) or depth >= 32:
+        return whole, [(start, end, weakest)]
+    k = start + int(links.argmin())   # the left side ends at row k, the right side starts at k + 1
+    saved, groups = 0, []
+    for a, b in ((start, k + 1), (k + 1, end)):
+        if b - a >= 2:
+            s, g = _best_groups(lcp, a, b, depth + 1)
+            saved += s
+            groups += g
+    return (saved, groups) if saved > whole else (whole, [(start, end, weakest)])
 
 
 @dataclass
