@@ -300,6 +300,15 @@ def run_scenario(sc: Scenario, kube: Kube, tenants: Any, flavor: str, operator: 
                                       "--out", str(bench_out)],
                                      stdout=log, stderr=subprocess.STDOUT, cwd=str(REPO))
         children.append(bench)
+        # The burst alone may drain before the admitted pods' engines are up (how long each takes depends on the
+        # machine's load), and with it the demand the checks below need: a second client keeps the queue deep
+        # until they are done, then stops (its open requests are aborted, as a client that leaves).
+        holder = subprocess.Popen([sys.executable, "-m", "kvfleet.engine.cli", "bench", "serve",  # noqa: S603
+                                   "--base-url", first_url, "--num-prompts", "20000",
+                                   "--max-concurrency", str(4 * TARGET * sc.max_replicas),
+                                   "--out", str(logs / f"bench-{ns}-holder.json")],
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=str(REPO))
+        children.append(holder)
 
         # Scale-up: the queue is deep, so one decision asks for maxReplicas (not one at a time);
         # Kueue admits only the tenant's quota and the rest wait with Kueue's reason.
@@ -320,6 +329,8 @@ def run_scenario(sc: Scenario, kube: Kube, tenants: Any, flavor: str, operator: 
             assert len(workloads(kube, ns, "chat")) == sc.max_replicas
             assert len(engine_pods(kube, ns, "chat")) <= sc.quota_gpus
             time.sleep(INTERVAL_S)
+        holder.terminate()
+        holder.wait(30)
 
         assert bench.wait(240) == 0, bench_log.read_text(errors="replace")[-2000:]
         marks["load done"] = rec.mark()
