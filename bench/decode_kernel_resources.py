@@ -9,7 +9,6 @@ Exit status 1 if a variant fails to compile.
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 from typing import Any, Callable
@@ -17,7 +16,7 @@ from typing import Any, Callable
 if os.environ.get("TRITON_INTERPRET") == "1":
     sys.exit("decode_kernel_resources: unset TRITON_INTERPRET (this compiles for the GPU)")
 
-from prefill_kernel_resources import HOPPER_MAX_SHARED, _compile, _usage  # noqa: E402
+from prefill_kernel_resources import _compile, measure, write_rows  # noqa: E402
 
 from kvfleet.engine.kernels import shared_prefix as pk  # noqa: E402
 from kvfleet.engine.kernels.paged_decode import (  # noqa: E402
@@ -51,23 +50,7 @@ def variants() -> list[tuple[str, Callable[[], Any]]]:
 
 def main(argv: list[str]) -> int:
     json_out = argv[argv.index("--json") + 1] if "--json" in argv else None
-    rows: list[dict[str, Any]] = []
-    for name, build in variants():
-        row: dict[str, Any] = {"kernel": name}
-        try:
-            k = build()
-            row.update(_usage(k.asm["cubin"]), shared_bytes=k.metadata.shared)
-            row["fits"] = row["shared_bytes"] <= HOPPER_MAX_SHARED
-            print(f"{name:28} shared {row['shared_bytes']:7d}  registers {row['registers']:3d}"
-                  f"  spill stack {row['stack_bytes']:4d}", flush=True)
-        except Exception as e:  # noqa: BLE001 - report every variant
-            row["error"] = f"{type(e).__name__}: {e}"[:2000]
-            print(f"{name:28} FAILED {row['error']}", flush=True)
-        rows.append(row)
-    if json_out:
-        with open(json_out, "w") as f:
-            json.dump(rows, f, indent=1)
-    return 1 if any("error" in r for r in rows) else 0
+    return write_rows([measure(name, build, {}) for name, build in variants()], json_out)
 
 
 if __name__ == "__main__":

@@ -93,21 +93,29 @@ def main(argv: list[str]) -> int:
         i = argv.index("--json")
         json_out, argv = argv[i + 1], argv[:i] + argv[i + 2:]
     tiles = [tuple(int(x) for x in a.split(",")) for a in argv] or [default_tile_v2(8192, _bf16())]
-    rows: list[dict[str, Any]] = []
-    for tile in tiles:
-        for name, build in variants(tile):   # type: ignore[arg-type]
-            row: dict[str, Any] = {"tile": list(tile), "kernel": name}
-            try:
-                k = build()
-                row.update(_usage(k.asm["cubin"]), shared_bytes=k.metadata.shared)
-                row["fits"] = row["shared_bytes"] <= HOPPER_MAX_SHARED
-                print(f"{','.join(map(str, tile)):14} {name:26} shared {row['shared_bytes']:7d}"
-                      f"{'' if row['fits'] else ' (too much)'}  registers {row['registers']:3d}"
-                      f"  spill stack {row['stack_bytes']:4d}", flush=True)
-            except Exception as e:  # noqa: BLE001 - report every variant
-                row["error"] = f"{type(e).__name__}: {e}"[:2000]
-                print(f"{','.join(map(str, tile)):14} {name:26} FAILED {row['error']}", flush=True)
-            rows.append(row)
+    rows = [measure(name, build, {"tile": list(tile)}, ",".join(map(str, tile)))
+            for tile in tiles for name, build in variants(tile)]   # type: ignore[arg-type]
+    return write_rows(rows, json_out)
+
+
+def measure(name: str, build: Any, fields: dict[str, Any], label: str = "") -> dict[str, Any]:
+    """Compile one variant (`build()`), print and return its row: resources, or the error."""
+    row: dict[str, Any] = {**fields, "kernel": name}
+    head = f"{label:14} {name:26}" if label else f"{name:28}"
+    try:
+        k = build()
+        row.update(_usage(k.asm["cubin"]), shared_bytes=k.metadata.shared)
+        row["fits"] = row["shared_bytes"] <= HOPPER_MAX_SHARED
+        print(f"{head} shared {row['shared_bytes']:7d}{'' if row['fits'] else ' (too much)'}"
+              f"  registers {row['registers']:3d}  spill stack {row['stack_bytes']:4d}", flush=True)
+    except Exception as e:  # noqa: BLE001 - report every variant
+        row["error"] = f"{type(e).__name__}: {e}"[:2000]
+        print(f"{head} FAILED {row['error']}", flush=True)
+    return row
+
+
+def write_rows(rows: list[dict[str, Any]], json_out: str | None) -> int:
+    """Write the rows as JSON when asked; exit status 1 if any variant failed to compile."""
     if json_out:
         with open(json_out, "w") as f:
             json.dump(rows, f, indent=1)

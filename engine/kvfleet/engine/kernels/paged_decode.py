@@ -102,6 +102,33 @@ def _merge_counters(device: torch.device, n: int) -> torch.Tensor:
     return bufs[-1]
 
 
+@triton.jit
+def attend_paged_tile(q, m_i, l_i, acc, k_base, bt_row, n0, end, d, dmask, scale_log2,
+                      stride_c_kv, stride_c_blk, stride_c_slot,
+                      BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr):
+    """One online-softmax step of queries `q` [rows, D] over keys n0..n0+BLOCK_N (those < `end`) of one KV head,
+    read through the block-table row `bt_row`: the updated running max, sum and unnormalized output (log2 domain;
+    `scale_log2` folds the softmax scale and log2(e)). Shared by the decode and shared-prefix kernels."""
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    nmask = offs_n < end
+    blk = tl.load(bt_row + offs_n // BLOCK_SIZE, mask=nmask, other=0).to(tl.int64)
+    row = blk * stride_c_blk + (offs_n % BLOCK_SIZE) * stride_c_slot
+    kv_mask = nmask[:, None] & dmask[None, :]
+    k = tl.load(k_base + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
+    v = tl.load(k_base + stride_c_kv + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
+    if UPCAST:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+    s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale_log2
+    s = tl.where(nmask[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    p = tl.math.exp2(s - m_new[:, None])
+    alpha = tl.math.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
+    return m_new, l_i, acc
+
+
 # The block-table width changes from step to step: specializing on it (== 1, multiple of 16) would compile
 # new variants on live requests' time (issue 16's TTFT p99); nothing in the kernel gains from it.
 @triton.jit(do_not_specialize=["stride_bt"])
@@ -150,24 +177,9 @@ def _decode_kernel(
     k_base = cache_ptr + kvh * stride_c_head
     bt_row = block_tables_ptr + b.to(tl.int64) * stride_bt
     for n0 in range(start, end, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        nmask = offs_n < end
-        blk = tl.load(bt_row + offs_n // BLOCK_SIZE, mask=nmask, other=0).to(tl.int64)
-        row = blk * stride_c_blk + (offs_n % BLOCK_SIZE) * stride_c_slot
-        kv_mask = nmask[:, None] & dmask[None, :]
-        k = tl.load(k_base + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(k_base + stride_c_kv + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        if UPCAST:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
-        s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale_log2
-        s = tl.where(nmask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        p = tl.math.exp2(s - m_new[:, None])
-        alpha = tl.math.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
-        m_i = m_new
+        m_i, l_i, acc = attend_paged_tile(q, m_i, l_i, acc, k_base, bt_row, n0, end, d, dmask, scale_log2,
+                                          stride_c_kv, stride_c_blk, stride_c_slot,
+                                          BLOCK_SIZE, BLOCK_N, UPCAST, PREC)
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc / l_safe[:, None]

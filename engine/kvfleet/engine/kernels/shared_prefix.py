@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 from ._common import check_tensor, dot_precision, fail, next_pow2, upcast_dots
+from .paged_decode import attend_paged_tile
 
 LOG2E = 1.4426950408889634
 ITEM_FIELDS = 4          # representative row, prefix tokens, first member, member count
@@ -73,24 +74,9 @@ def _shared_prefix_kernel(
     bt_row = block_tables_ptr + rep.to(tl.int64) * stride_bt
     # every prefix key precedes every member's query: no causal mask, only the prefix's end
     for n0 in range(0, prefix_len, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        nmask = offs_n < prefix_len
-        blk = tl.load(bt_row + offs_n // BLOCK_SIZE, mask=nmask, other=0).to(tl.int64)
-        row = blk * stride_c_blk + (offs_n % BLOCK_SIZE) * stride_c_slot
-        kv_mask = nmask[:, None] & dmask[None, :]
-        k = tl.load(k_base + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(k_base + stride_c_kv + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        if UPCAST:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
-        s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale_log2
-        s = tl.where(nmask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        p = tl.math.exp2(s - m_new[:, None])
-        alpha = tl.math.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
-        m_i = m_new
+        m_i, l_i, acc = attend_paged_tile(q, m_i, l_i, acc, k_base, bt_row, n0, prefix_len, d, dmask, scale_log2,
+                                          stride_c_kv, stride_c_blk, stride_c_slot,
+                                          BLOCK_SIZE, BLOCK_N, UPCAST, PREC)
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     base = seq.to(tl.int64) * NUM_Q_HEADS + head
