@@ -208,10 +208,40 @@ def test_next_step_is_scheduled_and_prepared_before_the_last_ids_are_read(tiny_m
     # Every decode token after the first is fed from the last step's samples on the device.
     assert runner.num_placeholder_inputs == len(prompts) * (params.max_tokens - 1)
     assert sync.llm_engine.runner.num_placeholder_inputs == 0
-    # Step N+1 is scheduled and prepared after step N's launch and before its ids are collected.
+    # Step N+1 is scheduled, prepared and launched after step N's launch and before its ids are collected.
+    i = events.index("launch")
+    assert events[i:i + 5] == ["launch", "schedule", "prepare", "launch", "collect"]
+    assert eng.num_overlapped_steps == params.max_tokens - 1
+    assert eng.num_launched_ahead == params.max_tokens - 1
+    assert_no_leak(fast)
+    # A penalty counts the output tokens: that step waits for N's ids and is launched after them.
+    events.clear()
+    eng.num_overlapped_steps = eng.num_launched_ahead = 0
+    penalized = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, repetition_penalty=1.5)
+    assert summary(fast.generate(prompts, penalized)) == summary(sync.generate(prompts, penalized))
     i = events.index("launch")
     assert events[i:i + 5] == ["launch", "schedule", "prepare", "collect", "launch"]
-    assert eng.num_overlapped_steps == params.max_tokens - 1
+    assert eng.num_overlapped_steps == penalized.max_tokens - 1 and eng.num_launched_ahead == 0
+    assert_no_leak(fast)
+
+
+def test_min_tokens_counts_the_token_in_flight_when_launched_ahead(tiny_model_dir) -> None:
+    """Launched ahead, a sequence's token of the step before is not appended yet: min_tokens still bans its stop
+    ids for exactly min_tokens tokens (a stop id that greedy decoding picks at once, so the ban decides)."""
+    kw = dict(num_kv_blocks=64, max_num_batched_tokens=64)
+    fast = LLM(str(tiny_model_dir), async_scheduling=True, **kw)
+    sync = LLM(str(tiny_model_dir), async_scheduling=False, **kw)
+    prompts = prompts_for(500, (4, 11, 23), seed=7)
+    free = sync.generate(prompts, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
+    for n in (1, 2, 3, 5):
+        # each prompt's own greedy token n-1 stops it; with min_tokens = n it is allowed only from token n on
+        params = [SamplingParams(temperature=0.0, max_tokens=12, min_tokens=n,
+                                 stop_token_ids=list(set(o.outputs[0].token_ids)))
+                  for o in free]
+        a, b = sync.generate(prompts, params), fast.generate(prompts, params)
+        assert summary(a) == summary(b)
+        assert all(len(o.outputs[0].token_ids) >= n for o in b)
+    assert fast.llm_engine.num_launched_ahead > 0
     assert_no_leak(fast)
 
 

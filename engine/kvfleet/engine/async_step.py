@@ -6,11 +6,17 @@ With it on, one `LLMEngine.step()` does, while step N (launched by the previous 
    it; its id is not known yet);
 2. prepare N+1's input tensors (`ModelRunner.prepare`); a placeholder's input id is taken on the
    device from step N's sampled-id tensor (index by its row in N), so nothing waits for the host;
-3. wait for N's ids (`ModelRunner.collect`; on CUDA a non-blocking copy to pinned memory + event)
-   and update the scheduler with the real tokens (EOS, stop ids, max/min_tokens exact);
-4. launch N+1 (forward and sampling: the sampler's inputs, penalties and min_tokens masks, are
-   built now, from the real tokens), then process N's outputs (detokenization, stop strings,
-   beam picks, forks, `RequestOutput`s) while N+1 runs. The outputs returned are step N's.
+3. launch N+1 at once (forward and sampling), queued behind N on the device, so the device goes from N to
+   N+1 without waiting for the host ("launch ahead");
+4. wait for N's ids (`ModelRunner.collect`; on CUDA a non-blocking copy to pinned memory + event), update
+   the scheduler with the real tokens (EOS, stop ids, max/min_tokens exact), then process N's outputs
+   (detokenization, stop strings, beam picks, forks, `RequestOutput`s) while N+1 runs. The outputs
+   returned are step N's.
+
+Launching ahead is skipped, and N+1 launched after step 4's update as before, when its sampler needs N's
+token values: penalties (they count the output tokens) and prompt logprobs (read back at launch).
+min_tokens needs only N's token count: a sequence sampled in N has one more output token than it holds.
+KVFLEET_LAUNCH_AHEAD=0 always launches after the update (issue 16's A/B).
 
 Correctness cases:
 - no placeholder where the token just planned surely ends the sequence (max_tokens,
@@ -18,8 +24,9 @@ Correctness cases:
   parent about to fork; those sequences skip one step instead. A sequence still in prefill has
   nothing sampled in flight, so it is never a placeholder case.
 - a sequence that stops at step N (stop id, EOS, or a stop string seen while processing N) was
-  already planned in N+1: its blocks are freed at once, N+1 computes its row (shapes are fixed) but
-  does not sample it, and the scheduler's update of N+1 skips it, so its extra token never shows.
+  already planned, and usually launched, in N+1: its blocks are freed at once, N+1 computes its row
+  (shapes are fixed; a later step that reuses the blocks runs after it on the device) and may sample it,
+  and the scheduler's update of N+1 skips it, so its extra token never shows.
 - a sequence preempted by N+1's scheduling while its token was in flight keeps that token (it was
   sampled from its full context; it is appended and checked for stops when N's ids arrive).
 - prefix caching hashes a block only once all its token ids are known (never past `num_tokens`).
@@ -28,6 +35,7 @@ Correctness cases:
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Optional
 
@@ -36,6 +44,16 @@ import torch
 from kvfleet.engine.core.runner_output import ModelRunnerOutput
 from kvfleet.engine.core.scheduler import ScheduledRequest
 from kvfleet.engine.sampler import SamplerOutput, TokenLogprobs
+
+
+def _launch_ahead_from_env() -> bool:
+    raw = os.environ.get("KVFLEET_LAUNCH_AHEAD", "").strip() or "1"
+    if raw not in ("0", "1"):
+        raise ValueError(f"KVFLEET_LAUNCH_AHEAD: expected '0' or '1', got {raw!r}")
+    return raw == "1"
+
+
+LAUNCH_AHEAD = _launch_ahead_from_env()
 
 
 @dataclass

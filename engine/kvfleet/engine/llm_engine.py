@@ -13,11 +13,11 @@ import logging
 import os
 import time
 from collections.abc import Collection
-from typing import Any, NoReturn, Optional
+from typing import TYPE_CHECKING, Any, NoReturn, Optional
 
 import torch
 
-from kvfleet.engine.async_step import InFlight
+from kvfleet.engine.async_step import LAUNCH_AHEAD, InFlight
 from kvfleet.engine.config import EngineConfig
 from kvfleet.engine.core.beam_search import Beam, BeamSearchState, Hypothesis
 from kvfleet.engine.core.inputs import PromptType, check_prompt, check_text, split_prompt
@@ -30,6 +30,9 @@ from kvfleet.engine.model_config import ModelConfig
 from kvfleet.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from kvfleet.engine.sampling_params import SamplingParams
 from kvfleet.engine.warmup import WarmupReport, run_warmup
+
+if TYPE_CHECKING:
+    from kvfleet.engine.model_runner import Prepared
 
 logger = logging.getLogger(__name__)
 
@@ -133,6 +136,7 @@ class LLMEngine:
         # Async scheduling: the launched step whose sampled ids are not collected yet.
         self._inflight: Optional[tuple[SchedulerOutput, InFlight]] = None
         self.num_overlapped_steps = 0   # steps scheduled and prepared while the previous one ran
+        self.num_launched_ahead = 0     # of those, steps launched before the previous one's tokens were collected
         freeze_startup_heap()
 
     # --- requests ------------------------------------------------------------------
@@ -255,8 +259,9 @@ class LLMEngine:
 
     def _step_overlapped(self, final_only: bool) -> list[RequestOutput]:
         """Async scheduling: schedule and prepare step N+1 while step N (launched by the last call)
-        runs on the device, then wait for N's ids, update the scheduler, launch N+1, and process
-        N's outputs while N+1 runs. Returns step N's outputs."""
+        runs on the device, launch N+1 behind it (or, where its sampler needs N's token values, after
+        the next part), wait for N's ids and update the scheduler, then process N's outputs while N+1
+        runs. Returns step N's outputs."""
         prev, self._inflight = self._inflight, None
         sched = self.scheduler.schedule()
         if sched.is_empty and prev is None:
@@ -273,23 +278,35 @@ class LLMEngine:
                 self._fail_step(sched, e)
             if prev is not None:
                 self.num_overlapped_steps += 1
+        ahead = (prepared is not None and prev is not None and LAUNCH_AHEAD
+                 and not self.runner.needs_token_values(sched))
+        if ahead and prepared is not None and prev is not None:
+            self._launch(sched, prepared, prev, ahead=True)
+            self.num_launched_ahead += 1
         updates: list[RequestUpdate] = []
         result = None
         if prev is not None:
             try:
                 result = self.runner.collect(prev[1])
             except Exception as e:   # N+1 was planned on N's tokens: its requests end too
+                self._inflight = None
                 self._fail_step(SchedulerOutput(prev[0].scheduled + sched.scheduled), e)
             updates = self.scheduler.update_from_output(prev[0], result)
-        if prepared is not None:
-            try:
-                self._inflight = (sched, self.runner.launch(sched, async_copy=True, prepared=prepared))
-            except Exception as e:   # N's updates are lost with the raise: its requests end too
-                self._fail_step(SchedulerOutput(sched.scheduled + (prev[0].scheduled if prev else [])), e)
+        if prepared is not None and not ahead:
+            self._launch(sched, prepared, prev, ahead=False)
         outs = self._process(prev[0], updates, result, final_only) if prev is not None and result is not None else []
         if not self.groups and self._inflight is not None:
             outs += self._step_overlapped(final_only)   # only discarded work is left: collect it
         return outs
+
+    def _launch(self, sched: SchedulerOutput, prepared: Prepared,
+                prev: Optional[tuple[SchedulerOutput, InFlight]], ahead: bool) -> None:
+        """Launch step `sched` (async scheduling) after `prev`; `ahead`: before `prev`'s tokens are collected."""
+        try:
+            self._inflight = (sched, self.runner.launch(sched, async_copy=True, prepared=prepared,
+                                                        ahead_of=prev[1] if ahead and prev is not None else None))
+        except Exception as e:   # N's updates are lost with the raise: its requests end too
+            self._fail_step(SchedulerOutput(sched.scheduled + (prev[0].scheduled if prev else [])), e)
 
     def _mark_scheduled(self, sched: SchedulerOutput) -> None:
         now = time.monotonic()

@@ -246,13 +246,31 @@ class ModelRunner:
             self.num_placeholder_inputs += len(inp.placeholder_at)
         return Prepared(inp, md, input_ids, host_tensor(inp.positions, np.int64, dev, nb))
 
+    @staticmethod
+    def needs_token_values(sched: SchedulerOutput) -> bool:
+        """Whether launching `sched` needs the sampled values of the step still in flight, so that it cannot
+        be launched ahead of them (kvfleet.engine.async_step): penalties count the output tokens, and prompt
+        logprobs are read back at launch."""
+        for s in sched.scheduled:
+            p = s.request.sampling_params
+            if p is None:
+                continue
+            if p.prompt_logprobs is not None or (s.needs_sample and (
+                    p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0)):
+                return True
+        return False
+
     @torch.inference_mode()
     def launch(self, sched: SchedulerOutput, async_copy: bool = False,
-               prepared: Optional[Prepared] = None) -> InFlight:
+               prepared: Optional[Prepared] = None, ahead_of: Optional[InFlight] = None) -> InFlight:
         """Run the forward and the sampler (inputs from `prepare` unless given); with `async_copy`
         the sampled values are copied to the host without waiting (CUDA; `collect` waits). Prompt
         logprobs are collected at once. Sequences finished since `prepare` are computed (the
-        forward's shapes are fixed by then) but not sampled: their work is discarded."""
+        forward's shapes are fixed by then) but not sampled: their work is discarded.
+
+        `ahead_of`: the launched step whose tokens are not collected yet (launching ahead, which
+        `needs_token_values` allows): each of its sequences counts one output token more than it holds
+        (min_tokens), and one that its tokens will end is sampled too (the scheduler drops that token)."""
         if sched.copy_pairs:
             self.executor.copy_blocks(self.kv_caches, sched.copy_pairs)
         out = ModelRunnerOutput()
@@ -276,7 +294,8 @@ class ModelRunner:
         logits = self.executor.compute_logits(hidden[host_tensor(idx, np.int64, dev, self.non_blocking)])
         step = InFlight(reqs, None, out)
         if reqs:
-            batch = self._sampling_batch(reqs, logits.shape[-1])
+            batch = self._sampling_batch(reqs, logits.shape[-1],
+                                         frozenset(s.request_id for s in ahead_of.reqs) if ahead_of else frozenset())
             step.res = self.sampler(logits[:len(reqs)], batch)
             step.sampled_on_device = step.res.sampled
             if async_copy:
@@ -286,8 +305,10 @@ class ModelRunner:
         return step
 
     # --- sampling inputs / outputs -------------------------------------------------
-    def _sampling_batch(self, reqs: list[ScheduledRequest], vocab: int) -> SamplingBatch:
-        """The batch's sampling parameters as tensors (each sequence's row is read once, then cached)."""
+    def _sampling_batch(self, reqs: list[ScheduledRequest], vocab: int,
+                        pending: frozenset[str] = frozenset()) -> SamplingBatch:
+        """The batch's sampling parameters as tensors (each sequence's row is read once, then cached).
+        `pending`: sequences with a sampled token not appended yet (it counts toward min_tokens)."""
         dev, nb = self.device, self.non_blocking
         cache = self._param_rows
         rows: list[SamplingRow] = []
@@ -306,7 +327,8 @@ class ModelRunner:
                     gen = torch.Generator(device=dev).manual_seed(int(r.seed))
                     self._generators[r.request_id] = gen
                 gens[i] = gen
-            if r.min_tokens and r.stop_token_ids and len(r.output_token_ids) < r.min_tokens:
+            if (r.min_tokens and r.stop_token_ids
+                    and len(r.output_token_ids) + (r.request_id in pending) < r.min_tokens):
                 banned.append((i, r.stop_token_ids))
             if r.num_logprobs > max_logprobs:
                 max_logprobs = r.num_logprobs
