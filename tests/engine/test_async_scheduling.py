@@ -21,7 +21,8 @@ import torch
 
 from kvfleet.engine import LLM, AsyncLLM, SamplingParams
 from kvfleet.engine.core.request import Request, RequestStatus
-from kvfleet.engine.core.scheduler import Scheduler, may_continue
+from kvfleet.engine.core.scheduler import ScheduledRequest, Scheduler, SchedulerOutput, may_continue
+from kvfleet.engine.model_runner import ModelRunner
 
 PROMPT_LENS = (3, 16, 17, 33, 41)
 MAX_NEW = 10
@@ -243,6 +244,24 @@ def test_min_tokens_counts_the_token_in_flight_when_launched_ahead(tiny_model_di
         assert all(len(o.outputs[0].token_ids) >= n for o in b)
     assert fast.llm_engine.num_launched_ahead > 0
     assert_no_leak(fast)
+
+
+def test_which_steps_wait_for_the_token_values_in_flight() -> None:
+    """Launching ahead is skipped only where the sampler reads token values: penalties on a sampled row, prompt
+    logprobs while the prompt is computed."""
+    def step(params: SamplingParams, start: int, needs_sample: bool) -> SchedulerOutput:
+        req = Request("a#0", list(range(1, 9)), max_tokens=4, sampling_params=params)
+        return SchedulerOutput([ScheduledRequest(req, start, 1 if start else 8, [0], needs_sample)])
+
+    plain = SamplingParams(temperature=0.7, min_tokens=2, stop_token_ids=[3])
+    penalized = SamplingParams(presence_penalty=0.5)
+    plp = SamplingParams(prompt_logprobs=1)
+    assert not ModelRunner.needs_token_values(step(plain, 8, True))
+    assert ModelRunner.needs_token_values(step(penalized, 8, True))
+    assert not ModelRunner.needs_token_values(step(penalized, 0, False))   # a prompt chunk: nothing sampled
+    assert ModelRunner.needs_token_values(step(plp, 0, True))
+    assert not ModelRunner.needs_token_values(step(plp, 8, True))          # decoding: its prompt is done
+    assert not ModelRunner.needs_token_values(SchedulerOutput())
 
 
 def test_placeholders_only_for_sequences_that_may_go_on() -> None:

@@ -249,14 +249,16 @@ class ModelRunner:
     @staticmethod
     def needs_token_values(sched: SchedulerOutput) -> bool:
         """Whether launching `sched` needs the sampled values of the step still in flight, so that it cannot
-        be launched ahead of them (kvfleet.engine.async_step): penalties count the output tokens, and prompt
-        logprobs are read back at launch."""
+        be launched ahead of them (kvfleet.engine.async_step): penalties count the output tokens, and a prompt's
+        logprobs are read back at launch (the launch would wait for the step it queued)."""
         for s in sched.scheduled:
             p = s.request.sampling_params
             if p is None:
                 continue
-            if p.prompt_logprobs is not None or (s.needs_sample and (
-                    p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0)):
+            if p.prompt_logprobs is not None and s.start < s.request.num_prompt_tokens - 1:
+                return True
+            if s.needs_sample and (p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0
+                                   or p.presence_penalty != 0.0):
                 return True
         return False
 
