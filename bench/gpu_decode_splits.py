@@ -26,6 +26,7 @@ if DRY:
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
+from kvfleet.engine.bench.decode_probe import copy_bandwidth  # noqa: E402
 from kvfleet.engine.kernels.paged_decode import (  # noqa: E402
     choose_num_splits,
     paged_attention_ref,
@@ -100,12 +101,11 @@ def graph_ms(fn: Callable[[], None], iters: int = 30) -> float:
 
 
 def copy_gbps() -> float:
-    """A plain device-to-device copy's rate (bytes read + written per second), the roof for a read-bound kernel."""
-    n = (1 << 16) if DRY else (1 << 30)
-    src = torch.empty(n, dtype=torch.uint8, device=DEV)
-    dst = torch.empty_like(src)
-    ms = graph_ms(lambda: dst.copy_(src))
-    return 2 * n / (ms * 1e-3) / 1e9
+    """A bf16 device-to-device copy's rate (bytes read + written per second): the roof for a read-bound kernel.
+    (A uint8 copy here measured 2.7 TB/s against bf16's 4.2 in the same lease: not a roof.)"""
+    if DRY:
+        return 1.0
+    return copy_bandwidth(DEV) / 1e9
 
 
 def main(out_dir: str) -> int:

@@ -5,6 +5,7 @@ import torch
 
 from kvfleet.engine.kernels import (
     _common,
+    choose_num_splits,
     paged_attention_ref,
     paged_decode,
     paged_decode_attention,
@@ -85,6 +86,19 @@ def test_paged_decode_merges_and_split_sizes(merge: str, split_tokens: int, spli
         assert rel_err(out[1:], ref[1:]) < 1e-5
         if merge == "fused":
             assert all(int(c.abs().sum()) == 0 for c in paged_decode._COUNTERS[out.device])
+
+
+def test_choose_num_splits() -> None:
+    # split only when the batch leaves SMs idle, never more than the keys allow
+    assert choose_num_splits(82, 8, 8448) == 1
+    assert choose_num_splits(1, 8, 1024) == 16
+    assert choose_num_splits(16, 8, 4096) == 3
+    assert choose_num_splits(1, 8, 100) == 2
+    # KVFLEET_DECODE_MIN_SPLITS's floor, within what the length allows
+    assert choose_num_splits(82, 8, 8448, min_splits=2) == 2
+    assert choose_num_splits(461, 8, 4096, min_splits=3) == 3
+    assert choose_num_splits(461, 8, 64, min_splits=2) == 1
+    assert choose_num_splits(1, 8, 1024, min_splits=2) == 16
 
 
 def test_merge_counters_grow_without_freeing_the_smaller() -> None:
@@ -200,3 +214,14 @@ def test_attention_rejects_bad_metadata() -> None:
     with pytest.raises(ValueError, match="^q:"):
         prefill_attention(batch.q[:, :3], batch.kv_cache, batch.block_tables, batch.seq_lens,
                           batch.query_start_loc, 1, 1.0, torch.empty_like(batch.q[:, :3]))
+
+
+def test_min_splits_knob_rejects_bad_values(monkeypatch: pytest.MonkeyPatch) -> None:
+    for bad in ("0", "33", "two"):
+        monkeypatch.setenv("KVFLEET_DECODE_MIN_SPLITS", bad)
+        with pytest.raises(ValueError, match="KVFLEET_DECODE_MIN_SPLITS"):
+            paged_decode._min_splits_from_env()
+    monkeypatch.setenv("KVFLEET_DECODE_MIN_SPLITS", "2")
+    assert paged_decode._min_splits_from_env() == 2
+    monkeypatch.delenv("KVFLEET_DECODE_MIN_SPLITS")
+    assert paged_decode._min_splits_from_env() == 1

@@ -78,6 +78,21 @@ def _split_tokens_from_env() -> int:
     return n
 
 
+def _min_splits_from_env() -> int:
+    """KVFLEET_DECODE_MIN_SPLITS: the fewest splits of each sequence's keys where its length allows (default 1: split
+    only when batch x KV heads leaves the GPU underused). On the H200 (issue 16, lease 7,
+    bench/results/issue16/lease7/decode-splits) 2 was faster than 1 at every decode shape of the offline workloads,
+    by 4-18 % a layer; the engine keeps 1 until an end-to-end A/B in one lease says otherwise."""
+    raw = os.environ.get("KVFLEET_DECODE_MIN_SPLITS", "").strip() or "1"
+    try:
+        n = int(raw)
+    except ValueError:
+        n = 0
+    if not (1 <= n <= 32):
+        fail("KVFLEET_DECODE_MIN_SPLITS", f"expected an integer in [1, 32], got {raw!r}")
+    return n
+
+
 class SharedPrefixArgs(NamedTuple):
     """What the decode kernel needs of a step's shared-prefix pass (`kernels.shared_prefix`)."""
 
@@ -88,6 +103,7 @@ class SharedPrefixArgs(NamedTuple):
 
 DEFAULT_MERGE = _merge_from_env()
 DEFAULT_SPLIT_TOKENS = _split_tokens_from_env()
+DEFAULT_MIN_SPLITS = _min_splits_from_env()
 
 _COUNTERS: dict[torch.device, list[torch.Tensor]] = {}
 
@@ -273,13 +289,17 @@ def _merge_kernel(
 
 
 def choose_num_splits(batch: int, num_kv_heads: int, max_seq_len: int, num_sms: int = 132,
-                      block_n: int = 64, min_tokens_per_split: int | None = None, max_splits: int = 32) -> int:
-    """Split the keys only when batch x KV heads alone leaves the GPU underused (min_tokens_per_split:
-    KVFLEET_DECODE_SPLIT_TOKENS unless given)."""
+                      block_n: int = 64, min_tokens_per_split: int | None = None, max_splits: int = 32,
+                      min_splits: int | None = None) -> int:
+    """Split the keys when batch x KV heads alone leaves the GPU underused, and at least `min_splits` times
+    where the length allows (min_tokens_per_split, min_splits: KVFLEET_DECODE_SPLIT_TOKENS and
+    KVFLEET_DECODE_MIN_SPLITS unless given)."""
     if min_tokens_per_split is None:
         min_tokens_per_split = DEFAULT_SPLIT_TOKENS
+    if min_splits is None:
+        min_splits = DEFAULT_MIN_SPLITS
     programs = max(1, batch * num_kv_heads)
-    want = math.ceil(2 * num_sms / programs)
+    want = max(min_splits, math.ceil(2 * num_sms / programs))
     by_len = max(1, math.ceil(max_seq_len / max(min_tokens_per_split, block_n)))
     return int(max(1, min(want, by_len, max_splits)))
 
