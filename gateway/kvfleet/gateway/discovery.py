@@ -52,9 +52,15 @@ class KubeSource:
         self.peers = Informer(client, f"/api/v1/namespaces/{peers.namespace}/pods", mark,
                               {"labelSelector": peers.selector}) if peers else None
         self._informers = (self.tenants, self.mdeps, self.pods, self.secrets) + ((self.peers,) if self.peers else ())
+        self._published = False
 
     @property
     def synced(self) -> bool:
+        """Ready to serve: a snapshot built after every stream's first list is in place. (Every stream listed is
+        not enough: until the rebuild after the last list, `snapshot` is the empty one, and a valid key got 401.)"""
+        return self._published
+
+    def _listed(self) -> bool:
         return all(i.synced.is_set() for i in self._informers)
 
     async def run(self) -> None:
@@ -68,7 +74,7 @@ class KubeSource:
             await self._dirty.wait()
             await asyncio.sleep(self.debounce_s)
             self._dirty.clear()
-            if not self.synced:
+            if not self._listed():
                 continue
             peers = peer_urls(self.peers.items.values(), self.peer_watch.self_name) \
                 if self.peers is not None and self.peer_watch is not None else ()
@@ -78,4 +84,5 @@ class KubeSource:
                 log.warning("api keys: %s", problem)
             self._problems = snap.problems
             self.snapshot = snap
+            self._published = True
             self.on_snapshot(snap)
