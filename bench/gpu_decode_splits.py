@@ -26,7 +26,7 @@ if DRY:
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from kvfleet.engine.bench.decode_probe import copy_bandwidth  # noqa: E402
+from kvfleet.engine.bench.decode_probe import capture_graph, copy_bandwidth, median_cuda_ms  # noqa: E402
 from kvfleet.engine.kernels.paged_decode import (  # noqa: E402
     choose_num_splits,
     paged_attention_ref,
@@ -80,24 +80,7 @@ def graph_ms(fn: Callable[[], None], iters: int = 30) -> float:
         t = time.perf_counter()
         fn()
         return (time.perf_counter() - t) * 1e3
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return float(np.median(times))
+    return median_cuda_ms(capture_graph(fn).replay, iters)
 
 
 def copy_gbps() -> float:

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from kvfleet.engine.attention import shared_prefix as sp
+from kvfleet.engine.bench.decode_probe import capture_graph
 from kvfleet.engine.kernels.paged_decode import (
     SharedPrefixArgs,
     choose_num_splits,
@@ -112,15 +113,7 @@ def check(name: str, step: dict[str, Any]) -> dict[str, Any]:
 
 def graph_time(fn: Any, iters: int = 50) -> float:
     """ms per replay of `fn` captured in a CUDA graph."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
+    g = capture_graph(fn)
     g.replay()
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

@@ -296,8 +296,7 @@ class ModelRunner:
         logits = self.executor.compute_logits(hidden[host_tensor(idx, np.int64, dev, self.non_blocking)])
         step = InFlight(reqs, None, out)
         if reqs:
-            batch = self._sampling_batch(reqs, logits.shape[-1],
-                                         frozenset(s.request_id for s in ahead_of.reqs) if ahead_of else frozenset())
+            batch = self._sampling_batch(reqs, logits.shape[-1], ahead_of)
             step.res = self.sampler(logits[:len(reqs)], batch)
             step.sampled_on_device = step.res.sampled
             if async_copy:
@@ -308,14 +307,15 @@ class ModelRunner:
 
     # --- sampling inputs / outputs -------------------------------------------------
     def _sampling_batch(self, reqs: list[ScheduledRequest], vocab: int,
-                        pending: frozenset[str] = frozenset()) -> SamplingBatch:
+                        ahead_of: Optional[InFlight] = None) -> SamplingBatch:
         """The batch's sampling parameters as tensors (each sequence's row is read once, then cached).
-        `pending`: sequences with a sampled token not appended yet (it counts toward min_tokens)."""
+        `ahead_of`: the step whose tokens are not appended yet; each of its sequences' counts toward min_tokens."""
         dev, nb = self.device, self.non_blocking
         cache = self._param_rows
         rows: list[SamplingRow] = []
         gens: dict[int, torch.Generator] = {}
         banned: list[tuple[int, frozenset[int]]] = []
+        pending: Optional[dict[str, int]] = None
         max_logprobs = -1
         for i, s in enumerate(reqs):
             r = s.request
@@ -329,9 +329,11 @@ class ModelRunner:
                     gen = torch.Generator(device=dev).manual_seed(int(r.seed))
                     self._generators[r.request_id] = gen
                 gens[i] = gen
-            if (r.min_tokens and r.stop_token_ids
-                    and len(r.output_token_ids) + (r.request_id in pending) < r.min_tokens):
-                banned.append((i, r.stop_token_ids))
+            if r.min_tokens and r.stop_token_ids:
+                if pending is None:   # built only when a sequence in the batch has min_tokens
+                    pending = ahead_of.row_of() if ahead_of is not None else {}
+                if len(r.output_token_ids) + (r.request_id in pending) < r.min_tokens:
+                    banned.append((i, r.stop_token_ids))
             if r.num_logprobs > max_logprobs:
                 max_logprobs = r.num_logprobs
         temps, top_k, top_p, min_p, rep, freq, pres, _ = (list(c) for c in zip(*rows, strict=True))

@@ -27,6 +27,21 @@ def copy_bandwidth(device: torch.device, nbytes: int = 2 * 2**30) -> float:
     return 2 * nbytes / (median_cuda_ms(lambda: y.copy_(x), 20) / 1e3)
 
 
+def capture_graph(fn: Any) -> torch.cuda.CUDAGraph:
+    """`fn` captured in a CUDA graph, after two warm-up calls on a side stream (first-use compiles and
+    allocations stay out of the capture)."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return g
+
+
 def median_cuda_ms(fn: Any, iters: int) -> float:
     """Median time of `fn` in ms over `iters` runs, by CUDA events, after 3 warm-ups."""
     for _ in range(3):

@@ -82,6 +82,18 @@ def fail(name: str, msg: str) -> NoReturn:
     raise ValueError(f"{name}: {msg}")
 
 
+def int_from_env(name: str, default: int, lo: int, hi: int) -> int:
+    """The integer environment knob `name` (`default` when unset or empty); ValueError naming it outside [lo, hi]."""
+    raw = os.environ.get(name, "").strip() or str(default)
+    try:
+        n = int(raw)
+    except ValueError:
+        fail(name, f"expected an integer in [{lo}, {hi}], got {raw!r}")
+    if not (lo <= n <= hi):
+        fail(name, f"expected an integer in [{lo}, {hi}], got {raw!r}")
+    return n
+
+
 def check(cond: bool, name: str, msg: str) -> None:
     """Raise ``ValueError`` naming the offending argument."""
     if not cond:

@@ -31,7 +31,15 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import check_paged_attention_args, check_tensor, dot_precision, fail, next_pow2, upcast_dots
+from ._common import (
+    check_paged_attention_args,
+    check_tensor,
+    dot_precision,
+    fail,
+    int_from_env,
+    next_pow2,
+    upcast_dots,
+)
 
 LOG2E = 1.4426950408889634
 
@@ -68,14 +76,7 @@ def _merge_from_env() -> str:
 
 def _split_tokens_from_env() -> int:
     """KVFLEET_DECODE_SPLIT_TOKENS: the fewest keys a split gets (default 64: one tile)."""
-    raw = os.environ.get("KVFLEET_DECODE_SPLIT_TOKENS", "").strip() or "64"
-    try:
-        n = int(raw)
-    except ValueError:
-        n = 0
-    if not (16 <= n <= 65536):
-        fail("KVFLEET_DECODE_SPLIT_TOKENS", f"expected an integer in [16, 65536], got {raw!r}")
-    return n
+    return int_from_env("KVFLEET_DECODE_SPLIT_TOKENS", 64, 16, 65536)
 
 
 def _min_splits_from_env() -> int:
@@ -83,14 +84,7 @@ def _min_splits_from_env() -> int:
     only when batch x KV heads leaves the GPU underused). On the H200 (issue 16, lease 7,
     bench/results/issue16/lease7/decode-splits) 2 was faster than 1 at every decode shape of the offline workloads,
     by 4-18 % a layer; the engine keeps 1 until an end-to-end A/B in one lease says otherwise."""
-    raw = os.environ.get("KVFLEET_DECODE_MIN_SPLITS", "").strip() or "1"
-    try:
-        n = int(raw)
-    except ValueError:
-        n = 0
-    if not (1 <= n <= 32):
-        fail("KVFLEET_DECODE_MIN_SPLITS", f"expected an integer in [1, 32], got {raw!r}")
-    return n
+    return int_from_env("KVFLEET_DECODE_MIN_SPLITS", 1, 1, 32)
 
 
 class SharedPrefixArgs(NamedTuple):
