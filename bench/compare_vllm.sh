@@ -33,9 +33,6 @@
 #   sweeps            kernel sweeps: bench/gpu_attention_sweep.py (prefill attention kernels and tiles) and
 #                     bench/gpu_fp8_sweep.py (FP8 matmul paths at small M), bench/gpu_decode_step.py (the
 #                     decode step's kernel-count knobs, graph step at batch 1/4/16) (~6)
-#   fresh-prompts     bench/gpu_fresh_prompts.py: fresh prompts' attention, our v2 kernel against PyTorch's SDPA
-#                     backends (cuDNN, flash, efficient), cuDNN's first-call cost per new length, and the whole
-#                     attention op on a long-prompt mixed step with KVFLEET_SDPA_PREFILL off and on (~1.5)
 #   summary           the comparison table of everything in $RUNS (also printed after every call)
 #
 # Knobs: BUDGET_S (default 570: stop starting stages that would not end inside it), KV_ENV (extra environment
@@ -164,9 +161,6 @@ sweeps)
 shared-check)
   step shared-check 180 env $KV_ENV $PY bench/gpu_shared_prefix.py "$RUNS/shared-check" "$QWEN"
   cp "$RUNS/shared-check/"*.json "$OUT/" 2>/dev/null ;;
-fresh-prompts)
-  step fresh-prompts 150 env $KV_ENV $PY bench/gpu_fresh_prompts.py "$RUNS/fresh-prompts"
-  cp "$RUNS/fresh-prompts/"*.txt "$OUT/" 2>/dev/null ;;
 summary) ;;
 *) echo "unknown stage $s" | tee -a "$LOG" ;;
 esac; done

@@ -22,7 +22,6 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from kvfleet.engine.attention import fresh_prompts as fp
 from kvfleet.engine.attention import shared_prefix as sp
 from kvfleet.engine.attention.metadata import AttentionMetadata
 from kvfleet.engine.kernels.paged_decode import SharedPrefixArgs, choose_num_splits, paged_decode_attention
@@ -82,8 +81,6 @@ def prefill_kernel_choice(raw: str) -> str:
 
 # Read once: the choice is the process's, like the compiled kernels it selects.
 PREFILL_KERNEL = prefill_kernel_choice(os.environ.get("KVFLEET_PREFILL_KERNEL", ""))
-# Read once too: which fresh prompts PyTorch's fused attention takes (`attention.fresh_prompts`; off by default).
-SDPA_PREFILL = fp.config_from_env()
 
 
 class PrefillPlan(NamedTuple):
@@ -93,7 +90,6 @@ class PrefillPlan(NamedTuple):
     kernel: str                        # PREFILL_KERNELS
     tile: tuple[int, int, int, int]    # BLOCK_M, BLOCK_N, num_warps, num_stages
     work: torch.Tensor                 # the prefill kernel's work list
-    fresh: tuple[int, ...] = ()        # sequences attended by `fresh_prompts.attend_fresh_prompts` instead
 
 
 def _prefill_tile(kernel: str, max_query_len: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
@@ -117,10 +113,9 @@ def _prefill_plan(md: AttentionMetadata, dtype: torch.dtype, device: torch.devic
     mixed = any(qsl[i + 1] - qsl[i] == 1 for i in range(len(qsl) - 1))
     kernel = PREFILL_KERNEL
     tile = _prefill_tile(kernel, md.max_query_len, dtype)
-    fresh = fp.fresh_prompt_seqs(qsl, md.seq_lens_cpu, SDPA_PREFILL)
     # v2 takes its work heaviest first (the sequences' key counts)
-    work = prefill_work(qsl, tile[0], mixed, device, md.seq_lens_cpu if kernel != "v1" else None, fresh)
-    md.plans["triton_prefill"] = plan = PrefillPlan(mixed, kernel, tile, work, fresh)
+    work = prefill_work(qsl, tile[0], mixed, device, md.seq_lens_cpu if kernel != "v1" else None)
+    md.plans["triton_prefill"] = plan = PrefillPlan(mixed, kernel, tile, work)
     return plan
 
 
@@ -204,19 +199,17 @@ def triton_paged_attention(
     plan = _prefill_plan(md, q.dtype, q.device) if md.max_query_len > 1 else None
     # v2: the step's new keys and values are read from k/v themselves, by TMA (Hopper); where TMA does not apply,
     # pointer loads of k/v would only save the block-table lookups: not used (the sweep's "contiguous kv" rows
-    # measure it). k must then hold the rotated keys, as the cache does; so must it for SDPA's fresh prompts.
+    # measure it). k must then hold the rotated keys, as the cache does.
     new_kv = (plan is not None and plan.kernel == "v2" and k.dtype == kv_cache.dtype
                 and tma_applies(k, v, plan.tile[1]))
     if rotary is not None and FUSED_ROTARY_CACHE:
-        rotary_and_cache(q, k, v, rotary.cos, rotary.sin, kv_cache, md.slot_mapping,
-                         rotate_k=new_kv or (plan is not None and bool(plan.fresh)))
+        rotary_and_cache(q, k, v, rotary.cos, rotary.sin, kv_cache, md.slot_mapping, rotate_k=new_kv)
     else:
         if rotary is not None:
             apply_rotary_cos_sin(q, k, rotary.cos, rotary.sin)
-        if k.dtype != kv_cache.dtype:   # (k/v keep q's dtype for the kernels that read them below)
-            reshape_and_cache(k.to(kv_cache.dtype), v.to(kv_cache.dtype), kv_cache, md.slot_mapping)
-        else:
-            reshape_and_cache(k, v, kv_cache, md.slot_mapping)
+        if k.dtype != kv_cache.dtype:
+            k, v = k.to(kv_cache.dtype), v.to(kv_cache.dtype)
+        reshape_and_cache(k, v, kv_cache, md.slot_mapping)
     if q.stride(-1) != 1:
         q = q.contiguous()
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -231,9 +224,7 @@ def triton_paged_attention(
         return paged_decode_attention(q, kv_cache, md.block_tables, md.seq_lens, md.query_start_loc,
                                       scale, out, num_splits=splits, merge="kernel" if shared else None,
                                       shared=decode_shared)
-    mixed, kernel, (block_m, block_n, warps, stages), work, fresh = plan
-    if fresh:
-        fp.attend_fresh_prompts(q, k, v, out, md.query_start_loc_cpu, fresh, scale, SDPA_PREFILL)
+    mixed, kernel, (block_m, block_n, warps, stages), work = plan
     args = (q, kv_cache, md.block_tables, md.seq_lens, md.query_start_loc, md.max_query_len, scale, out)
     if kernel != "v1":
         prefill_attention_v2(*args, skip_decode=mixed, block_m=block_m, block_n=block_n, work=work,

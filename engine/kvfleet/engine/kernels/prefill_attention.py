@@ -99,18 +99,16 @@ def default_block_m(max_query_len: int, dtype: torch.dtype) -> int:
 
 
 def prefill_work_pairs(query_start_loc_cpu: list[int], block_m: int, skip_decode: bool,
-                       seq_lens_cpu: list[int] | None = None, exclude: tuple[int, ...] = ()) -> list[int]:
+                       seq_lens_cpu: list[int] | None = None) -> list[int]:
     """Flat ``[seq, tile, seq, tile, ...]``: the (sequence, query tile) pairs that have work, from the host copy
     of query_start_loc (pure; `prefill_work` puts it on the device).
 
     With ``seq_lens_cpu`` the pairs come heaviest first (most keys to read: cached prefix plus the tile's
-    causal span), so the longest programs of a causal prompt start first instead of last (v2's order). The
-    sequences in ``exclude`` get no work (another op attends them: `attention.fresh_prompts`)."""
+    causal span), so the longest programs of a causal prompt start first instead of last (v2's order)."""
     pairs: list[tuple[int, int]] = []
-    skip = set(exclude)
     for b in range(len(query_start_loc_cpu) - 1):
         q_len = query_start_loc_cpu[b + 1] - query_start_loc_cpu[b]
-        if q_len == 0 or (skip_decode and q_len == 1) or b in skip:
+        if q_len == 0 or (skip_decode and q_len == 1):
             continue
         pairs += ((b, t) for t in range(-(-q_len // block_m)))
     if seq_lens_cpu is not None:
@@ -123,12 +121,11 @@ def prefill_work_pairs(query_start_loc_cpu: list[int], block_m: int, skip_decode
 
 
 def prefill_work(query_start_loc_cpu: list[int], block_m: int, skip_decode: bool,
-                 device: torch.device | str, seq_lens_cpu: list[int] | None = None,
-                 exclude: tuple[int, ...] = ()) -> torch.Tensor:
+                 device: torch.device | str, seq_lens_cpu: list[int] | None = None) -> torch.Tensor:
     """int32 ``[n, 2]`` (sequence, query tile) pairs that have work (`prefill_work_pairs`) on ``device``. The copy
     goes through pinned memory: one from pageable memory would wait for every kernel queued before it (with async
     scheduling, the whole previous step)."""
-    flat = torch.tensor(prefill_work_pairs(query_start_loc_cpu, block_m, skip_decode, seq_lens_cpu, exclude),
+    flat = torch.tensor(prefill_work_pairs(query_start_loc_cpu, block_m, skip_decode, seq_lens_cpu),
                         dtype=torch.int32).view(-1, 2)
     if torch.device(device).type == "cpu":
         return flat
