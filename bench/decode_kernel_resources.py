@@ -34,13 +34,19 @@ LLAMA = dict(HEAD_DIM=128, D_PAD=128)
 def variants() -> list[tuple[str, Callable[[], Any]]]:
     out: list[tuple[str, Callable[[], Any]]] = []
     for shared in (False, True):
-        for splits in (1, 8):
-            const = dict(LLAMA, G=4, G_PAD=16, BLOCK_SIZE=16, BLOCK_N=DEFAULT_BLOCK_N, NUM_SPLITS=splits, MIN_TILES=1,
-                         FUSED_MERGE=False, NUM_KV_HEADS=8, S_PAD=splits, SHARED=shared, UPCAST=False, PREC="tf32")
-            out.append((f"decode splits={splits}{' shared' if shared else ''}",
+        # direct: two splits by length (KVFLEET_DECODE_LONG_SPLIT=4096: splits of >= 2048 keys), a sequence left
+        # with one split written by it
+        for splits, direct, min_tiles in ((1, False, 1), (8, False, 1), (2, True, 32)):
+            const = dict(LLAMA, G=4, G_PAD=16, BLOCK_SIZE=16, BLOCK_N=DEFAULT_BLOCK_N, NUM_SPLITS=splits,
+                         MIN_TILES=min_tiles, FUSED_MERGE=False, NUM_KV_HEADS=8, S_PAD=splits, SHARED=shared,
+                         UPCAST=False, PREC="tf32", DIRECT_SINGLE=direct)
+            out.append((f"decode splits={splits}{' direct' if direct else ''}{' shared' if shared else ''}",
                         lambda c=const: _compile(_decode_kernel, c, FP32, DEFAULT_NUM_WARPS, DEFAULT_NUM_STAGES)))
-        merge = dict(LLAMA, NUM_SPLITS=8, S_PAD=8, NUM_Q_HEADS=32, SHARED=shared)
-        out.append((f"merge{' shared' if shared else ''}", lambda c=merge: _compile(_merge_kernel, c, FP32, 4, 1)))
+        for splits, direct, min_tiles in ((8, False, 1), (2, True, 32)):
+            merge = dict(LLAMA, NUM_SPLITS=splits, S_PAD=splits, NUM_Q_HEADS=32, SHARED=shared, DIRECT_SINGLE=direct,
+                         BLOCK_N=DEFAULT_BLOCK_N, MIN_TILES=min_tiles)
+            out.append((f"merge{' direct' if direct else ''}{' shared' if shared else ''}",
+                        lambda c=merge: _compile(_merge_kernel, c, FP32, 4, 1)))
     prefix = dict(LLAMA, G=4, NUM_Q_HEADS=32, BLOCK_SIZE=16, BLOCK_M=pk.DEFAULT_BLOCK_M, BLOCK_N=pk.DEFAULT_BLOCK_N,
                   UPCAST=False, PREC="tf32")
     out.append(("shared prefix", lambda: _compile(pk._shared_prefix_kernel, prefix, FP32, pk.DEFAULT_NUM_WARPS,

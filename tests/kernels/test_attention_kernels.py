@@ -13,6 +13,7 @@ from kvfleet.engine.kernels import (
     reshape_and_cache,
     reshape_and_cache_ref,
 )
+from kvfleet.engine.kernels.paged_decode import DecodeSplit, choose_decode_split
 from kvfleet.engine.kernels.prefill_attention import prefill_work
 from kvfleet.engine.kernels.rotary_cache import rotary_and_cache, rotary_and_cache_ref
 
@@ -99,6 +100,54 @@ def test_choose_num_splits() -> None:
     assert choose_num_splits(461, 8, 4096, min_splits=3) == 3
     assert choose_num_splits(461, 8, 64, min_splits=2) == 1
     assert choose_num_splits(1, 8, 1024, min_splits=2) == 16
+
+
+def test_choose_decode_split_splits_long_contexts_only() -> None:
+    # off: the batch-filling rule alone
+    assert choose_decode_split(82, 8, 8448, long_split=0) == DecodeSplit(1, 64, False)
+    assert choose_decode_split(1, 8, 1024, long_split=0) == DecodeSplit(16, 64, False)
+    # on: two splits of at least half the threshold where the batch alone gives one (each sequence of the launch
+    # is split only if its keys reach the threshold: the kernel's rule)
+    assert choose_decode_split(82, 8, 8448, long_split=4096) == DecodeSplit(2, 2048, True)
+    assert choose_decode_split(461, 8, 4096, long_split=4096) == DecodeSplit(2, 2048, True)
+    assert choose_decode_split(461, 8, 2048, long_split=4096) == DecodeSplit(1, 64, False)
+    assert choose_decode_split(1, 8, 8192, long_split=4096) == DecodeSplit(32, 64, False)   # the batch rule wins
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_direct_single_writes_short_sequences_and_merges_long_ones(dtype: torch.dtype) -> None:
+    """Two splits of at least 64 keys: the short sequences (and a padding row) are written by split 0 alone, the
+    long ones through the partials and the merge kernel; every row as the reference (NaN-poisoned output)."""
+    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    seq_lens = [0, 5, 64, 65, 150, 200]
+    batch = make_batch(gen, [max(1, s) for s in seq_lens], [1] * 6, hq=8, hkv=2, d=32, block_size=16, dtype=dtype)
+    batch.seq_lens[0] = 0
+    ref = paged_attention_ref(batch.q, batch.kv_cache, batch.block_tables, batch.seq_lens,
+                              batch.query_start_loc, 0.2)
+    split = DecodeSplit(2, 64, True)
+    out = torch.full_like(batch.q, float("nan"))
+    paged_decode_attention(batch.q, batch.kv_cache, batch.block_tables, batch.seq_lens, batch.query_start_loc, 0.2,
+                           out, num_splits=split.num_splits, block_n=32, split_tokens=split.split_tokens,
+                           direct_single=split.direct_single)
+    assert torch.equal(out[0], torch.zeros_like(out[0]))
+    assert rel_err(out[1:], ref[1:]) < TOL[dtype]
+    # the short ones exactly as a one-split launch computes them
+    one = torch.full_like(batch.q, float("nan"))
+    paged_decode_attention(batch.q, batch.kv_cache, batch.block_tables, batch.seq_lens, batch.query_start_loc, 0.2,
+                           one, num_splits=1, block_n=32)
+    assert torch.equal(out[:3], one[:3])
+    with pytest.raises(ValueError, match="direct_single"):
+        paged_decode_attention(batch.q, batch.kv_cache, batch.block_tables, batch.seq_lens, batch.query_start_loc,
+                               0.2, out, num_splits=2, merge="fused", direct_single=True)
+
+
+def test_long_split_knob_rejects_bad_values(monkeypatch: pytest.MonkeyPatch) -> None:
+    for bad in ("x", "-1"):
+        monkeypatch.setenv("KVFLEET_DECODE_LONG_SPLIT", bad)
+        with pytest.raises(ValueError, match="KVFLEET_DECODE_LONG_SPLIT"):
+            paged_decode._long_split_from_env()
+    monkeypatch.setenv("KVFLEET_DECODE_LONG_SPLIT", "4096")
+    assert paged_decode._long_split_from_env() == 4096
 
 
 def test_merge_counters_grow_without_freeing_the_smaller() -> None:

@@ -43,6 +43,7 @@ def test_decode_and_shared_prefix_kernels_compile_for_sm90_without_spills(tmp_pa
                           env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = json.loads(out.read_text())
-    assert {r["kernel"] for r in rows} >= {"decode splits=1 shared", "merge shared", "shared prefix"}
+    assert {r["kernel"] for r in rows} >= {"decode splits=1 shared", "merge shared", "shared prefix",
+                                          "decode splits=2 direct shared", "merge direct shared"}
     for r in rows:
         assert "error" not in r and r["fits"] and r["stack_bytes"] == 0, r

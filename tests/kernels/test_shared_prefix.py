@@ -131,11 +131,13 @@ def test_the_pass_is_off_with_the_knob(monkeypatch: pytest.MonkeyPatch) -> None:
     assert rel_err(out, torch_paged_attention(q, k, v, cache, md, 0.3)) < 1e-5
 
 
-@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("splits,direct_single", [(1, False), (3, False), (2, True)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_decode_kernel_folds_in_the_prefix_from_static_buffers(splits: int, dtype: torch.dtype) -> None:
+def test_decode_kernel_folds_in_the_prefix_from_static_buffers(splits: int, direct_single: bool,
+                                                               dtype: torch.dtype) -> None:
     """As a captured step replays it: the plan written into `SharedPrefixBuffers`, a bucket wider than the
-    batch (idle items, rows without a prefix), the split-K merge folding the prefix in."""
+    batch (idle items, rows without a prefix), the split-K merge folding the prefix in (with `direct_single`
+    and splits of 24 keys: the sequences left with one split fold it in themselves, the others in the merge)."""
     gen = torch.Generator().manual_seed(torch.seed() % 2**31)
     seqs, prefixes = STEPS["decode"]
     q, k, v, cache, md = _shared_step(gen, seqs, prefixes)
@@ -154,8 +156,9 @@ def test_decode_kernel_folds_in_the_prefix_from_static_buffers(splits: int, dtyp
                                    t.part_lse, 0.3)
     out = torch.zeros_like(q)
     paged_decode_attention(q, cache, md.block_tables, md.seq_lens, md.query_start_loc, 0.3, out,
-                           num_splits=splits, merge="kernel",
-                           shared=SharedPrefixArgs(t.kv_start[:n], t.part_out[:n], t.part_lse[:n]))
+                           num_splits=splits, merge="kernel", split_tokens=24 if direct_single else None,
+                           shared=SharedPrefixArgs(t.kv_start[:n], t.part_out[:n], t.part_lse[:n]),
+                           direct_single=direct_single)
     ref = paged_attention_ref(q, cache, md.block_tables, md.seq_lens, md.query_start_loc, 0.3)
     assert rel_err(out.float(), ref.float()) < (1e-5 if dtype == torch.float32 else 2e-2)
 

@@ -104,3 +104,27 @@ def test_model_on_triton_op_matches_transformers(arch: str, rotary_cache: bool, 
     want = ref[69:80]
     torch.testing.assert_close(ours, want, atol=1e-4, rtol=0)
     assert torch.equal(ours.argmax(-1), want.argmax(-1))
+
+
+def test_triton_op_splits_long_decode_contexts_with_the_knob(monkeypatch: pytest.MonkeyPatch) -> None:
+    """KVFLEET_DECODE_LONG_SPLIT: a decode step whose contexts reach the threshold launches two splits; the
+    sequences under it are written whole by split 0, the others merged; all as the torch op."""
+    from kvfleet.engine.kernels import paged_decode
+
+    monkeypatch.setattr(paged_decode, "DEFAULT_LONG_SPLIT", 64)
+    monkeypatch.setattr(triton_backend, "_num_sms", lambda device: 1)   # the batch alone asks for one split
+    calls: list[dict[str, Any]] = []
+    real = triton_backend.paged_decode_attention
+
+    def spy(*args: Any, **kwargs: Any) -> torch.Tensor:
+        calls.append(kwargs)
+        return real(*args, **kwargs)
+    monkeypatch.setattr(triton_backend, "paged_decode_attention", spy)
+    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    q_lens, seq_lens = [1, 1, 1, 1], [9, 70, 31, 90]
+    q, k, v, cache, md = _step(gen, q_lens, seq_lens)
+    cache_ref, q_ref = cache.clone(), q.clone()
+    out = triton_paged_attention(q, k, v, cache, md, 0.25)
+    ref = torch_paged_attention(q_ref, k, v, cache_ref, md, 0.25)
+    assert rel_err(out, ref) < 1e-5
+    assert calls[0]["num_splits"] == 2 and calls[0]["direct_single"] and calls[0]["split_tokens"] == 64

@@ -24,7 +24,7 @@ import torch
 
 from kvfleet.engine.attention import shared_prefix as sp
 from kvfleet.engine.attention.metadata import AttentionMetadata
-from kvfleet.engine.kernels.paged_decode import SharedPrefixArgs, choose_num_splits, paged_decode_attention
+from kvfleet.engine.kernels.paged_decode import SharedPrefixArgs, choose_decode_split, paged_decode_attention
 from kvfleet.engine.kernels.prefill_attention import (
     default_block_m,
     prefill_attention,
@@ -220,10 +220,12 @@ def triton_paged_attention(
                                 shared.part_out, shared.part_lse, scale)
     decode_shared = SharedPrefixArgs(shared.kv_start, shared.part_out, shared.part_lse) if shared is not None else None
     if plan is None:
-        splits = choose_num_splits(batch, kv_cache.shape[3], md.max_seq_len, _num_sms(q.device))
+        split = choose_decode_split(batch, kv_cache.shape[3], md.max_seq_len, _num_sms(q.device))
         return paged_decode_attention(q, kv_cache, md.block_tables, md.seq_lens, md.query_start_loc,
-                                      scale, out, num_splits=splits, merge="kernel" if shared else None,
-                                      shared=decode_shared)
+                                      scale, out, num_splits=split.num_splits,
+                                      merge="kernel" if shared or split.direct_single else None,
+                                      split_tokens=split.split_tokens, shared=decode_shared,
+                                      direct_single=split.direct_single)
     mixed, kernel, (block_m, block_n, warps, stages), work = plan
     args = (q, kv_cache, md.block_tables, md.seq_lens, md.query_start_loc, md.max_query_len, scale, out)
     if kernel != "v1":

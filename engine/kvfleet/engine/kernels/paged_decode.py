@@ -81,10 +81,17 @@ def _split_tokens_from_env() -> int:
 
 def _min_splits_from_env() -> int:
     """KVFLEET_DECODE_MIN_SPLITS: the fewest splits of each sequence's keys where its length allows (default 1: split
-    only when batch x KV heads leaves the GPU underused). On the H200 (issue 16, lease 7,
-    bench/results/issue16/lease7/decode-splits) 2 was faster than 1 at every decode shape of the offline workloads,
-    by 4-18 % a layer; the engine keeps 1 until an end-to-end A/B in one lease says otherwise."""
+    only when batch x KV heads leaves the GPU underused). On the H200 2 was faster than 1 at every decode shape of
+    the offline workloads in one layer without the merge (issue 16, lease 7: 4-18 %), but end to end (lease 8) it
+    took 1.4 ms off each decode step at 6.3k keys and added 0.7 ms at 1.1k: the default stays 1
+    (KVFLEET_DECODE_LONG_SPLIT splits by length instead)."""
     return int_from_env("KVFLEET_DECODE_MIN_SPLITS", 1, 1, 32)
+
+
+def _long_split_from_env() -> int:
+    """KVFLEET_DECODE_LONG_SPLIT: contexts of at least this many keys are read in two splits where the batch alone
+    would not split them (`choose_decode_split`; default 0: off, until an end-to-end A/B in one lease)."""
+    return int_from_env("KVFLEET_DECODE_LONG_SPLIT", 0, 0, 1 << 20)
 
 
 class SharedPrefixArgs(NamedTuple):
@@ -98,6 +105,7 @@ class SharedPrefixArgs(NamedTuple):
 DEFAULT_MERGE = _merge_from_env()
 DEFAULT_SPLIT_TOKENS = _split_tokens_from_env()
 DEFAULT_MIN_SPLITS = _min_splits_from_env()
+DEFAULT_LONG_SPLIT = _long_split_from_env()
 
 _COUNTERS: dict[torch.device, list[torch.Tensor]] = {}
 
@@ -152,7 +160,7 @@ def _decode_kernel(
     G: tl.constexpr, G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, MIN_TILES: tl.constexpr,
     FUSED_MERGE: tl.constexpr, NUM_KV_HEADS: tl.constexpr, S_PAD: tl.constexpr, SHARED: tl.constexpr,
-    UPCAST: tl.constexpr, PREC: tl.constexpr,
+    UPCAST: tl.constexpr, PREC: tl.constexpr, DIRECT_SINGLE: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -170,6 +178,12 @@ def _decode_kernel(
     tiles_per_split = tl.maximum(tl.cdiv(tiles, NUM_SPLITS), MIN_TILES)
     start = kv0 + split * tiles_per_split * BLOCK_N
     end = tl.minimum(start + tiles_per_split * BLOCK_N, seq_len)
+    # DIRECT_SINGLE: a sequence whose keys all fall to split 0 is finished there, as with one split (no partials,
+    # no merge); its other split programs have nothing to do
+    single = tl.cdiv(tiles, tiles_per_split) <= 1
+    if DIRECT_SINGLE:
+        if single & (split > 0):
+            return
 
     g = tl.arange(0, G_PAD)
     d = tl.arange(0, D_PAD)
@@ -195,27 +209,18 @@ def _decode_kernel(
     out = acc / l_safe[:, None]
     omask = gmask[:, None] & dmask[None, :]
     if NUM_SPLITS == 1:
-        if SHARED:
-            # fold in the shared prefix's partial (masked off, i.e. weight 0, where the sequence has none)
-            has = gmask & (kv0 > 0)
-            pre = b.to(tl.int64) * (NUM_KV_HEADS * G) + heads
-            lse_p = tl.load(pre_lse_ptr + pre, mask=has, other=float("-inf"))
-            o_p = tl.load(pre_out_ptr + pre[:, None] * HEAD_DIM + d[None, :], mask=has[:, None] & dmask[None, :],
-                          other=0.0)
-            lse_s = tl.where(l_i == 0.0, float("-inf"), m_i + tl.math.log2(l_safe))
-            top = tl.maximum(lse_s, lse_p)
-            top = tl.where(top == float("-inf"), 0.0, top)
-            w_s = tl.math.exp2(lse_s - top)
-            w_p = tl.math.exp2(lse_p - top)
-            out = (out * w_s[:, None] + o_p * w_p[:, None]) / tl.maximum(w_s + w_p, 1e-30)[:, None]
-        tl.store(out_ptr + q_start.to(tl.int64) * stride_ot + heads[:, None] * stride_oh + d[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=omask)
+        _store_whole(out, l_i, l_safe, m_i, out_ptr, pre_out_ptr, pre_lse_ptr, q_start, b, heads, d, gmask, dmask,
+                     kv0, stride_ot, stride_oh, G, HEAD_DIM, NUM_KV_HEADS, SHARED)
+    elif DIRECT_SINGLE:
+        if single:
+            _store_whole(out, l_i, l_safe, m_i, out_ptr, pre_out_ptr, pre_lse_ptr, q_start, b, heads, d, gmask,
+                         dmask, kv0, stride_ot, stride_oh, G, HEAD_DIM, NUM_KV_HEADS, SHARED)
+        else:
+            _store_partial(out, l_i, l_safe, m_i, part_out_ptr, part_lse_ptr, b, heads, split, d, gmask, omask,
+                           stride_pb, stride_ph, stride_ps, HEAD_DIM)
     else:
-        base = b.to(tl.int64) * stride_pb + heads * stride_ph + split * stride_ps
-        tl.store(part_out_ptr + base[:, None] * HEAD_DIM + d[None, :], out, mask=omask)
-        # log2-sum-exp of this split's scores; -inf for an empty split
-        lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.math.log2(l_safe))
-        tl.store(part_lse_ptr + base, lse, mask=gmask)
+        _store_partial(out, l_i, l_safe, m_i, part_out_ptr, part_lse_ptr, b, heads, split, d, gmask, omask,
+                       stride_pb, stride_ph, stride_ps, HEAD_DIM)
         if FUSED_MERGE:
             # every thread's partial stores, then one gpu-scope acq_rel increment: the program that sees
             # NUM_SPLITS - 1 is the last, and the others' partials are visible to it
@@ -243,17 +248,58 @@ def _decode_kernel(
 
 
 @triton.jit
+def _store_whole(out, l_i, l_safe, m_i, out_ptr, pre_out_ptr, pre_lse_ptr, q_start, b, heads, d, gmask, dmask, kv0,
+                 stride_ot, stride_oh, G: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
+                 SHARED: tl.constexpr):
+    """A sequence's whole attention (its one split) into the output, the shared prefix's partial folded in."""
+    if SHARED:
+        # fold in the shared prefix's partial (masked off, i.e. weight 0, where the sequence has none)
+        has = gmask & (kv0 > 0)
+        pre = b.to(tl.int64) * (NUM_KV_HEADS * G) + heads
+        lse_p = tl.load(pre_lse_ptr + pre, mask=has, other=float("-inf"))
+        o_p = tl.load(pre_out_ptr + pre[:, None] * HEAD_DIM + d[None, :], mask=has[:, None] & dmask[None, :],
+                      other=0.0)
+        lse_s = tl.where(l_i == 0.0, float("-inf"), m_i + tl.math.log2(l_safe))
+        top = tl.maximum(lse_s, lse_p)
+        top = tl.where(top == float("-inf"), 0.0, top)
+        w_s = tl.math.exp2(lse_s - top)
+        w_p = tl.math.exp2(lse_p - top)
+        out = (out * w_s[:, None] + o_p * w_p[:, None]) / tl.maximum(w_s + w_p, 1e-30)[:, None]
+    tl.store(out_ptr + q_start.to(tl.int64) * stride_ot + heads[:, None] * stride_oh + d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=gmask[:, None] & dmask[None, :])
+
+
+@triton.jit
+def _store_partial(out, l_i, l_safe, m_i, part_out_ptr, part_lse_ptr, b, heads, split, d, gmask, omask,
+                   stride_pb, stride_ph, stride_ps, HEAD_DIM: tl.constexpr):
+    """One split's normalized partial and its log2-sum-exp (-inf for an empty split), for the merge."""
+    base = b.to(tl.int64) * stride_pb + heads * stride_ph + split * stride_ps
+    tl.store(part_out_ptr + base[:, None] * HEAD_DIM + d[None, :], out, mask=omask)
+    lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.math.log2(l_safe))
+    tl.store(part_lse_ptr + base, lse, mask=gmask)
+
+
+@triton.jit
 def _merge_kernel(
-    out_ptr, part_out_ptr, part_lse_ptr, qsl_ptr, kv_start_ptr, pre_out_ptr, pre_lse_ptr,
+    out_ptr, part_out_ptr, part_lse_ptr, qsl_ptr, seq_lens_ptr, kv_start_ptr, pre_out_ptr, pre_lse_ptr,
     stride_ot, stride_oh, stride_pb, stride_ph, stride_ps,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr, S_PAD: tl.constexpr,
     NUM_Q_HEADS: tl.constexpr, SHARED: tl.constexpr,
+    DIRECT_SINGLE: tl.constexpr, BLOCK_N: tl.constexpr, MIN_TILES: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
     q_start = tl.load(qsl_ptr + b)
     if tl.load(qsl_ptr + b + 1) - q_start != 1:
         return
+    if DIRECT_SINGLE:
+        # the decode kernel's rule: a sequence with one split of keys was written there
+        kv0 = 0
+        if SHARED:
+            kv0 = tl.load(kv_start_ptr + b)
+        tiles = tl.cdiv(tl.load(seq_lens_ptr + b) - kv0, BLOCK_N)
+        if tl.cdiv(tiles, tl.maximum(tl.cdiv(tiles, NUM_SPLITS), MIN_TILES)) <= 1:
+            return
     s = tl.arange(0, S_PAD)
     d = tl.arange(0, D_PAD)
     smask = s < NUM_SPLITS
@@ -298,6 +344,30 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_seq_len: int, num_sms: 
     return int(max(1, min(want, by_len, max_splits)))
 
 
+class DecodeSplit(NamedTuple):
+    """How a decode launch splits each sequence's keys (`choose_decode_split`)."""
+
+    num_splits: int
+    split_tokens: int        # the fewest keys a split gets (the kernel's MIN_TILES)
+    direct_single: bool      # a sequence left with one split is written directly (no partials, no merge)
+
+
+def choose_decode_split(batch: int, num_kv_heads: int, max_seq_len: int, num_sms: int = 132,
+                        long_split: int | None = None) -> DecodeSplit:
+    """`choose_num_splits`, and with ``long_split`` = L > 0 (KVFLEET_DECODE_LONG_SPLIT unless given): where that
+    leaves one split and contexts may reach L keys, two splits of at least L / 2 keys, so sequences of L keys or
+    more are read in two halves (issue 16, lease 8: -1.4 ms a decode step at 82 sequences x 6.3k keys) while shorter
+    ones stay whole and write their output directly (a floor of two splits for every sequence cost +0.7 ms a step
+    at 461 x 1.1k: the partials and the merge). Under CUDA graphs ``max_seq_len`` is max_model_len: the choice per
+    sequence is the kernel's, from its length."""
+    if long_split is None:
+        long_split = DEFAULT_LONG_SPLIT
+    splits = choose_num_splits(batch, num_kv_heads, max_seq_len, num_sms)
+    if splits == 1 and long_split > 0 and max_seq_len >= long_split:
+        return DecodeSplit(2, max(DEFAULT_SPLIT_TOKENS, long_split // 2), True)
+    return DecodeSplit(splits, DEFAULT_SPLIT_TOKENS, False)
+
+
 def paged_decode_attention(
     q: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -313,6 +383,7 @@ def paged_decode_attention(
     merge: str | None = None,
     split_tokens: int | None = None,
     shared: SharedPrefixArgs | None = None,
+    direct_single: bool = False,
 ) -> torch.Tensor:
     """Attention of the one query token of each decode sequence over its paged context.
 
@@ -320,6 +391,8 @@ def paged_decode_attention(
     (sequences whose query length is not 1 are left untouched in ``out``). ``merge`` ("fused" or
     "kernel") and ``split_tokens`` (fewest keys per split) default to KVFLEET_DECODE_MERGE and
     KVFLEET_DECODE_SPLIT_TOKENS. ``shared``: the step's shared-prefix pass has run (see the module's doc).
+    ``direct_single``: a sequence whose keys all fall to one split is written by that split's program, with no
+    partials and no merge (`DecodeSplit`; the merge kernel only).
     """
     block_size, hkv, d, hq, batch = check_paged_attention_args(q, out, kv_cache, block_tables, seq_lens,
                                                                 query_start_loc)
@@ -339,6 +412,8 @@ def paged_decode_attention(
             fail("shared", f"kv_start, part_out and part_lse need a row per sequence ({batch})")
         if num_splits > 1 and merge == "fused":
             fail("shared", "a shared-prefix pass is merged by the merge kernel: use merge='kernel'")
+    if direct_single and num_splits > 1 and merge == "fused":
+        fail("direct_single", "works with the merge kernel only: use merge='kernel'")
     if batch == 0:
         return out
     block_n = block_n or DEFAULT_BLOCK_N
@@ -366,15 +441,16 @@ def paged_decode_attention(
         G=g, G_PAD=max(16, next_pow2(g)), HEAD_DIM=d, D_PAD=d_pad,
         BLOCK_SIZE=block_size, BLOCK_N=block_n, NUM_SPLITS=num_splits, MIN_TILES=min_tiles,
         FUSED_MERGE=fused, NUM_KV_HEADS=hkv, S_PAD=next_pow2(num_splits), SHARED=shared is not None,
-        UPCAST=upcast_dots(q.dtype), PREC=dot_precision(q.dtype),
+        UPCAST=upcast_dots(q.dtype), PREC=dot_precision(q.dtype), DIRECT_SINGLE=direct_single and num_splits > 1,
         num_warps=num_warps, num_stages=num_stages,
     )
     if num_splits > 1 and not fused:
         _merge_kernel[(batch, hq)](
-            out, part_out, part_lse, query_start_loc, kv_start, pre_out, pre_lse,
+            out, part_out, part_lse, query_start_loc, seq_lens, kv_start, pre_out, pre_lse,
             out.stride(0), out.stride(1), *pstr,
             HEAD_DIM=d, D_PAD=d_pad, NUM_SPLITS=num_splits, S_PAD=next_pow2(num_splits),
             NUM_Q_HEADS=hq, SHARED=shared is not None,
+            DIRECT_SINGLE=direct_single, BLOCK_N=block_n, MIN_TILES=min_tiles,
         )
     return out
 
