@@ -34,7 +34,7 @@ LLAMA = dict(HEAD_DIM=128, D_PAD=128)
 def variants() -> list[tuple[str, Callable[[], Any]]]:
     out: list[tuple[str, Callable[[], Any]]] = []
     for shared in (False, True):
-        # direct: two splits by length (KVFLEET_DECODE_LONG_SPLIT=4096: splits of >= 2048 keys), a sequence left
+        # direct: two splits by length (KVFLEET_DECODE_LONG_SPLIT=2048: splits of >= 2048 keys), a sequence left
         # with one split written by it
         for splits, direct, min_tiles in ((1, False, 1), (8, False, 1), (2, True, 32)):
             const = dict(LLAMA, G=4, G_PAD=16, BLOCK_SIZE=16, BLOCK_N=DEFAULT_BLOCK_N, NUM_SPLITS=splits,

@@ -106,12 +106,12 @@ def test_choose_decode_split_splits_long_contexts_only() -> None:
     # off: the batch-filling rule alone
     assert choose_decode_split(82, 8, 8448, long_split=0) == DecodeSplit(1, 64, False)
     assert choose_decode_split(1, 8, 1024, long_split=0) == DecodeSplit(16, 64, False)
-    # on: two splits of at least half the threshold where the batch alone gives one (each sequence of the launch
-    # is split only if its keys reach the threshold: the kernel's rule)
-    assert choose_decode_split(82, 8, 8448, long_split=4096) == DecodeSplit(2, 2048, True)
-    assert choose_decode_split(461, 8, 4096, long_split=4096) == DecodeSplit(2, 2048, True)
-    assert choose_decode_split(461, 8, 2048, long_split=4096) == DecodeSplit(1, 64, False)
-    assert choose_decode_split(1, 8, 8192, long_split=4096) == DecodeSplit(32, 64, False)   # the batch rule wins
+    # on: two splits of at least L keys where the batch alone gives one (each sequence of the launch is split
+    # only if its keys exceed L: the kernel's rule)
+    assert choose_decode_split(82, 8, 8448, long_split=2048) == DecodeSplit(2, 2048, True)
+    assert choose_decode_split(461, 8, 4096, long_split=2048) == DecodeSplit(2, 2048, True)
+    assert choose_decode_split(461, 8, 2048, long_split=2048) == DecodeSplit(1, 64, False)
+    assert choose_decode_split(1, 8, 8192, long_split=2048) == DecodeSplit(32, 64, False)   # the batch rule wins
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

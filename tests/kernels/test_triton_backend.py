@@ -107,11 +107,11 @@ def test_model_on_triton_op_matches_transformers(arch: str, rotary_cache: bool, 
 
 
 def test_triton_op_splits_long_decode_contexts_with_the_knob(monkeypatch: pytest.MonkeyPatch) -> None:
-    """KVFLEET_DECODE_LONG_SPLIT: a decode step whose contexts reach the threshold launches two splits; the
-    sequences under it are written whole by split 0, the others merged; all as the torch op."""
+    """KVFLEET_DECODE_LONG_SPLIT: a decode step whose contexts may exceed the threshold launches two splits; the
+    sequences within it are written whole by split 0, the others merged; all as the torch op."""
     from kvfleet.engine.kernels import paged_decode
 
-    monkeypatch.setattr(paged_decode, "DEFAULT_LONG_SPLIT", 64)
+    monkeypatch.setattr(paged_decode, "DEFAULT_LONG_SPLIT", 64)   # contexts over 64 keys: two splits
     monkeypatch.setattr(triton_backend, "_num_sms", lambda device: 1)   # the batch alone asks for one split
     calls: list[dict[str, Any]] = []
     real = triton_backend.paged_decode_attention

@@ -89,7 +89,7 @@ def _min_splits_from_env() -> int:
 
 
 def _long_split_from_env() -> int:
-    """KVFLEET_DECODE_LONG_SPLIT: contexts of at least this many keys are read in two splits where the batch alone
+    """KVFLEET_DECODE_LONG_SPLIT: contexts of more than this many keys are read in two splits where the batch alone
     would not split them (`choose_decode_split`; default 0: off, until an end-to-end A/B in one lease)."""
     return int_from_env("KVFLEET_DECODE_LONG_SPLIT", 0, 0, 1 << 20)
 
@@ -355,16 +355,16 @@ class DecodeSplit(NamedTuple):
 def choose_decode_split(batch: int, num_kv_heads: int, max_seq_len: int, num_sms: int = 132,
                         long_split: int | None = None) -> DecodeSplit:
     """`choose_num_splits`, and with ``long_split`` = L > 0 (KVFLEET_DECODE_LONG_SPLIT unless given): where that
-    leaves one split and contexts may reach L keys, two splits of at least L / 2 keys, so sequences of L keys or
-    more are read in two halves (issue 16, lease 8: -1.4 ms a decode step at 82 sequences x 6.3k keys) while shorter
-    ones stay whole and write their output directly (a floor of two splits for every sequence cost +0.7 ms a step
-    at 461 x 1.1k: the partials and the merge). Under CUDA graphs ``max_seq_len`` is max_model_len: the choice per
-    sequence is the kernel's, from its length."""
+    leaves one split and contexts may exceed L keys, two splits of at least L keys, so a sequence of more than L
+    keys is read in two parts (halves from 2L on) while a shorter one stays whole and writes its output directly
+    (issue 16, lease 8: two splits took 1.4 ms off a decode step at 82 sequences x 6.3k keys, but a floor of two
+    splits for every sequence added 0.7 ms at 461 x 1.1k: the partials and the merge). Under CUDA graphs
+    ``max_seq_len`` is max_model_len: which sequences split is the kernel's choice, from each one's length."""
     if long_split is None:
         long_split = DEFAULT_LONG_SPLIT
     splits = choose_num_splits(batch, num_kv_heads, max_seq_len, num_sms)
-    if splits == 1 and long_split > 0 and max_seq_len >= long_split:
-        return DecodeSplit(2, max(DEFAULT_SPLIT_TOKENS, long_split // 2), True)
+    if splits == 1 and long_split > 0 and max_seq_len > long_split:
+        return DecodeSplit(2, max(DEFAULT_SPLIT_TOKENS, long_split), True)
     return DecodeSplit(splits, DEFAULT_SPLIT_TOKENS, False)
 
 
