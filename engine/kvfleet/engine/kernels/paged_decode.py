@@ -82,8 +82,8 @@ def _split_tokens_from_env() -> int:
 def _min_splits_from_env() -> int:
     """KVFLEET_DECODE_MIN_SPLITS: the fewest splits of each sequence's keys where its length allows (default 1: split
     only when batch x KV heads leaves the GPU underused). On the H200 2 was faster than 1 at every decode shape of
-    the offline workloads in one layer without the merge (issue 16, lease 7: 4-18 %), but end to end (lease 8) it
-    took 1.4 ms off each decode step at 6.3k keys and added 0.7 ms at 1.1k: the default stays 1
+    the offline workloads in one layer (issue 16, lease 7: 4-18 %), but end to end (lease 8) it took 1.4 ms off
+    each decode step at 6.3k keys and added 0.7 ms at 1.1k: the default stays 1
     (KVFLEET_DECODE_LONG_SPLIT splits by length instead)."""
     return int_from_env("KVFLEET_DECODE_MIN_SPLITS", 1, 1, 32)
 
@@ -358,7 +358,7 @@ def choose_decode_split(batch: int, num_kv_heads: int, max_seq_len: int, num_sms
     leaves one split and contexts may exceed L keys, two splits of at least L keys, so a sequence of more than L
     keys is read in two parts (halves from 2L on) while a shorter one stays whole and writes its output directly
     (issue 16, lease 8: two splits took 1.4 ms off a decode step at 82 sequences x 6.3k keys, but a floor of two
-    splits for every sequence added 0.7 ms at 461 x 1.1k: the partials and the merge). Under CUDA graphs
+    splits for every sequence added 0.7 ms at 461 x 1.1k). Under CUDA graphs
     ``max_seq_len`` is max_model_len: which sequences split is the kernel's choice, from each one's length."""
     if long_split is None:
         long_split = DEFAULT_LONG_SPLIT
