@@ -147,6 +147,15 @@ def attend_paged_tile(q, m_i, l_i, acc, k_base, bt_row, n0, end, d, dmask, scale
     return m_new, l_i, acc
 
 
+@triton.jit
+def _key_splits(keys, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, MIN_TILES: tl.constexpr):
+    """(key tiles per split, splits that get keys) for a sequence's `keys` keys: at least MIN_TILES tiles a split,
+    so a short sequence leaves the later split programs without keys (the decode and merge kernels' one rule)."""
+    tiles = tl.cdiv(keys, BLOCK_N)
+    tiles_per_split = tl.maximum(tl.cdiv(tiles, NUM_SPLITS), MIN_TILES)
+    return tiles_per_split, tl.cdiv(tiles, tiles_per_split)
+
+
 # The block-table width changes from step to step: specializing on it (== 1, multiple of 16) would compile
 # new variants on live requests' time (issue 16's TTFT p99); nothing in the kernel gains from it.
 @triton.jit(do_not_specialize=["stride_bt"])
@@ -173,14 +182,12 @@ def _decode_kernel(
     kv0 = 0
     if SHARED:
         kv0 = tl.load(kv_start_ptr + b)   # the keys before it were read once for the sequences sharing them
-    tiles = tl.cdiv(seq_len - kv0, BLOCK_N)
-    # at least MIN_TILES per split: a short sequence leaves the later split programs without keys
-    tiles_per_split = tl.maximum(tl.cdiv(tiles, NUM_SPLITS), MIN_TILES)
+    tiles_per_split, used = _key_splits(seq_len - kv0, BLOCK_N, NUM_SPLITS, MIN_TILES)
     start = kv0 + split * tiles_per_split * BLOCK_N
     end = tl.minimum(start + tiles_per_split * BLOCK_N, seq_len)
     # DIRECT_SINGLE: a sequence whose keys all fall to split 0 is finished there, as with one split (no partials,
     # no merge); its other split programs have nothing to do
-    single = tl.cdiv(tiles, tiles_per_split) <= 1
+    single = used <= 1
     if DIRECT_SINGLE:
         if single & (split > 0):
             return
@@ -229,7 +236,6 @@ def _decode_kernel(
             done = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
             if done == NUM_SPLITS - 1:
                 # as _merge_kernel, one query head at a time, over the splits that got keys (the rest are empty)
-                used = tl.cdiv(tiles, tiles_per_split)
                 sp = tl.arange(0, S_PAD)
                 smask = sp < used
                 for gi in tl.static_range(G):
@@ -297,8 +303,8 @@ def _merge_kernel(
         kv0 = 0
         if SHARED:
             kv0 = tl.load(kv_start_ptr + b)
-        tiles = tl.cdiv(tl.load(seq_lens_ptr + b) - kv0, BLOCK_N)
-        if tl.cdiv(tiles, tl.maximum(tl.cdiv(tiles, NUM_SPLITS), MIN_TILES)) <= 1:
+        _, used = _key_splits(tl.load(seq_lens_ptr + b) - kv0, BLOCK_N, NUM_SPLITS, MIN_TILES)
+        if used <= 1:
             return
     s = tl.arange(0, S_PAD)
     d = tl.arange(0, D_PAD)
