@@ -153,7 +153,10 @@ def test_wakes_from_zero_and_goes_back(kube: Kube, tenants: Any, flavors: dict[s
         assert first_token is not None and text
         stop.set()
         watcher.join(5)
-        status = mdep_status(kube, ns, "chat")
+        # the gateway sends the request on once the pod is Ready; the operator's status follows on its next
+        # reconcile, so wait for it (bounded) rather than read it at once
+        status = wait_for("the status to count the woken replica", lambda: (
+            st if (st := mdep_status(kube, ns, "chat")).get("readyReplicas") == 1 else None), timeout=60)
         assert status["readyReplicas"] == 1 and status["admittedReplicas"] == 1
         ann = kube.get(API, "modeldeployments", "chat", ns)["metadata"]["annotations"]
         assert "gateway.kvfleet.dev/demand" in ann
