@@ -30,6 +30,8 @@
 #                     KVFLEET_PREFILL_KERNEL=v2-paged"), each result labelled by its setting
 #   ab-online         kvfleet serve once per setting in ONLINE_AB (~2 each), each labelled by its setting
 #   ab-fp8            kvfleet --quantization fp8 once per setting in FP8_AB (~1.5 each)
+#   attn-sweep        the prefill attention sweep alone, with SWEEP_CASES / SWEEP_TMA_TILES passed through
+#                     (bench/gpu_attention_sweep.py; ~1 for a few tiles of the 1k-prompt cases)
 #   sweeps            kernel sweeps: bench/gpu_attention_sweep.py (prefill attention kernels and tiles) and
 #                     bench/gpu_fp8_sweep.py (FP8 matmul paths at small M), bench/gpu_decode_step.py (the
 #                     decode step's kernel-count knobs, graph step at batch 1/4/16) (~6)
@@ -151,6 +153,9 @@ ab-fp8)
     KV_ENV="$KV_ENV $(setting_env "$setting")" LABEL=$(setting_label "$setting") XARGS="--quantization fp8" \
       offline kvfleet "$LLAMA" 200 $WORKLOADS_FP8
   done ;;
+attn-sweep)
+  step attention-sweep 150 env $KV_ENV $PY bench/gpu_attention_sweep.py "$RUNS/attn-sweep-short"
+  cp "$RUNS/attn-sweep-short/attention_sweep.txt" "$OUT/attention_sweep_short.txt" 2>/dev/null ;;
 sweeps)
   step attention-sweep 150 env $KV_ENV $PY bench/gpu_attention_sweep.py "$RUNS/attn-sweep"
   cp "$RUNS/attn-sweep/"*.txt "$OUT/" 2>/dev/null

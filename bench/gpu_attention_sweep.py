@@ -10,6 +10,10 @@ reference computed from the same bf16 cache (max abs and relative Frobenius). On
 that does not compile, say) is recorded as an error and the sweep goes on. Writes OUT_DIR/attention_sweep.json
 (after every case, so a crash leaves what ran) and OUT_DIR/attention_sweep.txt.
 
+SWEEP_CASES (a regular expression over the case names) picks other cases, among them 8 x 1024, 16 x 1024 and
+4 x 512 fresh prompts (the 1k-token prompts of a burst and of random-1024-128); SWEEP_TMA_TILES="BM,BN,W,S ..."
+sweeps fresh prompts at those tiles only, on the engine's path for them (K/V by TMA), beside torch's flash.
+
 Implementations (`impl` in the results):
   v1 BM,BN,W,S             the first kernel (`prefill_attention`; KVFLEET_PREFILL_KERNEL=v1, the default: 64,64,4,2)
   v2 BM,BN,W,S             `prefill_attention_v2` with its heaviest-first work list, every key through the block
@@ -29,6 +33,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import sys
 import time
 import traceback
@@ -73,13 +78,32 @@ def S(n: int) -> int:
     return max(1, n // 128) if DRY else n
 
 
-CASES: list[tuple[str, list[int], list[int]]] = [
+ALL_CASES: list[tuple[str, list[int], list[int]]] = [
     ("1 x 8192 new", [S(8192)], [0]),
     ("2 x 4096 new", [S(4096)] * 2, [0, 0]),
     ("8 x 2048 new", [S(2048)] * 8, [0] * 8),
     ("chunk 2048 over 6144 cached", [S(2048)], [S(6144)]),
     ("16 x 384 over 2048 cached (shared prefix)", [S(384)] * 16, [S(2048)] * 16),
+    # 1k-token prompts: a burst's and random-1024-128's prefill steps (8 online, 16 offline)
+    ("8 x 1024 new", [S(1024)] * 8, [0] * 8),
+    ("16 x 1024 new", [S(1024)] * 16, [0] * 16),
+    ("4 x 512 new", [S(512)] * 4, [0] * 4),
 ]
+# SWEEP_CASES: a regular expression picking cases by name (default: the first five, lease 3's set)
+_PICK = os.environ.get("SWEEP_CASES", "")
+CASES = [c for c in ALL_CASES if re.search(_PICK, c[0])] if _PICK else ALL_CASES[:5]
+if not CASES:
+    sys.exit(f"SWEEP_CASES={_PICK!r} matches no case of {[c[0] for c in ALL_CASES]}")
+if _PICK:
+    CASE_SHARES = [1.0 / len(CASES)] * len(CASES)
+
+
+def _tiles(raw: str) -> list[tuple[int, int, int, int]]:
+    """SWEEP_TMA_TILES="BM,BN,W,S BM,BN,W,S ...": the tiles fresh prompts are swept at (with TMA), and only those."""
+    return [(a, b, c, d) for a, b, c, d in (tuple(int(x) for x in t.split(",")) for t in raw.split())]
+
+
+TMA_ONLY = _tiles(os.environ.get("SWEEP_TMA_TILES", ""))
 
 
 def bench_ms(fn: Callable[[], Any], iters: int = 20) -> float:
@@ -190,6 +214,8 @@ def kernel_runner(c: dict[str, Any], impl: str, tile: tuple[int, int, int, int],
 
 def configs(fresh: bool) -> list[tuple[str, tuple[int, int, int, int] | None]]:
     """A case's configurations, most wanted first (a case out of time skips the rest)."""
+    if TMA_ONLY and fresh:   # the engine's path for fresh prompts at each tile asked for, and the reference
+        return [("v2 contiguous kv tma", t) for t in TMA_ONLY] + [("torch SDPA flash", None)]
     if DRY:   # the interpreter: check the script end to end, one configuration of each kind
         out: list[tuple[str, tuple[int, int, int, int] | None]] = [
             ("v1", V1_TILES[0]), ("torch SDPA flash", None), ("v2", V2_DEFAULT), ("v2 grid order", V2_DEFAULT)]

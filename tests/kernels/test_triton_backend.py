@@ -50,6 +50,27 @@ def test_prefill_kernel_choice() -> None:
         prefill_kernel_choice("v3")
 
 
+def test_short_prefill_tile_knob(monkeypatch: pytest.MonkeyPatch) -> None:
+    """KVFLEET_PREFILL_TILE_SHORT takes steps whose longest query is 17..2048 tokens, and the op stays exact."""
+    monkeypatch.setenv("KVFLEET_PREFILL_TILE_SHORT", "16,16,4,2")
+    f32 = torch.float32
+    assert triton_backend._prefill_tile("v2", 40, f32) == (16, 16, 4, 2)
+    assert triton_backend._prefill_tile("v2", 2048, f32) == (16, 16, 4, 2)
+    assert triton_backend._prefill_tile("v2", 2049, f32) == triton_backend.default_tile_v2(2049, f32)
+    assert triton_backend._prefill_tile("v2", 16, f32) == triton_backend.default_tile_v2(16, f32)
+    gen = torch.Generator().manual_seed(3)
+    q, k, v, cache, md = _step(gen, [40, 1, 17], [40, 9, 90])
+    cache_ref, q_ref, k_ref = cache.clone(), q.clone(), k.clone()
+    out = triton_paged_attention(q, k, v, cache, md, 0.25)
+    ref = torch_paged_attention(q_ref, k_ref, v, cache_ref, md, 0.25)
+    assert md.plans["triton_prefill"].tile == (16, 16, 4, 2)   # type: ignore[attr-defined]
+    assert rel_err(out, ref) < 1e-5
+    monkeypatch.setenv("KVFLEET_PREFILL_TILE_SHORT", "16,16")
+    triton_backend.prefill_tile.cache_clear()
+    with pytest.raises(ValueError, match="KVFLEET_PREFILL_TILE_SHORT"):
+        triton_backend._prefill_tile("v2", 40, f32)
+
+
 def test_rotary_cos_sin_matches_model_layer() -> None:
     gen = torch.Generator().manual_seed(torch.seed() % 2**31)
     scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
