@@ -59,6 +59,7 @@ pack() { nice $PY bench/vllm_wheels.py pack "$DIR/dl" "$DIR" --part-mib 50; }
 stream_state() {  # stream_state KIND -> "complete", "absent" or "partial: partN ..." (pieces in $WHL)
   local kind=$1 want have=0 i missing=()
   want=$(sed -n "s/^# $kind parts: //p" "$WHL/SHA256SUMS")
+  [[ ${want:-0} == 0 ]] && { echo absent; return; }   # a pack without this (optional) stream
   local prefix=part; [[ $kind == core ]] || prefix=$kind-part
   for ((i = 1; i <= want; i++)); do
     if [[ -f $WHL/$kind.tar.xz.$(printf %02d "$i") ]]; then have=$((have + 1)); else missing+=("$prefix$i"); fi
