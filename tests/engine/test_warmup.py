@@ -176,6 +176,22 @@ def test_warmup_refuses_a_busy_engine_and_plans_for_short_contexts(tiny_model_fa
     assert [r.sampling.get("n", 1) for w in warmup_plan(128, 100, max_num_seqs=1) for r in w.requests] == [1] * 6
 
 
+def test_warmup_plan_takes_a_long_prompt_beside_a_decode_where_it_fits() -> None:
+    """Queries over SHORT_QUERY_MAX_TOKENS take another prefill tile: the plan brings one into a mixed step
+    where the context and the step's budget let it in, and not otherwise."""
+    from kvfleet.engine.kernels.prefill_attention_v2 import SHORT_QUERY_MAX_TOKENS
+
+    plan = warmup_plan(8448, 32000, 1024, 16384)
+    assert len(plan) == 8
+    decoding, long = plan[-2], plan[-1]
+    assert decoding.steps == 1 and decoding.requests[0].max_tokens > 2   # still decoding when the long one comes
+    assert long.requests[0].prompt_len > SHORT_QUERY_MAX_TOKENS and long.steps is None
+    assert long.requests[0].prompt_len + long.requests[0].max_tokens < 8448
+    assert len(warmup_plan(8448, 32000, 1024, SHORT_QUERY_MAX_TOKENS)) == 6   # the budget chunks it short
+    assert len(warmup_plan(SHORT_QUERY_MAX_TOKENS, 32000, 1024, 16384)) == 6   # the context cannot hold it
+    assert len(warmup_plan(128, 100)) == 6
+
+
 class _NoFitGraphs:
     """Stands in for captured graphs that fit no step: what the warm-up does when graphs exist (CUDA)."""
 

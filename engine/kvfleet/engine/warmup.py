@@ -17,7 +17,10 @@ real engine, so it covers what the model runner really launches:
    copy-on-write block copy of parallel sampling (n=1 in an engine of max_num_seqs 1, which refuses n=2);
 5. a 72-token prompt with n=2, whose two samples share 64 tokens of KV blocks: their decodes take the
    shared-prefix pass (`attention.shared_prefix`); after one decode step
-6. a 20-token prompt: a mixed step whose decode rows share a prefix.
+6. a 20-token prompt: a mixed step whose decode rows share a prefix;
+7. where the context and the step's token budget allow, while a 16-token prompt decodes, a prompt of more than
+   2,048 tokens: a mixed step with the long-query tile (queries of 17..2,048 tokens take a tile of their own,
+   `kernels.prefill_attention_v2.default_tile_v2`; a prefill-only step with it runs at start-up's profiling).
 
 Where CUDA graphs were captured, the plan runs twice: replayed, then with every forward eager, since the steps
 that fit no graph (more prompts or tokens than a captured step with prefill takes) launch the kernels'
@@ -41,6 +44,8 @@ import os
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
+
+from kvfleet.engine.kernels.prefill_attention_v2 import SHORT_QUERY_MAX_TOKENS
 
 if TYPE_CHECKING:
     import torch
@@ -76,14 +81,21 @@ class WarmupReport:
     triton_compiles: int | None   # kernel variants compiled during the warm-up (CUDA; None without the hook)
 
 
-def warmup_plan(max_model_len: int, vocab_size: int, max_num_seqs: int = 256) -> list[Wave]:
-    """The waves above, shortened where max_model_len is small (tests), n within max_num_seqs."""
+def warmup_plan(max_model_len: int, vocab_size: int, max_num_seqs: int = 256,
+                max_num_batched_tokens: int = 0) -> list[Wave]:
+    """The waves above, shortened where max_model_len is small (tests), n within max_num_seqs; the long prompt
+    (7.) only where max_model_len and max_num_batched_tokens let a query of more than
+    SHORT_QUERY_MAX_TOKENS tokens into one step."""
     room = max(2, max_model_len - 8)   # prompt + max_tokens must fit
 
     def plen(n: int) -> int:
         return max(1, min(n, room - 6))
 
     stop = min(1, vocab_size - 1)
+    long_len = SHORT_QUERY_MAX_TOKENS + 64
+    long_wave = [Wave((WarmupRequest(plen(16), 8, {"temperature": 0.0}),), 1),
+                 Wave((WarmupRequest(long_len, 2, {"temperature": 0.0}),), None)]
+    fits_long = long_len + 2 <= room and max_num_batched_tokens > SHORT_QUERY_MAX_TOKENS + 1   # a chunk past it
     return [
         Wave((WarmupRequest(plen(40), 6, {"temperature": 0.0}),), 1),
         Wave((WarmupRequest(plen(9), 4, {"temperature": 0.8, "top_k": min(20, vocab_size), "top_p": 0.9,
@@ -94,7 +106,7 @@ def warmup_plan(max_model_len: int, vocab_size: int, max_num_seqs: int = 256) ->
         Wave((WarmupRequest(plen(12), 3, {"temperature": 0.7, "n": min(2, max_num_seqs)}),), None),
         Wave((WarmupRequest(plen(72), 4, {"temperature": 0.7, "n": min(2, max_num_seqs)}),), 2),
         Wave((WarmupRequest(plen(20), 2, {"temperature": 0.0}),), None),
-    ]
+    ] + (long_wave if fits_long else [])
 
 
 def warmup_enabled() -> bool:
@@ -114,13 +126,14 @@ def run_warmup(engine: Any, plan: list[Wave] | None = None) -> WarmupReport:
         raise RuntimeError("warm-up: the engine already has requests")
     TRITON_COMPILES.install()
     mc = engine.model_config
-    plan = plan if plan is not None else warmup_plan(mc.max_model_len, mc.vocab_size, engine.config.max_num_seqs)
+    runner = engine.runner
+    plan = plan if plan is not None else warmup_plan(mc.max_model_len, mc.vocab_size, engine.config.max_num_seqs,
+                                                     runner.max_num_batched_tokens)
     rng = np.random.default_rng(20261201)
     high = max(2, min(mc.vocab_size, 32000))
     compiles = TRITON_COMPILES.count
     t0 = time.monotonic()
     steps, n = 0, 0
-    runner = engine.runner
     passes = [False, True] if runner.executor.graphs is not None else [False]   # eager: the steps no graph fits
     try:
         for eager in passes:

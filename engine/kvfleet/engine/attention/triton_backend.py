@@ -31,7 +31,12 @@ from kvfleet.engine.kernels.prefill_attention import (
     prefill_work,
     prefill_work_pairs,
 )
-from kvfleet.engine.kernels.prefill_attention_v2 import default_tile_v2, prefill_attention_v2, tma_applies
+from kvfleet.engine.kernels.prefill_attention_v2 import (
+    SHORT_QUERY_MAX_TOKENS,
+    default_tile_v2,
+    prefill_attention_v2,
+    tma_applies,
+)
 from kvfleet.engine.kernels.reshape_and_cache import reshape_and_cache
 from kvfleet.engine.kernels.rotary import apply_rotary_cos_sin
 from kvfleet.engine.kernels.rotary_cache import rotary_and_cache
@@ -92,11 +97,6 @@ class PrefillPlan(NamedTuple):
     work: torch.Tensor                 # the prefill kernel's work list
 
 
-# Steps whose longest query is at most this many tokens take KVFLEET_PREFILL_TILE_SHORT (when set): 1k-token
-# prompts (random-1024-128, a burst of them) run v2's long-prompt tile at a third of its 8k-token speed.
-SHORT_PREFILL_MAX_TOKENS = 2048
-
-
 def _prefill_tile(kernel: str, max_query_len: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
     """The prefill kernel's tile for a step whose longest query is `max_query_len` tokens."""
     if kernel != "v1":
@@ -107,7 +107,7 @@ def _prefill_tile(kernel: str, max_query_len: int, dtype: torch.dtype) -> tuple[
     if custom is not None and max_query_len > 16:
         tile = custom
     short = prefill_tile(os.environ.get("KVFLEET_PREFILL_TILE_SHORT", ""), "KVFLEET_PREFILL_TILE_SHORT")
-    if short is not None and 16 < max_query_len <= SHORT_PREFILL_MAX_TOKENS:
+    if short is not None and 16 < max_query_len <= SHORT_QUERY_MAX_TOKENS:
         tile = short
     return tile
 

@@ -229,14 +229,24 @@ def tma_applies(k: torch.Tensor, v: torch.Tensor, block_n: int) -> bool:
                     and t.data_ptr() % 16 == 0 for t in (k, v)))
 
 
+# Steps whose longest query is at most this many tokens take the short-query tile (`default_tile_v2`).
+SHORT_QUERY_MAX_TOKENS = 2048
+
+
 def default_tile_v2(max_query_len: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps, num_stages): for long chunks in 16-bit, 128-row tiles over two warpgroups
     (one wgmma M=64 block each; with 4 warps the 128-row tile spills registers on sm_90:
-    `bench/prefill_kernel_resources.py`); 16 rows for short chunks; 32 in float32 (the interpreter's tests)."""
+    `bench/prefill_kernel_resources.py`); for queries of 17..2,048 tokens 64 x 32 tiles in one warpgroup (168
+    registers, 66 KB: three programs an SM hide each other's set-up, which a prompt of ~1k tokens, ~9 key
+    tiles a program, cannot amortize: issue 16's lease 9 sweep, 184 against 167 TFLOP/s at 8 x 1024, 236
+    against 202 at 16 x 1024, 400 against 470 at 1 x 8192); 16 rows for chunks of up to 16 tokens; 32 in
+    float32 (the interpreter's tests)."""
     if max_query_len <= 16:
         return 16, 64, 4, 2
     if dtype == torch.float32:
         return 32, 32, 4, 2
+    if max_query_len <= SHORT_QUERY_MAX_TOKENS:
+        return 64, 32, 4, 3
     return 128, 64, 8, 3
 
 
