@@ -32,8 +32,19 @@ CONVERGE_BOUND_S = 120
 LABEL = "serving.kvfleet.dev/modeldeployment=svc"
 
 
-def converge(kube: Kube, ns: str, expect: Expect, timeout: float = CONVERGE_BOUND_S) -> float:
-    """Seconds until the ModelDeployment `svc` is converged to `expect`; fails with what still differs."""
+def tenant_problems(tenant: dict[str, Any] | None) -> list[str]:
+    """Whether the operator has applied the Tenant's spec (its quota into the ClusterQueue): status.observedGeneration
+    is the generation (a usage refresh never advances it)."""
+    if tenant is None:
+        return ["the Tenant is gone"]
+    seen, gen = (tenant.get("status") or {}).get("observedGeneration"), tenant["metadata"].get("generation")
+    return [] if seen == gen else [f"Tenant status of generation {seen}, spec at {gen}"]
+
+
+def converge(kube: Kube, ns: str, tenant: str, expect: Expect, timeout: float = CONVERGE_BOUND_S) -> float:
+    """Seconds until the ModelDeployment `svc` is converged to `expect` and the Tenant's spec is applied (the next
+    step may count on a quota cut only then: Kueue does not take back what it admitted under the old quota); fails
+    with what still differs."""
     started = time.monotonic()
     problems: list[str] = ["never read"]
     while time.monotonic() - started < timeout:
@@ -41,7 +52,7 @@ def converge(kube: Kube, ns: str, expect: Expect, timeout: float = CONVERGE_BOUN
             problems = convergence_problems(
                 expect, kube.get(API, "modeldeployments", "svc", ns), kube.list(KUEUE, "workloads", ns, LABEL),
                 kube.list("apps/v1", "deployments", ns, LABEL), kube.list("apps/v1", "replicasets", ns),
-                kube.list("v1", "pods", ns))
+                kube.list("v1", "pods", ns)) + tenant_problems(kube.get(API, "tenants", tenant))
         except Exception as exc:  # the control plane is still coming back
             problems = [f"read failed: {exc!r}"]
         if not problems:
@@ -58,7 +69,7 @@ def test_restarts_during_scaling_and_quota_changes(kube: Kube, tenants: Any, fla
     quota.set(4)
     tenant, ns = tenants.create("faults", [{"flavor": h200, "nominal": 4}])
     kube.apply(model_deployment("svc", ns, h200, replicas=3, tp=1))
-    converge(kube, ns, Expect(desired=3, admitted=3))
+    converge(kube, ns, tenant, Expect(desired=3, admitted=3))
 
     def scale(n: int) -> None:
         kubectl("scale", "modeldeployment/svc", f"--replicas={n}", namespace=ns)
@@ -69,7 +80,8 @@ def test_restarts_during_scaling_and_quota_changes(kube: Kube, tenants: Any, fla
         kube.apply({"apiVersion": API, "kind": "Tenant", "metadata": {"name": tenant},
                     "spec": {"namespaces": [ns], "quotas": [{"flavor": h200, "nominal": n}]}})
         if n < quota.changes[-1][1]:
-            quota.set(n)  # a cut holds once sent (only ever made when what is in use fits)
+            quota.set(n)  # a cut holds once sent (only ever made when what is in use fits; the step converges
+            #               only once the operator applied it, see `converge`)
 
     # (what changes, the change, the component restarted right after it, the converged state)
     steps: list[tuple[str, Callable[[], None], str, Expect]] = [
@@ -89,7 +101,7 @@ def test_restarts_during_scaling_and_quota_changes(kube: Kube, tenants: Any, fla
             change()
             restarted = control.restart(cluster, component)
             t_healthy = time.monotonic()
-            converge_s = converge(kube, ns, expect)
+            converge_s = converge(kube, ns, tenant, expect)
             # The sampler sees the control plane back: at least one sample after the restart, in the window.
             sampler.wait_sample_after(t_healthy)
             samples, gaps = sampler.between(t_change, time.monotonic())

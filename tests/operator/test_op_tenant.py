@@ -11,7 +11,7 @@ from kvfleet.operator.builders import (
 from kvfleet.operator.config import OperatorConfig
 from kvfleet.operator.constants import LABEL_FLAVOR, LABEL_TENANT
 from kvfleet.operator.spec import parse_tenant
-from kvfleet.operator.tenant_status import compute_tenant_status, gpu_usage, namespace_conflicts
+from kvfleet.operator.tenant_status import compute_tenant_status, gpu_usage, namespace_conflicts, usage_refresh
 
 from op_factories import make_workload
 
@@ -101,6 +101,19 @@ def test_tenant_status_ready_and_invalid() -> None:
     assert st["conditions"][0]["status"] == "True" and st["clusterQueue"] == "team-a"
     bad = compute_tenant_status(TENANT, None, "spec.quotas: needs at least one flavor quota", [], "T")
     assert bad["conditions"][0]["reason"] == "InvalidSpec" and "spec.quotas" in bad["conditions"][0]["message"]
+
+
+def test_a_usage_refresh_does_not_vouch_for_a_spec_it_did_not_apply() -> None:
+    """A status-only pass between a spec change and the full pass that applies it (failed: the apiserver was
+    restarting) keeps observedGeneration and the conditions of the last full pass; only the usage moves."""
+    applied = compute_tenant_status(TENANT, SPEC, None, [], "T")
+    newer = {**TENANT, "metadata": {**TENANT["metadata"], "generation": 7}}
+    fresh = compute_tenant_status(newer, SPEC, None, [], "T2")
+    fresh["gpus"] = [{"flavor": "h200", "nominal": 4, "inUse": 2, "pending": 0}]
+    refreshed = usage_refresh(applied, fresh)
+    assert refreshed["observedGeneration"] == applied["observedGeneration"] != 7
+    assert refreshed["conditions"] == applied["conditions"] and refreshed["gpus"] == fresh["gpus"]
+    assert usage_refresh({}, fresh) == fresh   # never written by a full pass: nothing to keep
 
 
 def test_namespace_of_another_live_tenant_is_not_taken() -> None:

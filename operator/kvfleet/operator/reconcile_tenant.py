@@ -13,7 +13,7 @@ from .kube import PLURALS, Kube
 from .reconcile import post_event, utcnow
 from .refs import ApiRefs, Refs
 from .spec import TenantSpec, parse_tenant
-from .tenant_status import compute_tenant_status, namespace_conflicts
+from .tenant_status import compute_tenant_status, namespace_conflicts, usage_refresh
 
 log = logging.getLogger("kvfleet.operator.tenant")
 
@@ -67,6 +67,8 @@ def reconcile_tenant(kube: Kube, name: str, converge: bool = True,
         workloads = [w for ns in spec.namespaces if ns not in skip
                      for w in kube.list(KUEUE_API_VERSION, "workloads", ns)]
         status = compute_tenant_status(tenant, spec, None, workloads, now, conflicts, reserved)
+    if not converge:
+        status = usage_refresh(old_status, status)
     if {k: old_status.get(k) for k in status} != status:
         kube.merge_patch(tenant, {"status": status}, subresource="status")
         old_ready: dict[str, Any] = next(

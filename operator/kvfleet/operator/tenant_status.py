@@ -70,3 +70,15 @@ def compute_tenant_status(tenant: Mapping[str, Any], spec: TenantSpec | None, pr
         "namespaces": served,
         "gpus": gpu_usage(workloads, spec),
     }
+
+
+def usage_refresh(old_status: Mapping[str, Any], fresh: Mapping[str, Any]) -> dict[str, Any]:
+    """The status a status-only pass writes (an admission changed the tenant's GPU usage): the usage from
+    `fresh`, everything else as the last full pass left it. Only a pass that applied the spec (the ClusterQueue's
+    quota above all) may advance observedGeneration: clients wait on it to know a quota cut holds, and a full pass
+    that failed (the apiserver restarting) must not be vouched for by a usage refresh in between. A tenant no full
+    pass has written yet gets `fresh` as it is."""
+    if old_status.get("observedGeneration") is None:
+        return dict(fresh)
+    return {**{k: old_status[k] for k in fresh if k in old_status}, "gpus": fresh.get("gpus", [])}
+
