@@ -18,7 +18,7 @@ real engine, so it covers what the model runner really launches:
 5. a 72-token prompt with n=2, whose two samples share 64 tokens of KV blocks: their decodes take the
    shared-prefix pass (`attention.shared_prefix`); after one decode step
 6. a 20-token prompt: a mixed step whose decode rows share a prefix;
-7. where the context and the step's token budget allow, while a 16-token prompt decodes, a prompt of more than
+7. on CUDA, where the context and the step's token budget allow, while a 16-token prompt decodes, a prompt of more than
    2,048 tokens: a mixed step with the long-query tile (queries of 17..2,048 tokens take a tile of their own,
    `kernels.prefill_attention_v2.default_tile_v2`; a prefill-only step with it runs at start-up's profiling).
 
@@ -127,8 +127,10 @@ def run_warmup(engine: Any, plan: list[Wave] | None = None) -> WarmupReport:
     TRITON_COMPILES.install()
     mc = engine.model_config
     runner = engine.runner
+    # the long prompt (7.) warms a Triton tile: only on CUDA (on a CPU it would only cost seconds of prefill)
+    budget = runner.max_num_batched_tokens if engine.device.type == "cuda" else 0
     plan = plan if plan is not None else warmup_plan(mc.max_model_len, mc.vocab_size, engine.config.max_num_seqs,
-                                                     runner.max_num_batched_tokens)
+                                                     budget)
     rng = np.random.default_rng(20261201)
     high = max(2, min(mc.vocab_size, 32000))
     compiles = TRITON_COMPILES.count
