@@ -49,6 +49,7 @@ import torch.nn.functional as F  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from kvfleet.engine.attention import build_attention_metadata  # noqa: E402
+from kvfleet.engine.attention.triton_backend import prefill_tile  # noqa: E402
 from kvfleet.engine.bench.decode_probe import median_cuda_ms  # noqa: E402
 from kvfleet.engine.kernels import reshape_and_cache  # noqa: E402
 from kvfleet.engine.kernels.prefill_attention import prefill_attention, prefill_work  # noqa: E402
@@ -98,12 +99,9 @@ if _PICK:
     CASE_SHARES = [1.0 / len(CASES)] * len(CASES)
 
 
-def _tiles(raw: str) -> list[tuple[int, int, int, int]]:
-    """SWEEP_TMA_TILES="BM,BN,W,S BM,BN,W,S ...": the tiles fresh prompts are swept at (with TMA), and only those."""
-    return [(a, b, c, d) for a, b, c, d in (tuple(int(x) for x in t.split(",")) for t in raw.split())]
-
-
-TMA_ONLY = _tiles(os.environ.get("SWEEP_TMA_TILES", ""))
+# SWEEP_TMA_TILES="BM,BN,W,S BM,BN,W,S ...": the tiles fresh prompts are swept at (with TMA), and only those
+TMA_ONLY = [t for t in (prefill_tile(raw, "SWEEP_TMA_TILES") for raw in os.environ.get("SWEEP_TMA_TILES", "").split())
+            if t is not None]
 
 
 def bench_ms(fn: Callable[[], Any], iters: int = 20) -> float:

@@ -81,4 +81,3 @@ def usage_refresh(old_status: Mapping[str, Any], fresh: Mapping[str, Any]) -> di
     if old_status.get("observedGeneration") is None:
         return dict(fresh)
     return {**{k: old_status[k] for k in fresh if k in old_status}, "gpus": fresh.get("gpus", [])}
-
