@@ -18,6 +18,7 @@ from kvfleet.engine.server.errors import describe_validation_errors, value_error
 from kvfleet.engine.server.limits import Admission, RequestError, admit, resolve_max_tokens, retry_after_seconds
 from kvfleet.engine.server.logprobs import chat_logprobs, completion_logprobs
 from kvfleet.engine.server.metrics import ServerMetrics, request_timings
+from kvfleet.engine.server.protocol import lone_surrogate_at
 
 
 def parse(argv: list[str], env: dict[str, str] | None = None) -> argparse.Namespace:
@@ -261,12 +262,47 @@ def test_json_depth_is_measured_without_parsing() -> None:
 
 
 def test_lone_surrogate_walk_needs_no_recursion() -> None:
-    from kvfleet.engine.server.protocol import lone_surrogate_at
-
     assert lone_surrogate_at({"a": [1, "x", {"b": ["ok", "\ud800"]}]}) == "a[2].b[1]"
     assert lone_surrogate_at({"m": {"\udfff": 1}}) == "m" and lone_surrogate_at({"ok": ["fine"]}) is None
     where = lone_surrogate_at(_nested(100_000))   # far past the interpreter's recursion limit
     assert where is not None and where.count(".k[0]") == 49_999   # the path to it, level by level
+
+
+def test_token_id_checks_fast_paths_agree_with_the_element_walks() -> None:
+    """The C-speed paths for lists of plain numbers (issue 16's burst intake) decide as the per-element walks."""
+    import copy
+
+    from kvfleet.engine.core.inputs import _as_ids, check_prompt
+    from kvfleet.engine.sampling_params import SamplingParams
+    from kvfleet.engine.server.limits import check_prompt_ids
+
+    class Int(int):
+        pass
+
+    assert lone_surrogate_at({"prompt": list(range(2000)), "x": [1.5, None, True]}) is None
+    assert lone_surrogate_at({"prompt": [1, 2, "\ud800"]}) == "prompt[2]"
+    assert lone_surrogate_at({"prompt": [[1, 2], [3, ["\udfff"]]]}) == "prompt[1][1][0]"
+    ids = list(range(1000))
+    assert _as_ids(ids) == ids and _as_ids(ids) is not ids and _as_ids([]) == []
+    assert _as_ids((1, 2)) == [1, 2] and _as_ids([Int(3), 4]) == [3, 4]   # tuples and int subclasses: the walk
+    for bad in ([1, True], [1, 2.0], [1, "2"], [1, None], "12"):
+        with pytest.raises(ValueError, match="prompt_token_ids: must be a list of ints"):
+            _as_ids(bad)
+    for prompt, offender in (([5, 9, 10, -1, 11], 10), ([5, -3, 10], -3), ([0, 12, -2], 12)):   # the first one
+        with pytest.raises(ValueError, match=f"token id {offender} is outside the vocabulary"):
+            check_prompt(prompt, 10, 64, 4, 1000)
+        with pytest.raises(RequestError, match=f"prompt: token id {offender} is outside"):
+            check_prompt_ids(prompt, 10, "prompt")
+    assert check_prompt([0, 9], 10, 64, 4, 1000) == 4
+    check_prompt_ids([0, 9], 10, "prompt")
+    params = SamplingParams(stop=["a", "b"], stop_token_ids=[1, 2], max_tokens=3)
+    twin = params.clone()
+    assert twin == params and twin == copy.deepcopy(params)
+    assert twin.stop is not params.stop and twin.stop_token_ids is not params.stop_token_ids
+    twin.stop.append("c")
+    twin.stop_token_ids.append(3)
+    twin.max_tokens = 9
+    assert params.stop == ["a", "b"] and params.stop_token_ids == [1, 2] and params.max_tokens == 3
 
 
 def _tokenizer_spec(**parts: object) -> dict[str, object]:

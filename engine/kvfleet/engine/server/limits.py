@@ -22,7 +22,9 @@ class RequestError(ValueError):
 def check_prompt_ids(ids: Sequence[int], vocab_size: int, field: str) -> None:
     if not ids:
         raise RequestError(f"{field}: the prompt is empty (it must hold at least one token)", field)
-    bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+    bad = None
+    if min(ids) < 0 or max(ids) >= vocab_size:   # C speed; the offender is looked for only then
+        bad = next(t for t in ids if not 0 <= t < vocab_size)
     if bad is not None:
         raise RequestError(f"{field}: token id {bad} is outside the vocabulary [0, {vocab_size})", field)
 

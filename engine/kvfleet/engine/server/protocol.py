@@ -18,6 +18,8 @@ TokenIds = Annotated[list[NonNegInt], Field(min_length=1)]
 Seed = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
 Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
 StopField = Union[str, Annotated[list[str], Field(max_length=16)], None]
+# What a JSON list of numbers holds: nothing a lone surrogate can hide in.
+_SCALAR_TYPES = frozenset({int, float, bool, type(None)})
 
 
 def lone_surrogate_at(value: Any, where: str = "") -> str | None:
@@ -41,6 +43,8 @@ def lone_surrogate_at(value: Any, where: str = "") -> str | None:
                 children.append((sub, f"{at}.{key}" if at else str(key)))
             pending.extend(reversed(children))  # depth first, in document order, as reported before
         elif isinstance(item, list):
+            if _SCALAR_TYPES.issuperset(map(type, item)):   # token ids, numbers: nothing inside (C speed)
+                continue
             pending.extend(reversed([(sub, f"{at}[{i}]") for i, sub in enumerate(item)
                                      if isinstance(sub, (str, dict, list))]))
     return None
