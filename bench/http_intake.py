@@ -11,6 +11,8 @@ with the real code, per part, for a `/v1/completions` body with a token-id promp
 
 Median of R rounds of N requests each (a shared 2-core machine is noisy), with and without a tokenizer (the GPU
 benchmark's dummy models have none). Writes JSON (`--out`, e.g. bench/results/host/intake-<label>.json).
+(`intake-ab-before-*.json` ran this harness against `b9550a0`'s engine, whose handler decoded every token-id
+prompt where `prompt_texts` now stands.)
 
     python bench/http_intake.py [--lengths 16,1024,8192] [--requests 200] [--rounds 5] [--out FILE]
 """
@@ -71,8 +73,7 @@ def build_engine(model_dir: Path, tokenizer: bool) -> Any:
 
 def one_round(state: Any, bodies: list[bytes]) -> dict[str, float]:
     """µs per request of each part, over `bodies`."""
-    from kvfleet.engine.server import completions
-    from kvfleet.engine.server.completions import _prompts
+    from kvfleet.engine.server.completions import _prompts, prompt_texts
     from kvfleet.engine.server.protocol import CompletionRequest
     from kvfleet.engine.server.serving import build_params
 
@@ -88,10 +89,7 @@ def one_round(state: Any, bodies: list[bytes]) -> dict[str, float]:
             prompts = await _prompts(state, req.prompt)
             params = [build_params(state, req, ids, req.max_tokens, "prompt", "max_tokens", req.logprobs)
                       for _, ids in prompts]
-            if hasattr(completions, "prompt_texts"):
-                completions.prompt_texts(state, prompts, req.echo)
-            else:   # the handler before `prompt_texts` (an A/B against an older checkout): every prompt decoded
-                [text if text is not None else state.decode(ids) for text, ids in prompts]
+            prompt_texts(state, prompts, req.echo)
             t2 = time.perf_counter()
             text, ids, checked, _ = engine.process_inputs({"prompt": prompts[0][0], "prompt_token_ids": prompts[0][1]},
                                                           params[0])
