@@ -159,6 +159,17 @@ def test_logprobs_and_echo(client: openai.OpenAI) -> None:
     assert all(t.top_logprobs[0].logprob == pytest.approx(t.logprob, abs=1e-4) for t in content)
 
 
+def test_echo_of_a_token_id_prompt_is_its_text(client: openai.OpenAI, api_server: Server) -> None:
+    """A token-id prompt is decoded for `echo` (only then: the server skips that work otherwise)."""
+    ids = httpx.post(api_server.url + "/tokenize", json={"prompt": PROMPT},
+                     headers={"Authorization": f"Bearer {ALPHA}"}).json()["tokens"]
+    plain = client.completions.create(model="tiny", prompt=ids, max_tokens=4, temperature=0)
+    echoed = client.completions.create(model="tiny", prompt=ids, max_tokens=4, temperature=0, echo=True)
+    assert echoed.choices[0].text == PROMPT + plain.choices[0].text
+    stream = client.completions.create(model="tiny", prompt=ids, max_tokens=4, temperature=0, echo=True, stream=True)
+    assert "".join(c.choices[0].text for c in stream) == PROMPT + plain.choices[0].text
+
+
 def test_tokenize_detokenize(api_server: Server) -> None:
     h = {"Authorization": f"Bearer {ALPHA}"}
     tok = httpx.post(api_server.url + "/tokenize", json={"prompt": PROMPT}, headers=h).json()
