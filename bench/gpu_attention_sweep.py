@@ -26,6 +26,9 @@ Implementations (`impl` in the results):
   v2 ... contiguous kv     the same with pointer loads (what v2 does where TMA does not apply)
   torch SDPA flash         F.scaled_dot_product_attention, flash backend, contiguous K/V with the KV heads
                            expanded (not counted), causal aligned to the last key
+  vLLM FA3 paged           vLLM's FlashAttention-3 (`vllm.vllm_flash_attn.flash_attn_varlen_func`, fa_version 3)
+                           over the same paged cache and block tables, as vLLM's engine calls it on Hopper: the
+                           target for our kernel (only where vLLM's wheels are installed, PYTHONPATH=/tmp/site)
 """
 
 from __future__ import annotations
@@ -187,6 +190,34 @@ def sdpa_runner(c: dict[str, Any]) -> tuple[Callable[[], Any], Callable[[], torc
     return run, lambda: result[0].transpose(1, 2).reshape(-1, HQ, D)
 
 
+def fa3_available() -> bool:
+    """vLLM's FlashAttention-3 can run here (its wheels installed, a Hopper GPU)."""
+    if DEV.type != "cuda":
+        return False
+    try:
+        from vllm.vllm_flash_attn import is_fa_version_supported
+    except ImportError:
+        return False
+    return bool(is_fa_version_supported(3))
+
+
+def fa3_runner(c: dict[str, Any]) -> tuple[Callable[[], Any], Callable[[], torch.Tensor]]:
+    """vLLM's FA3 on the paged cache: block tables, per-sequence key counts, causal aligned to the last key."""
+    from vllm.vllm_flash_attn import flash_attn_varlen_func
+
+    md = c["md"]
+    out = torch.full_like(c["q"], float("nan"))
+
+    def run() -> None:
+        flash_attn_varlen_func(c["q"], c["cache"][0], c["cache"][1], max(c["q_lens"]), md.query_start_loc,
+                               max(c["seq"]), seqused_k=md.seq_lens, softmax_scale=SCALE, causal=True,
+                               block_table=md.block_tables, out=out, fa_version=3)
+    return run, lambda: out
+
+
+REFERENCES = {"torch SDPA flash": sdpa_runner, "vLLM FA3 paged": fa3_runner}
+
+
 def kernel_runner(c: dict[str, Any], impl: str, tile: tuple[int, int, int, int],
                   ) -> tuple[Callable[[], Any], Callable[[], torch.Tensor]]:
     md, q_lens = c["md"], c["q_lens"]
@@ -210,8 +241,10 @@ def kernel_runner(c: dict[str, Any], impl: str, tile: tuple[int, int, int, int],
     return run, lambda: out
 
 
-def configs(fresh: bool) -> list[tuple[str, tuple[int, int, int, int] | None]]:
-    """A case's configurations, most wanted first (a case out of time skips the rest)."""
+def configs(fresh: bool, fa3: bool = False) -> list[tuple[str, tuple[int, int, int, int] | None]]:
+    """A case's configurations, most wanted first (a case out of time skips the rest); `fa3`: vLLM's FA3 too."""
+    if fa3:
+        return [("vLLM FA3 paged", None)] + configs(fresh)
     if TMA_ONLY and fresh:   # the engine's path for fresh prompts at each tile asked for, and the reference
         return [("v2 contiguous kv tma", t) for t in TMA_ONLY] + [("torch SDPA flash", None)]
     if DRY:   # the interpreter: check the script end to end, one configuration of each kind
@@ -248,7 +281,7 @@ def write(out_dir: Path, report: dict[str, Any], header: list[str]) -> str:
     for name, _, _ in CASES:
         timed = [r for r in rows if r["case"] == name and "ms" in r]
         best = {k: max((r for r in timed if r["kernel"].startswith(k)), key=lambda r: r["TFLOPs"], default=None)
-                for k in ("v1", "v2", "torch")}
+                for k in ("v1", "v2", "torch", "vLLM")}
         lines.append(f"  {name:42} " + "  ".join(f"{k}: {r['impl']} {r['TFLOPs']:.0f}" for k, r in best.items()
                                                    if r is not None))
     failed = [r for r in rows if "error" in r]
@@ -275,6 +308,8 @@ def main() -> int:
     lines = [f"prefill attention sweep ({report.get('gpu') or 'CPU interpreter, dry run'}, Hq {HQ} Hkv {HKV} D {D},"
              f" bf16, block {BLOCK_SIZE}); {report['git']}"]
     print(lines[0], flush=True)
+    fa3 = fa3_available()
+    report["vllm_fa3"] = fa3
     t0 = time.monotonic()
     gen = torch.Generator().manual_seed(16)
     for i, (name, q_lens, ctx) in enumerate(CASES):
@@ -288,7 +323,7 @@ def main() -> int:
             print(fmt(rows[-1]), flush=True)
             continue
         flops = causal_flops(q_lens, ctx)
-        for impl, tile in configs(fresh):
+        for impl, tile in configs(fresh, fa3):
             label = impl if tile is None else impl.replace("v2", f"v2 {','.join(map(str, tile))}", 1).replace(
                 "v1", f"v1 {','.join(map(str, tile))}", 1)
             row: dict[str, Any] = {"case": name, "impl": label, "kernel": impl, "tile": tile, "q_lens": q_lens,
@@ -298,7 +333,7 @@ def main() -> int:
             else:
                 try:
                     t = time.monotonic()
-                    run, result = sdpa_runner(c) if tile is None else kernel_runner(c, impl, tile)
+                    run, result = REFERENCES[impl](c) if tile is None else kernel_runner(c, impl, tile)
                     run()   # compiles (first use of a tile) and checks before timing
                     row.update(errors(result(), ref))
                     row["first_call_s"] = time.monotonic() - t
