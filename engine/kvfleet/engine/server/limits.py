@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+from kvfleet.engine.core.inputs import token_outside_vocab
 from kvfleet.engine.server.protocol import SamplingFields
 
 
@@ -22,9 +23,7 @@ class RequestError(ValueError):
 def check_prompt_ids(ids: Sequence[int], vocab_size: int, field: str) -> None:
     if not ids:
         raise RequestError(f"{field}: the prompt is empty (it must hold at least one token)", field)
-    bad = None
-    if min(ids) < 0 or max(ids) >= vocab_size:   # C speed; the offender is looked for only then
-        bad = next(t for t in ids if not 0 <= t < vocab_size)
+    bad = token_outside_vocab(ids, vocab_size)
     if bad is not None:
         raise RequestError(f"{field}: token id {bad} is outside the vocabulary [0, {vocab_size})", field)
 
