@@ -30,8 +30,12 @@
 #                     KVFLEET_PREFILL_KERNEL=v2-paged"), each result labelled by its setting
 #   ab-online         kvfleet serve once per setting in ONLINE_AB (~2 each), each labelled by its setting
 #   ab-fp8            kvfleet --quantization fp8 once per setting in FP8_AB (~1.5 each)
-#   attn-sweep        the prefill attention sweep alone, with SWEEP_CASES / SWEEP_TMA_TILES passed through
-#                     (bench/gpu_attention_sweep.py; ~1 for a few tiles of the 1k-prompt cases)
+#   ab-args           kvfleet offline WORKLOADS_AB once per setting in ARGS_AB, each engine flags
+#                     (ARGS_AB="--block-size=64": a setting's flags joined by commas), labelled by its flags
+#   ab-online-args    kvfleet serve once per setting in ARGS_AB (its flags on the server), labelled alike
+#   attn-sweep        the prefill attention sweep alone, with SWEEP_CASES / SWEEP_TMA_TILES / SWEEP_BLOCK_SIZE
+#                     passed through (bench/gpu_attention_sweep.py; ~1 for a few tiles of the 1k-prompt cases;
+#                     into attn-sweep-b<block size>/)
 #   sweeps            kernel sweeps: bench/gpu_attention_sweep.py (prefill attention kernels and tiles) and
 #                     bench/gpu_fp8_sweep.py (FP8 matmul paths at small M), bench/gpu_decode_step.py (the
 #                     decode step's kernel-count knobs, graph step at batch 1/4/16) (~6)
@@ -41,7 +45,8 @@
 # for kvfleet, e.g. "KVFLEET_PREFILL_TILE=128,64,8,3"), LABEL (tags kvfleet results of a non-default
 # setting), WORKLOADS_LLAMA, WORKLOADS_QWEN, WORKLOADS_FP8, WORKLOADS_AB, LOADS (name:rate:requests,...),
 # ONLINE_ARGS (more flags for the online stage), PREFILL_AB (space-separated settings, each
-# VAR=VALUE[,VAR=VALUE...] for one run), LLAMA/QWEN (model folders: a dry run on CPU takes tiny ones).
+# VAR=VALUE[,VAR=VALUE...] for one run), ARGS_AB (space-separated settings, each --flag=V[,--flag=V...]),
+# LLAMA/QWEN (model folders: a dry run on CPU takes tiny ones).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/kvfleet-out}
@@ -61,6 +66,7 @@ WORKLOADS_QWEN=${WORKLOADS_QWEN:-chat-mix random-1024-128}
 WORKLOADS_FP8=${WORKLOADS_FP8:-chat-mix random-1024-128}
 WORKLOADS_AB=${WORKLOADS_AB:-long-prompt shared-prefix}
 PREFILL_AB=${PREFILL_AB:-KVFLEET_PREFILL_KERNEL=v2-paged}
+ARGS_AB=${ARGS_AB:---block-size=64}
 ONLINE_AB=${ONLINE_AB:-KVFLEET_GIL_SWITCH_INTERVAL_MS=0.5}
 FP8_AB=${FP8_AB:-KVFLEET_FP8_SMALL_M_MAX=0}
 KV_ENV=${KV_ENV:-}
@@ -99,6 +105,7 @@ online() {  # online ENGINE MAX_S [flags]
 }
 setting_env() { echo "${1//,KVFLEET_/ KVFLEET_}"; }   # VAR=V[,VAR=V...] -> VAR=V VAR=V
 setting_label() { echo "${1//KVFLEET_/}" | tr 'A-Z' 'a-z' | tr '_=,' '-.-'; }
+args_label() { local a=${1//--/}; echo "$a" | tr '=,' '.-'; }   # --block-size=64 -> block-size.64
 need_server() {   # kvfleet serve's HTTP stack comes with vLLM's wheels on the GPU image (it has no uvicorn of its own)
   if $PY -c "import uvicorn, fastapi" 2>/dev/null; then return 0; fi
   echo "SKIP $1: uvicorn/fastapi are not installed yet (they come with vLLM's wheels: run the wheels stage first)" \
@@ -153,9 +160,18 @@ ab-fp8)
     KV_ENV="$KV_ENV $(setting_env "$setting")" LABEL=$(setting_label "$setting") XARGS="--quantization fp8" \
       offline kvfleet "$LLAMA" 200 $WORKLOADS_FP8
   done ;;
+ab-args)
+  for setting in $ARGS_AB; do
+    LABEL=$(args_label "$setting") XARGS="${setting//,/ }" offline kvfleet "$LLAMA" 200 $WORKLOADS_AB
+  done ;;
+ab-online-args)
+  need_server "$s" && for setting in $ARGS_AB; do
+    ONLINE_ARGS="${ONLINE_ARGS:-} ${setting//,/ }" online kvfleet 240 --label "$(args_label "$setting")"
+  done ;;
 attn-sweep)
-  step attention-sweep 150 env $KV_ENV $PY bench/gpu_attention_sweep.py "$RUNS/attn-sweep-short"
-  cp "$RUNS/attn-sweep-short/attention_sweep.txt" "$OUT/attention_sweep_short.txt" 2>/dev/null ;;
+  b=${SWEEP_BLOCK_SIZE:-16}
+  step "attention-sweep block $b" 150 env $KV_ENV $PY bench/gpu_attention_sweep.py "$RUNS/attn-sweep-b$b"
+  cp "$RUNS/attn-sweep-b$b/attention_sweep.txt" "$OUT/attention_sweep_b$b.txt" 2>/dev/null ;;
 sweeps)
   step attention-sweep 150 env $KV_ENV $PY bench/gpu_attention_sweep.py "$RUNS/attn-sweep"
   cp "$RUNS/attn-sweep/"*.txt "$OUT/" 2>/dev/null

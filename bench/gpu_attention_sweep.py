@@ -23,6 +23,8 @@ Implementations (`impl` in the results):
   v2 ... contiguous kv tma v2 given the step's k/v: the new tokens' K/V tiles come from the contiguous
                            projections by TMA, a cached prefix's through the block table
                            (KVFLEET_PREFILL_KERNEL=v2 on Hopper)
+                           (with SWEEP_BLOCK_SIZE of 64 and more, the cached keys by TMA too, a tile a block)
+  v2 ... cache gathered    the same with the cached keys gathered row by row through the block table
   v2 ... contiguous kv     the same with pointer loads (what v2 does where TMA does not apply)
   torch SDPA flash         F.scaled_dot_product_attention, flash backend, contiguous K/V with the KV heads
                            expanded (not counted), causal aligned to the last key
@@ -62,7 +64,10 @@ from provenance import git_describe  # noqa: E402
 
 DEV = torch.device("cpu" if DRY else "cuda")
 BF16 = torch.bfloat16
-HQ, HKV, D, BLOCK_SIZE = 32, 8, 128, 16
+HQ, HKV, D = 32, 8, 128
+# SWEEP_BLOCK_SIZE: the cache's block size (16, the engine's default; from 64 on, a chunk's cached keys come a
+# key tile at a time by TMA: `cache_tma_applies`)
+BLOCK_SIZE = int(os.environ.get("SWEEP_BLOCK_SIZE", "16"))
 SCALE = D ** -0.5
 # configurations past the budget are skipped, not cut (compare_vllm.sh's sweeps stage kills the run at 150 s);
 # each case may spend up to its share of it (the first more: every kernel variant compiles there)
@@ -233,7 +238,9 @@ def kernel_runner(c: dict[str, Any], impl: str, tile: tuple[int, int, int, int],
     else:
         grid_order, unsorted, contig = "grid order" in impl, "unsorted" in impl, "contiguous" in impl
         work2 = None if grid_order else prefill_work(qsl, bm, False, DEV, None if unsorted else md.seq_lens_cpu)
-        kv: dict[str, Any] = {"k": c["k"], "v": c["v"], "kv_tma": impl.endswith("tma")} if contig else {}
+        kv: dict[str, Any] = {"k": c["k"], "v": c["v"], "kv_tma": "kv tma" in impl} if contig else {}
+        if "cache gathered" in impl:
+            kv["cache_tma"] = False
 
         def run() -> None:
             prefill_attention_v2(*common, block_m=bm, block_n=bn, work=work2, num_warps=warps,
@@ -245,8 +252,11 @@ def configs(fresh: bool, fa3: bool = False) -> list[tuple[str, tuple[int, int, i
     """A case's configurations, most wanted first (a case out of time skips the rest); `fa3`: vLLM's FA3 too."""
     if fa3:
         return [("vLLM FA3 paged", None)] + configs(fresh)
-    if TMA_ONLY and fresh:   # the engine's path for fresh prompts at each tile asked for, and the reference
-        return [("v2 contiguous kv tma", t) for t in TMA_ONLY] + [("torch SDPA flash", None)]
+    if TMA_ONLY:   # the engine's path at each tile asked for (and, for cached keys, the same gathered row by row)
+        out = [("v2 contiguous kv tma", t) for t in TMA_ONLY]
+        if not fresh and BLOCK_SIZE > 16:
+            out += [("v2 contiguous kv tma, cache gathered", t) for t in TMA_ONLY]
+        return out + [("torch SDPA flash", None)]
     if DRY:   # the interpreter: check the script end to end, one configuration of each kind
         out: list[tuple[str, tuple[int, int, int, int] | None]] = [
             ("v1", V1_TILES[0]), ("torch SDPA flash", None), ("v2", V2_DEFAULT), ("v2 grid order", V2_DEFAULT)]
@@ -266,7 +276,7 @@ def errors(got: torch.Tensor, ref: torch.Tensor) -> dict[str, float]:
 
 
 def fmt(r: dict[str, Any]) -> str:
-    head = f"{r['case']:42} {r['impl']:34}"
+    head = f"{r['case']:42} {r['impl']:48}"
     if "ms" not in r:
         return f"{head} {r.get('error') or r.get('skipped')}"
     return (f"{head} {r['ms']:9.3f} ms {r['TFLOPs']:6.1f} TFLOP/s  max abs err {r.get('max_abs_err', float('nan')):.2e}"

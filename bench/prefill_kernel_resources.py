@@ -76,14 +76,26 @@ def variants(tile: tuple[int, int, int, int]) -> list[tuple[str, Any]]:
     bm, bn, warps, stages = tile
     desc = f"tensordesc<bf16[{bn},128]>"
     v2 = dict(COMMON, HQ=32, BLOCK_M=bm, BLOCK_N=bn)
+    no_desc = {"k_desc": "*bf16", "v_desc": "*bf16"}
+    gathered = {"kc_desc": "*bf16", "vc_desc": "*bf16"}
+    cache = {"kc_desc": desc, "vc_desc": desc}
     return [
         ("v1", lambda: _compile(_prefill_kernel, dict(COMMON, BLOCK_M=bm, BLOCK_N=bn), {}, warps, stages)),
-        ("v2-paged", lambda: _compile(_prefill_kernel_v2, dict(v2, HAS_KV=False, KV_TMA=False),
-                                      {"k_desc": "*bf16", "v_desc": "*bf16"}, warps, stages)),
-        ("v2 new k/v by TMA", lambda: _compile(_prefill_kernel_v2, dict(v2, HAS_KV=True, KV_TMA=True),
-                                                 {"k_desc": desc, "v_desc": desc}, warps, stages)),
-        ("v2 new k/v by pointers", lambda: _compile(_prefill_kernel_v2, dict(v2, HAS_KV=True, KV_TMA=False),
-                                                      {"k_desc": "*bf16", "v_desc": "*bf16"}, warps, stages)),
+        ("v2-paged", lambda: _compile(_prefill_kernel_v2, dict(v2, HAS_KV=False, KV_TMA=False, CACHE_TMA=False),
+                                      dict(gathered, **no_desc), warps, stages)),
+        ("v2 new k/v by TMA", lambda: _compile(_prefill_kernel_v2, dict(v2, HAS_KV=True, KV_TMA=True, CACHE_TMA=False),
+                                                 dict(gathered, k_desc=desc, v_desc=desc), warps, stages)),
+        ("v2 new k/v by pointers", lambda: _compile(_prefill_kernel_v2,
+                                                      dict(v2, HAS_KV=True, KV_TMA=False, CACHE_TMA=False),
+                                                      dict(gathered, **no_desc), warps, stages)),
+        # blocks of 64 tokens (or any multiple of BLOCK_N): the cached keys a tile at a time by TMA
+        ("v2-paged, cache by TMA", lambda: _compile(_prefill_kernel_v2,
+                                                      dict(v2, HAS_KV=False, KV_TMA=False, CACHE_TMA=True,
+                                                           BLOCK_SIZE=64), dict(cache, **no_desc), warps, stages)),
+        ("v2 k/v and cache by TMA", lambda: _compile(_prefill_kernel_v2,
+                                                       dict(v2, HAS_KV=True, KV_TMA=True, CACHE_TMA=True,
+                                                            BLOCK_SIZE=64),
+                                                       dict(cache, k_desc=desc, v_desc=desc), warps, stages)),
     ]
 
 

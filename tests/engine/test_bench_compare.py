@@ -20,7 +20,8 @@ from kvfleet.engine.bench.workloads import BenchRequest, write_jsonl
 # entrypoints/llm.py; `bench/vllm_wheels.sh check` on the wheel is where they were looked up).
 VLLM_0_26_ENGINE_ARGS = {"model", "dtype", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
                          "gpu_memory_utilization", "enable_prefix_caching", "enforce_eager", "tensor_parallel_size",
-                         "seed", "skip_tokenizer_init", "load_format", "quantization", "num_gpu_blocks_override"}
+                         "seed", "skip_tokenizer_init", "load_format", "quantization", "num_gpu_blocks_override",
+                         "block_size"}
 VLLM_0_26_SAMPLING_FIELDS = {"n", "temperature", "max_tokens", "ignore_eos", "detokenize"}
 
 
@@ -82,10 +83,12 @@ def test_vllm_arguments_are_vllm_0_26_names(tmp_path: Path) -> None:
     model.mkdir()
     (model / "config.json").write_text("{}")
     args = build_parser().parse_args(["--model", str(model), "--workloads", "chat-mix", "--out-dir", "x",
-                                      "--backend", "vllm", "--load-format", "dummy", "--quantization", "fp8"])
+                                      "--backend", "vllm", "--load-format", "dummy", "--quantization", "fp8",
+                                      "--block-size", "64"])
     kw = llm_kwargs(args, 8448)
     assert set(kw) <= VLLM_0_26_ENGINE_ARGS
     assert kw["skip_tokenizer_init"] is True and kw["load_format"] == "dummy" and kw["quantization"] == "fp8"
+    assert kw["block_size"] == 64
     assert (kw["max_num_seqs"], kw["max_num_batched_tokens"], kw["gpu_memory_utilization"]) == (1024, 16384, 0.9)
     assert kw["max_model_len"] == 8448 and kw["enable_prefix_caching"] is True
     (model / "tokenizer.json").write_text("{}")
@@ -104,10 +107,12 @@ def test_parse_loads_and_server_commands() -> None:
             compare.parse_loads(bad)
     from kvfleet.engine.cli import build_parser
 
-    cmd = compare.server_command("kvfleet", "bench/models/llama-3.1-8b", 8123, 4096, 1024, 8192, 0.9, "fp8")
+    cmd = compare.server_command("kvfleet", "bench/models/llama-3.1-8b", 8123, 4096, 1024, 8192, 0.9, "fp8",
+                                 block_size=64)
     assert cmd[1:4] == ["-m", "kvfleet.engine.cli", "serve"]
     ns = build_parser().parse_args(cmd[3:])   # every flag is one `kvfleet serve` knows
     assert (ns.max_num_seqs, ns.max_num_batched_tokens, ns.max_model_len, ns.quantization) == (1024, 8192, 4096, "fp8")
+    assert ns.block_size == 64
     vcmd = compare.server_command("vllm", "bench/models/llama-3.1-8b", 8123, 4096, 1024, 8192, 0.9, None)
     assert vcmd[1:4] == ["-m", "vllm.entrypoints.cli.main", "serve"] and "--skip-tokenizer-init" in vcmd
     assert vcmd[vcmd.index("--max-num-batched-tokens") + 1] == "8192"

@@ -92,3 +92,51 @@ def test_prefill_v2_rejects_bad_kv() -> None:
     with pytest.raises(ValueError, match="^kv_tma:"):   # heads not adjacent: no [T, Hkv * D] view for TMA
         kv = torch.zeros(2, 10, 2, 32)
         prefill_attention_v2(*args, k=kv[0, :, :, :16], v=kv[1, :, :, :16], kv_tma=True)
+
+
+@pytest.mark.parametrize("dtype,block_size,tile,with_kv,skip_decode", [
+    (torch.float32, 32, (16, 16, 4, 2), False, True),    # two key tiles a block, every key from the cache
+    (torch.float32, 16, (32, 16, 4, 2), True, False),    # one tile a block; the new keys from k/v by TMA
+    (torch.bfloat16, 32, (16, 32, 4, 2), True, True),
+])
+def test_prefill_v2_reads_cache_blocks_by_tma(dtype: torch.dtype, block_size: int, tile: tuple[int, int, int, int],
+                                              with_kv: bool, skip_decode: bool) -> None:
+    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    # prefixes ending mid-block and mid-tile, one shorter than a tile, one a whole number of blocks; a decode row
+    q_lens, prefix = [19, 40, 12, 5, 21, 1], [0, 37, 7, 64, 32, 44]
+    seq_lens = [p + q for p, q in zip(prefix, q_lens, strict=True)]
+    batch = make_batch(gen, seq_lens, q_lens, hq=8, hkv=2, d=32, block_size=block_size, dtype=dtype)
+    # every slot past a sequence's end is stale: whatever a box reads there must not reach the output
+    used = torch.zeros(batch.kv_cache.shape[1] * block_size, dtype=torch.bool)
+    for b, s in enumerate(seq_lens):
+        for p in range(s):
+            used[int(batch.block_tables[b, p // block_size]) * block_size + p % block_size] = True
+    flat = batch.kv_cache.view(2, -1, 2, 32)
+    flat[0, ~used] = float("nan")
+    flat[1, ~used] = float("inf")
+    reshape_and_cache(batch.k, batch.v, batch.kv_cache, batch.slot_mapping)
+    ref = paged_attention_ref(batch.q, batch.kv_cache, batch.block_tables, batch.seq_lens,
+                              batch.query_start_loc, 0.2)
+    bm, bn, warps, stages = tile
+    kv = {"k": batch.k, "v": batch.v} if with_kv else {}
+    results = []
+    for cache_tma in (True, False):
+        out = torch.full_like(batch.q, float("nan"))
+        work = prefill_work(batch.query_start_loc.tolist(), bm, skip_decode, "cpu", seq_lens)
+        prefill_attention_v2(batch.q, batch.kv_cache, batch.block_tables, batch.seq_lens, batch.query_start_loc,
+                             batch.max_query_len, 0.2, out, skip_decode=skip_decode, block_m=bm, block_n=bn,
+                             work=work, num_warps=warps, num_stages=stages, cache_tma=cache_tma, **kv)
+        results.append(out)
+    n = sum(q_lens) - (1 if skip_decode else 0)   # the decode row last
+    for out in results:
+        assert rel_err(out[:n], ref[:n]) < TOL[dtype]
+        assert torch.isnan(out[-1]).all() == skip_decode
+
+
+def test_prefill_v2_cache_tma_needs_whole_tiles_in_a_block() -> None:
+    gen = torch.Generator().manual_seed(0)
+    batch = make_batch(gen, [20], [20], hq=4, hkv=2, d=16, block_size=8, dtype=torch.float32)
+    out = torch.empty_like(batch.q)
+    with pytest.raises(ValueError, match="^cache_tma:"):   # 16-key tiles over 8-token blocks
+        prefill_attention_v2(batch.q, batch.kv_cache, batch.block_tables, batch.seq_lens, batch.query_start_loc,
+                             20, 1.0, out, block_m=16, block_n=16, cache_tma=True)

@@ -58,7 +58,7 @@ def parse_loads(text: str) -> list[LoadPoint]:
 
 def server_command(engine: str, model: str, port: int, max_model_len: int, max_num_seqs: int,
                    max_num_batched_tokens: int, gpu_memory_utilization: float, quantization: str | None,
-                   python: str = sys.executable, dtype: str = "bfloat16") -> list[str]:
+                   python: str = sys.executable, dtype: str = "bfloat16", block_size: int | None = None) -> list[str]:
     """The server's command line: the same limits for both (flags named alike in `kvfleet serve`)."""
     common = [model, "--host", "127.0.0.1", "--port", str(port), "--load-format", "dummy", "--dtype", dtype,
               "--max-model-len", str(max_model_len), "--max-num-seqs", str(max_num_seqs),
@@ -66,6 +66,8 @@ def server_command(engine: str, model: str, port: int, max_model_len: int, max_n
               "--gpu-memory-utilization", str(gpu_memory_utilization)]
     if quantization:
         common += ["--quantization", quantization]
+    if block_size is not None:
+        common += ["--block-size", str(block_size)]
     if engine == "kvfleet":
         return [python, "-m", "kvfleet.engine.cli", "serve", *common, "--disable-log-requests",
                 "--log-level", "warning"]
@@ -158,13 +160,13 @@ def run_online(engine: str, model: str, out_dir: Path, loads: Sequence[LoadPoint
                max_num_seqs: int, max_num_batched_tokens: int, gpu_memory_utilization: float,
                quantization: str | None, label: str | None, health_limit_s: float,
                env: dict[str, str] | None = None, workload: str = ONLINE_WORKLOAD,
-               dtype: str = "bfloat16") -> dict[str, Any]:
+               dtype: str = "bfloat16", block_size: int | None = None) -> dict[str, Any]:
     from kvfleet.engine.bench.serve import load_workload, run_benchmark
 
     out_dir.mkdir(parents=True, exist_ok=True)
     tag = "-".join(x for x in (engine, Path(model).name, quantization, label) if x)
     cmd = server_command(engine, model, port, max_model_len, max_num_seqs, max_num_batched_tokens,
-                         gpu_memory_utilization, quantization, dtype=dtype)
+                         gpu_memory_utilization, quantization, dtype=dtype, block_size=block_size)
     base_url = f"http://127.0.0.1:{port}"
     if health_ok(base_url):
         raise RuntimeError(f"port {port}: a server already answers there")
@@ -314,6 +316,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     o.add_argument("--max-num-batched-tokens", type=int, default=8192)   # vLLM's online default on an H200
     o.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     o.add_argument("--quantization", default=None, choices=["fp8"])
+    o.add_argument("--block-size", type=int, default=None, help="KV cache block size (default: the server's)")
     o.add_argument("--label", default=None, help="tags kvfleet runs of another setting (e.g. nowarmup)")
     o.add_argument("--health-limit-s", type=float, default=240.0)
     o.add_argument("--workload", default=ONLINE_WORKLOAD, help="a workload name or JSONL file (CPU tests)")
@@ -331,7 +334,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         res = run_online(args.engine, args.model, args.out_dir, loads, args.port, args.max_model_len,
                          args.max_num_seqs, args.max_num_batched_tokens, args.gpu_memory_utilization,
                          args.quantization, args.label, args.health_limit_s, workload=args.workload,
-                         dtype=args.dtype)
+                         dtype=args.dtype, block_size=args.block_size)
         return 0 if res.get("time_to_healthy_s") is not None else 1
     lines = summary_lines(*load_results(args.folders))
     text = "\n".join(lines)

@@ -244,8 +244,9 @@ class KvfleetBench:
 
         self.args = args
         self.max_model_len = max_model_len
-        cfg = EngineConfig(model=str(args.model), dtype=args.dtype, device=args.device, load_format=args.load_format,
-                           max_model_len=max_model_len, max_num_seqs=args.max_num_seqs,
+        block = {"block_size": args.block_size} if args.block_size is not None else {}
+        cfg = EngineConfig(**block, model=str(args.model), dtype=args.dtype, device=args.device,
+                           load_format=args.load_format, max_model_len=max_model_len, max_num_seqs=args.max_num_seqs,
                            max_num_batched_tokens=args.max_num_batched_tokens,
                            gpu_memory_utilization=args.gpu_memory_utilization, num_kv_blocks=args.num_kv_blocks,
                            enable_prefix_caching=not args.no_prefix_caching, enforce_eager=args.enforce_eager,

@@ -44,6 +44,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--device", default="auto")
     # vLLM's defaults for its LLM class on GPUs of >= 70 GiB (H100/H200), so the comparison is like for like
+    ap.add_argument("--block-size", type=int, default=None,
+                    help="KV cache block size in tokens (default: the engine's own, 16 for both)")
     ap.add_argument("--max-num-seqs", type=int, default=1024)
     ap.add_argument("--max-num-batched-tokens", type=int, default=16384)
     ap.add_argument("--max-model-len", type=int, default=None, help="default: the workload's longest request")

@@ -38,6 +38,8 @@ def llm_kwargs(args: argparse.Namespace, max_model_len: int) -> dict[str, Any]:
         kw["load_format"] = args.load_format
     if getattr(args, "quantization", None):
         kw["quantization"] = args.quantization
+    if args.block_size is not None:
+        kw["block_size"] = args.block_size
     if args.num_kv_blocks is not None:
         kw["num_gpu_blocks_override"] = args.num_kv_blocks
     return kw

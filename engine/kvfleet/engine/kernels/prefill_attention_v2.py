@@ -17,7 +17,9 @@ fast on Hopper:
 Optionally (``k``/``v`` given) the keys and values of the step's new tokens are read from its contiguous K/V
 projections instead of through the block table (all of a fresh prompt's; a chunk's own, after its cached
 prefix's through the block table); on Hopper those tiles come by TMA (tensor descriptors), the way the
-tutorial's kernel loads them (the paged cache's 16-token blocks are gathered row by row instead).
+tutorial's kernel loads them. The paged cache's keys are gathered row by row through the block table, unless a
+key tile fits inside a block (blocks of 64 tokens and more: `cache_tma_applies`): then each tile is one TMA box
+at its block's rows, the block table read once per tile (a chunk's cached prefix, a prefix-cache hit).
 """
 
 from __future__ import annotations
@@ -43,8 +45,10 @@ from ._common import (
 LOG2E = 1.4426950408889634
 
 
-# where a sequence's keys and values are read from (`_attend`'s SRC)
-PAGED, CONTIG, CONTIG_TMA = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
+# where a sequence's keys and values are read from (`_attend`'s SRC): the paged cache through the block table
+# (row by row, or PAGED_TMA: a whole block's rows per TMA box, when a key tile never crosses a block), or the
+# step's contiguous k/v projections (pointer loads, or TMA boxes)
+PAGED, CONTIG, CONTIG_TMA, PAGED_TMA = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2), tl.constexpr(3)
 
 
 @triton.jit
@@ -65,16 +69,23 @@ def _attend(acc, l_i, m_i, q, q_pos, lo, hi, k_base, v_base, k_desc, v_desc, bt_
             UPCAST: tl.constexpr, PREC: tl.constexpr, MASKED: tl.constexpr, SRC: tl.constexpr):
     """Online softmax over key positions [lo, hi) in BLOCK_N tiles. MASKED: the diagonal (causal mask, keys
     past ``hi`` masked); otherwise every key is visible to every row and nothing is masked. SRC: PAGED reads
-    through the block table; CONTIG/CONTIG_TMA read key position n at row ``kv_row0 + n`` of k/v."""
+    through the block table, PAGED_TMA too but a tile at once from the cache's descriptors (BLOCK_N divides
+    BLOCK_SIZE); CONTIG/CONTIG_TMA read key position n at row ``kv_row0 + n`` of k/v."""
     arange_n = tl.arange(0, BLOCK_N)
     for n0 in range(lo, hi, BLOCK_N):
         offs_n = n0 + arange_n
         nmask = offs_n < hi
-        if SRC == CONTIG_TMA:   # TMA boxes of the contiguous k/v; rows past the sequence are the next one's (or zeros)
-            k = k_desc.load([kv_row0 + n0, kvh * HEAD_DIM])
-            v = v_desc.load([kv_row0 + n0, kvh * HEAD_DIM])
+        if SRC == CONTIG_TMA or SRC == PAGED_TMA:
+            # TMA boxes: of the contiguous k/v (rows past the sequence are the next one's, or zeros), or of one
+            # cache block's rows (past the sequence: stale slots of its last block)
+            if SRC == PAGED_TMA:
+                row = tl.load(bt_row + n0 // BLOCK_SIZE) * BLOCK_SIZE + n0 % BLOCK_SIZE
+            else:
+                row = kv_row0 + n0
+            k = k_desc.load([row, kvh * HEAD_DIM])
+            v = v_desc.load([row, kvh * HEAD_DIM])
             if MASKED:
-                v = tl.where(nmask[:, None], v, 0.0)   # p is 0 there; keep a stray inf from making 0 * inf
+                v = tl.where(nmask[:, None], v, 0.0)   # p is 0 there; keep a stray inf or nan from making 0 * inf
         else:
             if SRC == CONTIG:
                 tok = (kv_row0 + offs_n).to(tl.int64)
@@ -110,32 +121,33 @@ def _attend(acc, l_i, m_i, q, q_pos, lo, hi, k_base, v_base, k_desc, v_desc, bt_
 
 
 @triton.jit
-def _attend_causal(acc, l_i, m_i, q, q_pos, ctx, q_first, end_n, c_base, k_base, v_base, k_desc, v_desc, bt_row,
-                   q_start, kvh, d, dmask, scale_log2, stride_c_kv, stride_c_blk, stride_c_slot, stride_kt, stride_vt,
+def _attend_causal(acc, l_i, m_i, q, q_pos, ctx, q_first, end_n, c_base, k_base, v_base, k_desc, v_desc, kc_desc,
+                   vc_desc, bt_row, q_start, kvh, d, dmask, scale_log2, stride_c_kv, stride_c_blk, stride_c_slot,
+                   stride_kt, stride_vt,
                    HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, D_MASK: tl.constexpr,
-                   UPCAST: tl.constexpr, PREC: tl.constexpr, NEW_SRC: tl.constexpr):
+                   UPCAST: tl.constexpr, PREC: tl.constexpr, NEW_SRC: tl.constexpr, CACHE_SRC: tl.constexpr):
     """Every key of a query tile whose first query sits at position ``q_first`` (>= ctx), its last key
     ``end_n - 1``: keys below ``q_first`` are seen by every row of the tile (no causal mask), the rest form the
-    diagonal. NEW_SRC PAGED: every key through the block table, whole unmasked key tiles up to ``q_first``
-    rounded down, then the diagonal. Otherwise the ``ctx`` cached keys come through the block table (the last
-    partial tile masked at ``ctx`` only) and the step's new keys from k/v, counted from ``ctx`` so that their
-    unmasked tiles are whole too."""
+    diagonal. NEW_SRC PAGED: every key from the cache (CACHE_SRC: PAGED or PAGED_TMA), whole unmasked key tiles
+    up to ``q_first`` rounded down, then the diagonal. Otherwise the ``ctx`` cached keys come from the cache (the
+    last partial tile masked at ``ctx`` only) and the step's new keys from k/v, counted from ``ctx`` so that
+    their unmasked tiles are whole too."""
     if NEW_SRC == PAGED:
         full_end = (q_first // BLOCK_N) * BLOCK_N
-        acc, l_i, m_i = _attend(acc, l_i, m_i, q, q_pos, 0, full_end, c_base, c_base + stride_c_kv, k_desc, v_desc,
+        acc, l_i, m_i = _attend(acc, l_i, m_i, q, q_pos, 0, full_end, c_base, c_base + stride_c_kv, kc_desc, vc_desc,
                                 bt_row, 0, kvh, d, dmask, scale_log2, stride_c_blk, stride_c_slot, stride_kt,
-                                stride_vt, HEAD_DIM, BLOCK_SIZE, BLOCK_N, D_MASK, UPCAST, PREC, False, PAGED)
-        return _attend(acc, l_i, m_i, q, q_pos, full_end, end_n, c_base, c_base + stride_c_kv, k_desc, v_desc,
+                                stride_vt, HEAD_DIM, BLOCK_SIZE, BLOCK_N, D_MASK, UPCAST, PREC, False, CACHE_SRC)
+        return _attend(acc, l_i, m_i, q, q_pos, full_end, end_n, c_base, c_base + stride_c_kv, kc_desc, vc_desc,
                        bt_row, 0, kvh, d, dmask, scale_log2, stride_c_blk, stride_c_slot, stride_kt,
-                       stride_vt, HEAD_DIM, BLOCK_SIZE, BLOCK_N, D_MASK, UPCAST, PREC, True, PAGED)
+                       stride_vt, HEAD_DIM, BLOCK_SIZE, BLOCK_N, D_MASK, UPCAST, PREC, True, CACHE_SRC)
     ctx_full = (ctx // BLOCK_N) * BLOCK_N
-    acc, l_i, m_i = _attend(acc, l_i, m_i, q, q_pos, 0, ctx_full, c_base, c_base + stride_c_kv, k_desc, v_desc,
+    acc, l_i, m_i = _attend(acc, l_i, m_i, q, q_pos, 0, ctx_full, c_base, c_base + stride_c_kv, kc_desc, vc_desc,
                             bt_row, 0, kvh, d, dmask, scale_log2, stride_c_blk, stride_c_slot, stride_kt,
-                            stride_vt, HEAD_DIM, BLOCK_SIZE, BLOCK_N, D_MASK, UPCAST, PREC, False, PAGED)
+                            stride_vt, HEAD_DIM, BLOCK_SIZE, BLOCK_N, D_MASK, UPCAST, PREC, False, CACHE_SRC)
     # the cached keys' last partial tile: every row sees them all, masked only past ctx
-    acc, l_i, m_i = _attend(acc, l_i, m_i, q, q_pos, ctx_full, ctx, c_base, c_base + stride_c_kv, k_desc, v_desc,
+    acc, l_i, m_i = _attend(acc, l_i, m_i, q, q_pos, ctx_full, ctx, c_base, c_base + stride_c_kv, kc_desc, vc_desc,
                             bt_row, 0, kvh, d, dmask, scale_log2, stride_c_blk, stride_c_slot, stride_kt,
-                            stride_vt, HEAD_DIM, BLOCK_SIZE, BLOCK_N, D_MASK, UPCAST, PREC, True, PAGED)
+                            stride_vt, HEAD_DIM, BLOCK_SIZE, BLOCK_N, D_MASK, UPCAST, PREC, True, CACHE_SRC)
     new_full = ctx + ((q_first - ctx) // BLOCK_N) * BLOCK_N
     kv_row0 = q_start - ctx   # key position n of this step's tokens is row q_start + (n - ctx) of k/v
     acc, l_i, m_i = _attend(acc, l_i, m_i, q, q_pos, ctx, new_full, k_base, v_base, k_desc, v_desc,
@@ -150,14 +162,15 @@ def _attend_causal(acc, l_i, m_i, q, q_pos, ctx, q_first, end_n, c_base, k_base,
 # compile new variants on live requests' time (issue 16's TTFT p99); nothing in the kernel gains from it.
 @triton.jit(do_not_specialize=["stride_bt", "batch", "num_tiles"])
 def _prefill_kernel_v2(
-    q_ptr, cache_ptr, k_ptr, v_ptr, k_desc, v_desc, block_tables_ptr, seq_lens_ptr, qsl_ptr, out_ptr, work_ptr,
+    q_ptr, cache_ptr, k_ptr, v_ptr, k_desc, v_desc, kc_desc, vc_desc, block_tables_ptr, seq_lens_ptr, qsl_ptr,
+    out_ptr, work_ptr,
     scale_log2, batch, num_tiles,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_c_kv, stride_c_blk, stride_c_slot, stride_c_head, stride_bt, stride_kt, stride_kh, stride_vt, stride_vh,
     HQ: tl.constexpr, G: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     SKIP_DECODE: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr, USE_WORK: tl.constexpr,
-    HAS_KV: tl.constexpr, KV_TMA: tl.constexpr,
+    HAS_KV: tl.constexpr, KV_TMA: tl.constexpr, CACHE_TMA: tl.constexpr,
 ):
     pid = tl.program_id(0)
     h = pid % HQ          # query head fastest: programs sharing K/V tiles run together (L2)
@@ -198,10 +211,12 @@ def _prefill_kernel_v2(
     end_n = tl.minimum(seq_len, ctx + (tile + 1) * BLOCK_M)  # one past its last key
     c_base = cache_ptr + kvh * stride_c_head
     NEW_SRC: tl.constexpr = (CONTIG_TMA if KV_TMA else CONTIG) if HAS_KV else PAGED
+    CACHE_SRC: tl.constexpr = PAGED_TMA if CACHE_TMA else PAGED
     acc, l_i, m_i = _attend_causal(
         acc, l_i, m_i, q, q_pos, ctx, q_first, end_n, c_base, k_ptr + kvh * stride_kh, v_ptr + kvh * stride_vh,
-        k_desc, v_desc, bt_row, q_start, kvh, d, dmask, scale_log2, stride_c_kv, stride_c_blk, stride_c_slot,
-        stride_kt, stride_vt, HEAD_DIM, BLOCK_SIZE, BLOCK_N, D_MASK, UPCAST, PREC, NEW_SRC)
+        k_desc, v_desc, kc_desc, vc_desc, bt_row, q_start, kvh, d, dmask, scale_log2, stride_c_kv, stride_c_blk,
+        stride_c_slot, stride_kt, stride_vt, HEAD_DIM, BLOCK_SIZE, BLOCK_N, D_MASK, UPCAST, PREC, NEW_SRC,
+        CACHE_SRC)
 
     out = acc / l_i[:, None]   # l_i >= 1: the row's maximum contributes exp2(0)
     ptrs = out_ptr + rows[:, None] * stride_ot + h * stride_oh + d[None, :]
@@ -227,6 +242,28 @@ def tma_applies(k: torch.Tensor, v: torch.Tensor, block_n: int) -> bool:
     return (d == next_pow2(d) and d * es >= 16 and block_n <= 256 and d <= 256
             and all(t.stride(2) == 1 and t.stride(1) == d and (t.stride(0) * es) % 16 == 0
                     and t.data_ptr() % 16 == 0 for t in (k, v)))
+
+
+def cache_tma_applies(kv_cache: torch.Tensor, block_n: int) -> bool:
+    """Whether the paged cache ``[2, blocks, block_size, Hkv, D]`` can be read a key tile at a time by 2-D tensor
+    descriptors over each half, ``[blocks * block_size, Hkv * D]`` with ``[block_n, D]`` boxes: a tile must not
+    cross a block (``block_n`` divides the block size), the block's rows must follow each other in memory."""
+    _, nb, bs, hkv, d = kv_cache.shape
+    if not _tma_device(kv_cache.device) or bs % block_n != 0:
+        return False
+    es = kv_cache.element_size()
+    s_kv, s_blk, s_slot, s_head, s_d = kv_cache.stride()
+    return (d == next_pow2(d) and d * es >= 16 and block_n <= 256 and d <= 256 and s_d == 1 and s_head == d
+            and s_slot == hkv * d and s_blk == bs * s_slot and (s_slot * es) % 16 == 0
+            and (s_kv * es) % 16 == 0 and kv_cache.data_ptr() % 16 == 0)
+
+
+def _cache_descriptors(kv_cache: torch.Tensor, block_n: int) -> tuple[TensorDescriptor, TensorDescriptor]:
+    """The K and V halves of the cache as ``[blocks * block_size, Hkv * D]`` rows, ``[block_n, D]`` boxes."""
+    _, nb, bs, hkv, d = kv_cache.shape
+    k_desc, v_desc = (TensorDescriptor(kv_cache[i], [nb * bs, hkv * d], [kv_cache.stride(2), 1], [block_n, d])
+                      for i in (0, 1))
+    return k_desc, v_desc
 
 
 # Steps whose longest query is at most this many tokens take the short-query tile (`default_tile_v2`).
@@ -268,6 +305,7 @@ def prefill_attention_v2(
     k: torch.Tensor | None = None,
     v: torch.Tensor | None = None,
     kv_tma: bool | None = None,
+    cache_tma: bool | None = None,
 ) -> torch.Tensor:
     """Causal varlen attention of ``q`` ``[T, Hq, D]`` over the paged cache into ``out`` (as v1's).
 
@@ -277,8 +315,9 @@ def prefill_attention_v2(
     each sequence reads its new tokens' keys from them and only its cached prefix through the block table.
     ``kv_tma``: with ``k``/``v``, load their tiles with TMA (tensor descriptors; Hopper's bulk copies, which
     Triton pipelines without address arithmetic); None: where it applies (a power-of-two head dim, 16-byte
-    aligned rows; on CUDA a device of compute capability >= 9). Tile arguments left as None take
-    `default_tile_v2`'s.
+    aligned rows; on CUDA a device of compute capability >= 9). ``cache_tma``: read the cached keys (every key
+    without k/v) a tile at a time by TMA from the cache's blocks (`cache_tma_applies`: blocks of a multiple of
+    ``block_n`` tokens); None: where it applies. Tile arguments left as None take `default_tile_v2`'s.
     """
     block_size, hkv, d, hq, batch = check_paged_attention_args(q, out, kv_cache, block_tables, seq_lens,
                                                                 query_start_loc)
@@ -310,11 +349,18 @@ def prefill_attention_v2(
     if kv_tma and not tma_ok:
         fail("kv_tma", "needs k/v with a power-of-two head dim, 16-byte aligned rows and a TMA-capable device")
     use_tma = tma_ok if kv_tma is None else kv_tma
-    k_desc = v_desc = q   # a placeholder argument: the variant without TMA never reads it
+    k_desc = v_desc = kc_desc = vc_desc = q   # placeholder arguments: a variant without TMA never reads them
     if use_tma and k is not None and v is not None:
         k_desc, v_desc = (TensorDescriptor(t, [t.shape[0], hkv * d], [t.stride(0), 1], [block_n, d]) for t in (k, v))
+    cache_ok = cache_tma_applies(kv_cache, block_n)
+    if cache_tma and not cache_ok:
+        fail("cache_tma", "needs cache blocks of a multiple of block_n tokens, a power-of-two head dim, 16-byte "
+                          "aligned rows and a TMA-capable device")
+    use_cache_tma = cache_ok if cache_tma is None else cache_tma
+    if use_cache_tma:
+        kc_desc, vc_desc = _cache_descriptors(kv_cache, block_n)
     _prefill_kernel_v2[(programs,)](
-        q, kv_cache, k if contig else q, v if contig else q, k_desc, v_desc, block_tables, seq_lens,
+        q, kv_cache, k if contig else q, v if contig else q, k_desc, v_desc, kc_desc, vc_desc, block_tables, seq_lens,
         query_start_loc, out,
         work if work is not None else seq_lens,
         scale * LOG2E, batch, num_tiles,
@@ -325,6 +371,7 @@ def prefill_attention_v2(
         HQ=hq, G=hq // hkv, HEAD_DIM=d, D_PAD=next_pow2(d),
         BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_N=block_n,
         SKIP_DECODE=skip_decode, UPCAST=upcast_dots(q.dtype), PREC=dot_precision(q.dtype),
-        USE_WORK=work is not None, HAS_KV=contig, KV_TMA=use_tma, num_warps=num_warps, num_stages=num_stages,
+        USE_WORK=work is not None, HAS_KV=contig, KV_TMA=use_tma, CACHE_TMA=use_cache_tma, num_warps=num_warps,
+        num_stages=num_stages,
     )
     return out
