@@ -25,6 +25,9 @@ Implementations (`impl` in the results):
                            (KVFLEET_PREFILL_KERNEL=v2 on Hopper)
                            (with SWEEP_BLOCK_SIZE of 64 and more, the cached keys by TMA too, a tile a block)
   v2 ... cache gathered    the same with the cached keys gathered row by row through the block table
+  v2 ..., cache +N stages  the loop over cached keys pipelined N stages deeper than the tile's num_stages
+                           (KVFLEET_PREFILL_CACHE_EXTRA_STAGES=N; at +2 its K/V tiles get the three buffers and
+                           two-tile lead the loops over new keys have: sm_90 TTGIR)
   v2 ... contiguous kv     the same with pointer loads (what v2 does where TMA does not apply)
   torch SDPA flash         F.scaled_dot_product_attention, flash backend, contiguous K/V with the KV heads
                            expanded (not counted), causal aligned to the last key
@@ -241,6 +244,9 @@ def kernel_runner(c: dict[str, Any], impl: str, tile: tuple[int, int, int, int],
         kv: dict[str, Any] = {"k": c["k"], "v": c["v"], "kv_tma": "kv tma" in impl} if contig else {}
         if "cache gathered" in impl:
             kv["cache_tma"] = False
+        deeper = re.search(r"cache \+(\d) stages", impl)
+        if deeper:
+            kv["cache_stages"] = stages + int(deeper.group(1))
 
         def run() -> None:
             prefill_attention_v2(*common, block_m=bm, block_n=bn, work=work2, num_warps=warps,
@@ -254,15 +260,21 @@ def configs(fresh: bool, fa3: bool = False) -> list[tuple[str, tuple[int, int, i
         return [("vLLM FA3 paged", None)] + configs(fresh)
     if TMA_ONLY:   # the engine's path at each tile asked for (and, for cached keys, the same gathered row by row)
         out = [("v2 contiguous kv tma", t) for t in TMA_ONLY]
+        if not fresh:
+            out += [("v2 contiguous kv tma, cache +2 stages", t) for t in TMA_ONLY]
         if not fresh and BLOCK_SIZE > 16:
             out += [("v2 contiguous kv tma, cache gathered", t) for t in TMA_ONLY]
+            out += [("v2 contiguous kv tma, cache gathered, cache +2 stages", t) for t in TMA_ONLY]
         return out + [("torch SDPA flash", None)]
     if DRY:   # the interpreter: check the script end to end, one configuration of each kind
         out: list[tuple[str, tuple[int, int, int, int] | None]] = [
             ("v1", V1_TILES[0]), ("torch SDPA flash", None), ("v2", V2_DEFAULT), ("v2 grid order", V2_DEFAULT)]
-        return out + [("v2 contiguous kv", V2_DEFAULT), ("v2 contiguous kv tma", V2_DEFAULT)]
+        out += [("v2 contiguous kv", V2_DEFAULT), ("v2 contiguous kv tma", V2_DEFAULT)]
+        return out + ([] if fresh else [("v2 contiguous kv tma, cache +2 stages", V2_DEFAULT)])
     tma = [("v2 contiguous kv tma", t) for t in (V2_TMA_TILES if fresh else V2_TMA_TILES[:2])]
-    out = [("v1", V1_TILES[0]), ("v2", V2_DEFAULT)] + tma[:1] + [("torch SDPA flash", None)]
+    deeper = [] if fresh else [("v2 contiguous kv tma, cache +2 stages", V2_DEFAULT),
+                               ("v2, cache +2 stages", V2_DEFAULT)]
+    out = [("v1", V1_TILES[0]), ("v2", V2_DEFAULT)] + tma[:1] + deeper + [("torch SDPA flash", None)]
     out += [("v1", t) for t in V1_TILES[1:]] + [("v2", t) for t in V2_TILES if t != V2_DEFAULT] + tma[1:]
     out += [("v2 grid order", V2_DEFAULT), ("v2 unsorted work", V2_DEFAULT)]
     return out + [("v2 contiguous kv", V2_DEFAULT)]
@@ -276,7 +288,7 @@ def errors(got: torch.Tensor, ref: torch.Tensor) -> dict[str, float]:
 
 
 def fmt(r: dict[str, Any]) -> str:
-    head = f"{r['case']:42} {r['impl']:48}"
+    head = f"{r['case']:42} {r['impl']:56}"
     if "ms" not in r:
         return f"{head} {r.get('error') or r.get('skipped')}"
     return (f"{head} {r['ms']:9.3f} ms {r['TFLOPs']:6.1f} TFLOP/s  max abs err {r.get('max_abs_err', float('nan')):.2e}"

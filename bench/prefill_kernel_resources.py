@@ -75,7 +75,7 @@ def _usage(cubin: bytes) -> dict[str, int]:
 def variants(tile: tuple[int, int, int, int]) -> list[tuple[str, Any]]:
     bm, bn, warps, stages = tile
     desc = f"tensordesc<bf16[{bn},128]>"
-    v2 = dict(COMMON, HQ=32, BLOCK_M=bm, BLOCK_N=bn)
+    v2 = dict(COMMON, HQ=32, BLOCK_M=bm, BLOCK_N=bn, CACHE_STAGES=0)
     no_desc = {"k_desc": "*bf16", "v_desc": "*bf16"}
     gathered = {"kc_desc": "*bf16", "vc_desc": "*bf16"}
     cache = {"kc_desc": desc, "vc_desc": desc}
@@ -96,6 +96,13 @@ def variants(tile: tuple[int, int, int, int]) -> list[tuple[str, Any]]:
                                                        dict(v2, HAS_KV=True, KV_TMA=True, CACHE_TMA=True,
                                                             BLOCK_SIZE=64),
                                                        dict(cache, k_desc=desc, v_desc=desc), warps, stages)),
+        # KVFLEET_PREFILL_CACHE_EXTRA_STAGES=2: the cache loop's K/V tiles three buffers deep (same shared memory)
+        ("v2 new k/v by TMA, cache +2 stages", lambda: _compile(
+            _prefill_kernel_v2, dict(v2, HAS_KV=True, KV_TMA=True, CACHE_TMA=False, CACHE_STAGES=stages + 2),
+            dict(gathered, k_desc=desc, v_desc=desc), warps, stages)),
+        ("v2 k/v and cache by TMA, +2 stages", lambda: _compile(
+            _prefill_kernel_v2, dict(v2, HAS_KV=True, KV_TMA=True, CACHE_TMA=True, BLOCK_SIZE=64,
+                                     CACHE_STAGES=stages + 2), dict(cache, k_desc=desc, v_desc=desc), warps, stages)),
     ]
 
 
@@ -113,7 +120,7 @@ def main(argv: list[str]) -> int:
 def measure(name: str, build: Any, fields: dict[str, Any], label: str = "") -> dict[str, Any]:
     """Compile one variant (`build()`), print and return its row: resources, or the error."""
     row: dict[str, Any] = {**fields, "kernel": name}
-    head = f"{label:14} {name:26}" if label else f"{name:28}"
+    head = f"{label:14} {name:36}" if label else f"{name:38}"
     try:
         k = build()
         row.update(_usage(k.asm["cubin"]), shared_bytes=k.metadata.shared)

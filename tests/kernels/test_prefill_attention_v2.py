@@ -120,12 +120,14 @@ def test_prefill_v2_reads_cache_blocks_by_tma(dtype: torch.dtype, block_size: in
     bm, bn, warps, stages = tile
     kv = {"k": batch.k, "v": batch.v} if with_kv else {}
     results = []
-    for cache_tma in (True, False):
+    # the cache loop at the launch's pipeline depth and two stages deeper (its own `tl.range` loop)
+    for cache_tma, cache_stages in ((True, None), (False, None), (True, stages + 2), (False, stages + 2)):
         out = torch.full_like(batch.q, float("nan"))
         work = prefill_work(batch.query_start_loc.tolist(), bm, skip_decode, "cpu", seq_lens)
         prefill_attention_v2(batch.q, batch.kv_cache, batch.block_tables, batch.seq_lens, batch.query_start_loc,
                              batch.max_query_len, 0.2, out, skip_decode=skip_decode, block_m=bm, block_n=bn,
-                             work=work, num_warps=warps, num_stages=stages, cache_tma=cache_tma, **kv)
+                             work=work, num_warps=warps, num_stages=stages, cache_tma=cache_tma,
+                             cache_stages=cache_stages, **kv)
         results.append(out)
     n = sum(q_lens) - (1 if skip_decode else 0)   # the decode row last
     for out in results:
@@ -140,3 +142,6 @@ def test_prefill_v2_cache_tma_needs_whole_tiles_in_a_block() -> None:
     with pytest.raises(ValueError, match="^cache_tma:"):   # 16-key tiles over 8-token blocks
         prefill_attention_v2(batch.q, batch.kv_cache, batch.block_tables, batch.seq_lens, batch.query_start_loc,
                              20, 1.0, out, block_m=16, block_n=16, cache_tma=True)
+    with pytest.raises(ValueError, match="^cache_stages:"):
+        prefill_attention_v2(batch.q, batch.kv_cache, batch.block_tables, batch.seq_lens, batch.query_start_loc,
+                             20, 1.0, out, block_m=16, block_n=16, cache_stages=9)

@@ -6,7 +6,11 @@ import pytest
 import torch
 
 from kvfleet.engine.attention import build_attention_metadata, torch_paged_attention, triton_backend
-from kvfleet.engine.attention.triton_backend import prefill_kernel_choice, triton_paged_attention
+from kvfleet.engine.attention.triton_backend import (
+    prefill_cache_extra_stages,
+    prefill_kernel_choice,
+    triton_paged_attention,
+)
 from kvfleet.engine.kernels import apply_rotary_cos_sin
 from kvfleet.engine.models.layers import RotaryEmbedding, apply_rotary
 from kvfleet.engine.rope import Rotary
@@ -50,6 +54,13 @@ def test_prefill_kernel_choice() -> None:
         prefill_kernel_choice("v3")
 
 
+def test_prefill_cache_extra_stages_knob() -> None:
+    assert prefill_cache_extra_stages("") == 0 and prefill_cache_extra_stages(" 2 ") == 2
+    for bad in ("-1", "5", "two"):
+        with pytest.raises(ValueError, match="KVFLEET_PREFILL_CACHE_EXTRA_STAGES"):
+            prefill_cache_extra_stages(bad)
+
+
 def test_short_prefill_tile_knob(monkeypatch: pytest.MonkeyPatch) -> None:
     """KVFLEET_PREFILL_TILE_SHORT takes steps whose longest query is 17..2048 tokens, and the op stays exact."""
     monkeypatch.setenv("KVFLEET_PREFILL_TILE_SHORT", "16,16,4,2")
@@ -85,14 +96,18 @@ def test_rotary_cos_sin_matches_model_layer() -> None:
     assert rel_err(q, ref_q) < 1e-6 and rel_err(k, ref_k) < 1e-6
 
 
-@pytest.mark.parametrize("arch,rotary_cache,merge,kernel,block", [
-    ("llama", True, "fused", "v1", 16), ("qwen3", True, "fused", "v1", 16), ("llama", False, "kernel", "v1", 16),
-    ("llama", True, "fused", "v2", 16),   # the prefill reads its fresh K/V from k, rotated in place by the fused kernel
-    ("qwen3", False, "fused", "v2", 16),  # ... rotated by the rotary kernel
-    ("llama", True, "fused", "v2", 32),   # 32-token blocks: the second chunk's cached keys come a block by TMA
+@pytest.mark.parametrize("arch,rotary_cache,merge,kernel,block,extra_stages", [
+    ("llama", True, "fused", "v1", 16, 0), ("qwen3", True, "fused", "v1", 16, 0),
+    ("llama", False, "kernel", "v1", 16, 0),
+    ("llama", True, "fused", "v2", 16, 0),   # the prefill reads its fresh K/V from k, rotated in place by the fused
+                                             # kernel
+    ("qwen3", False, "fused", "v2", 16, 0),  # ... rotated by the rotary kernel
+    ("llama", True, "fused", "v2", 32, 0),   # 32-token blocks: the second chunk's cached keys come a block by TMA
+    ("llama", True, "fused", "v2", 16, 2),   # two chunks, the loop over the cached keys two stages deeper
 ])
 def test_model_on_triton_op_matches_transformers(arch: str, rotary_cache: bool, merge: str, kernel: str, block: int,
-                                                 tiny_model_factory: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+                                                 extra_stages: int, tiny_model_factory: Any,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     """The model over the Triton op (rotary fused with the cache write; split decode steps, their partials
     merged by the last split program) gives transformers' logits: a 70-token prefill (in two chunks with
     32-token blocks), then 10 decode steps."""
@@ -104,6 +119,7 @@ def test_model_on_triton_op_matches_transformers(arch: str, rotary_cache: bool, 
 
     monkeypatch.setattr(triton_backend, "FUSED_ROTARY_CACHE", rotary_cache)
     monkeypatch.setattr(triton_backend, "PREFILL_KERNEL", kernel)
+    monkeypatch.setattr(triton_backend, "PREFILL_CACHE_EXTRA_STAGES", extra_stages)
     monkeypatch.setattr(paged_decode, "DEFAULT_MERGE", merge)
     folder = tiny_model_factory(arch)
     cfg = ModelConfig.from_pretrained(folder)
@@ -117,13 +133,14 @@ def test_model_on_triton_op_matches_transformers(arch: str, rotary_cache: bool, 
     caches = [torch.zeros(2, 8, block, cfg.num_kv_heads, cfg.head_dim) for _ in range(cfg.num_layers)]
     table = [5, 2, 7, 0, 3, 6]   # shuffled physical blocks
     got = []
-    prefill = [(0, 70)] if block == 16 else [(0, 45), (45, 70)]
+    chunked = block != 16 or extra_stages > 0
+    prefill = [(0, 45), (45, 70)] if chunked else [(0, 70)]
     for start, end in prefill + [(p, p + 1) for p in range(70, 80)]:
         md = build_attention_metadata([end - start], [end], [table], block)
         with torch.no_grad():
             hidden = model(torch.tensor(tokens[start:end]), torch.arange(start, end), caches, md)
             got.append(model.compute_logits(hidden)[-1])
-    if block != 16:
+    if chunked:
         got.pop(0)   # the first chunk's last logits: position 44, not compared
     ours = torch.stack(got)
     want = ref[69:80]

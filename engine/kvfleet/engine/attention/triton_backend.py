@@ -84,8 +84,24 @@ def prefill_kernel_choice(raw: str) -> str:
     return choice
 
 
+def prefill_cache_extra_stages(raw: str) -> int:
+    """KVFLEET_PREFILL_CACHE_EXTRA_STAGES: how many pipeline stages deeper than the tile's ``num_stages`` v2's
+    loop over cached keys runs (`prefill_attention_v2`'s ``cache_stages``; a chunk's cached prefix, a prefix-cache
+    hit). 0, the default, keeps every loop at the tile's depth; 2 gives that loop's K/V tiles the three buffers
+    and two-tile lead the loops over new keys have (its tile address is a block-table load, which costs the
+    pipeliner a stage). Issue 16's A/B on the GPU."""
+    try:
+        extra = int(raw.strip() or "0")
+    except ValueError as e:
+        raise ValueError(f"KVFLEET_PREFILL_CACHE_EXTRA_STAGES: expected an integer 0..4, got {raw!r}") from e
+    if not 0 <= extra <= 4:
+        raise ValueError(f"KVFLEET_PREFILL_CACHE_EXTRA_STAGES: expected an integer 0..4, got {raw!r}")
+    return extra
+
+
 # Read once: the choice is the process's, like the compiled kernels it selects.
 PREFILL_KERNEL = prefill_kernel_choice(os.environ.get("KVFLEET_PREFILL_KERNEL", ""))
+PREFILL_CACHE_EXTRA_STAGES = prefill_cache_extra_stages(os.environ.get("KVFLEET_PREFILL_CACHE_EXTRA_STAGES", ""))
 
 
 class PrefillPlan(NamedTuple):
@@ -239,7 +255,7 @@ def triton_paged_attention(
     if kernel != "v1":
         prefill_attention_v2(*args, skip_decode=mixed, block_m=block_m, block_n=block_n, work=work,
                              num_warps=warps, num_stages=stages, k=k if new_kv else None,
-                             v=v if new_kv else None)
+                             v=v if new_kv else None, cache_stages=stages + PREFILL_CACHE_EXTRA_STAGES)
     else:
         prefill_attention(*args, skip_decode=mixed, block_m=block_m, block_n=block_n, work=work,
                           num_warps=warps, num_stages=stages)

@@ -63,60 +63,82 @@ def _load_rows(ptrs, nmask, dmask, N_MASK: tl.constexpr, D_MASK: tl.constexpr):
 
 
 @triton.jit
+def _attend_tile(acc, l_i, m_i, q, q_pos, n0, hi, arange_n, k_base, v_base, k_desc, v_desc, bt_row, kv_row0, kvh,
+                 d, dmask, scale_log2, stride_c_blk, stride_c_slot, stride_kt, stride_vt,
+                 HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, D_MASK: tl.constexpr, UPCAST: tl.constexpr,
+                 PREC: tl.constexpr, MASKED: tl.constexpr, SRC: tl.constexpr):
+    """One key tile [n0, n0 + BLOCK_N) of `_attend`'s loop."""
+    offs_n = n0 + arange_n
+    nmask = offs_n < hi
+    if SRC == CONTIG_TMA or SRC == PAGED_TMA:
+        # TMA boxes: of the contiguous k/v (rows past the sequence are the next one's, or zeros), or of one
+        # cache block's rows (past the sequence: stale slots of its last block)
+        if SRC == PAGED_TMA:
+            row = tl.load(bt_row + n0 // BLOCK_SIZE) * BLOCK_SIZE + n0 % BLOCK_SIZE
+        else:
+            row = kv_row0 + n0
+        k = k_desc.load([row, kvh * HEAD_DIM])
+        v = v_desc.load([row, kvh * HEAD_DIM])
+        if MASKED:
+            v = tl.where(nmask[:, None], v, 0.0)   # p is 0 there; keep a stray inf or nan from making 0 * inf
+    else:
+        if SRC == CONTIG:
+            tok = (kv_row0 + offs_n).to(tl.int64)
+            k_row = tok * stride_kt
+            v_row = tok * stride_vt
+        else:
+            if MASKED:
+                blk = tl.load(bt_row + offs_n // BLOCK_SIZE, mask=nmask, other=0).to(tl.int64)
+            else:
+                blk = tl.load(bt_row + offs_n // BLOCK_SIZE).to(tl.int64)
+            k_row = blk * stride_c_blk + (offs_n % BLOCK_SIZE) * stride_c_slot
+            v_row = k_row
+        k = _load_rows(k_base + k_row[:, None] + d[None, :], nmask, dmask, MASKED, D_MASK)
+        v = _load_rows(v_base + v_row[:, None] + d[None, :], nmask, dmask, MASKED, D_MASK)
+    if UPCAST:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+    qk = tl.dot(q, tl.trans(k), input_precision=PREC)
+    if MASKED:
+        # every row sees key ``lo`` (<= its position) in the first diagonal tile: m_new is finite
+        s = tl.where((offs_n[None, :] <= q_pos[:, None]) & nmask[None, :], qk * scale_log2, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.math.exp2(s - m_new[:, None])
+    else:
+        m_new = tl.maximum(m_i, tl.max(qk, 1) * scale_log2)
+        p = tl.math.exp2(qk * scale_log2 - m_new[:, None])
+    alpha = tl.math.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None]
+    acc = tl.dot(p.to(v.dtype), v, acc, input_precision=PREC)
+    return acc, l_i, m_new
+
+
+@triton.jit
 def _attend(acc, l_i, m_i, q, q_pos, lo, hi, k_base, v_base, k_desc, v_desc, bt_row, kv_row0, kvh, d, dmask,
             scale_log2, stride_c_blk, stride_c_slot, stride_kt, stride_vt,
             HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, D_MASK: tl.constexpr,
-            UPCAST: tl.constexpr, PREC: tl.constexpr, MASKED: tl.constexpr, SRC: tl.constexpr):
+            UPCAST: tl.constexpr, PREC: tl.constexpr, MASKED: tl.constexpr, SRC: tl.constexpr,
+            LOOP_STAGES: tl.constexpr):
     """Online softmax over key positions [lo, hi) in BLOCK_N tiles. MASKED: the diagonal (causal mask, keys
     past ``hi`` masked); otherwise every key is visible to every row and nothing is masked. SRC: PAGED reads
     through the block table, PAGED_TMA too but a tile at once from the cache's descriptors (BLOCK_N divides
-    BLOCK_SIZE); CONTIG/CONTIG_TMA read key position n at row ``kv_row0 + n`` of k/v."""
+    BLOCK_SIZE); CONTIG/CONTIG_TMA read key position n at row ``kv_row0 + n`` of k/v. LOOP_STAGES > 0: this
+    loop's software-pipeline depth instead of the launch's ``num_stages`` (the cache loops: their tile's
+    address is itself a load, so the pipeliner gives K/V one stage less, see `cache_stages`)."""
     arange_n = tl.arange(0, BLOCK_N)
-    for n0 in range(lo, hi, BLOCK_N):
-        offs_n = n0 + arange_n
-        nmask = offs_n < hi
-        if SRC == CONTIG_TMA or SRC == PAGED_TMA:
-            # TMA boxes: of the contiguous k/v (rows past the sequence are the next one's, or zeros), or of one
-            # cache block's rows (past the sequence: stale slots of its last block)
-            if SRC == PAGED_TMA:
-                row = tl.load(bt_row + n0 // BLOCK_SIZE) * BLOCK_SIZE + n0 % BLOCK_SIZE
-            else:
-                row = kv_row0 + n0
-            k = k_desc.load([row, kvh * HEAD_DIM])
-            v = v_desc.load([row, kvh * HEAD_DIM])
-            if MASKED:
-                v = tl.where(nmask[:, None], v, 0.0)   # p is 0 there; keep a stray inf or nan from making 0 * inf
-        else:
-            if SRC == CONTIG:
-                tok = (kv_row0 + offs_n).to(tl.int64)
-                k_row = tok * stride_kt
-                v_row = tok * stride_vt
-            else:
-                if MASKED:
-                    blk = tl.load(bt_row + offs_n // BLOCK_SIZE, mask=nmask, other=0).to(tl.int64)
-                else:
-                    blk = tl.load(bt_row + offs_n // BLOCK_SIZE).to(tl.int64)
-                k_row = blk * stride_c_blk + (offs_n % BLOCK_SIZE) * stride_c_slot
-                v_row = k_row
-            k = _load_rows(k_base + k_row[:, None] + d[None, :], nmask, dmask, MASKED, D_MASK)
-            v = _load_rows(v_base + v_row[:, None] + d[None, :], nmask, dmask, MASKED, D_MASK)
-        if UPCAST:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
-        qk = tl.dot(q, tl.trans(k), input_precision=PREC)
-        if MASKED:
-            # every row sees key ``lo`` (<= its position) in the first diagonal tile: m_new is finite
-            s = tl.where((offs_n[None, :] <= q_pos[:, None]) & nmask[None, :], qk * scale_log2, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            p = tl.math.exp2(s - m_new[:, None])
-        else:
-            m_new = tl.maximum(m_i, tl.max(qk, 1) * scale_log2)
-            p = tl.math.exp2(qk * scale_log2 - m_new[:, None])
-        alpha = tl.math.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None]
-        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=PREC)
-        m_i = m_new
+    if LOOP_STAGES > 0:
+        for n0 in tl.range(lo, hi, BLOCK_N, num_stages=LOOP_STAGES):
+            acc, l_i, m_i = _attend_tile(acc, l_i, m_i, q, q_pos, n0, hi, arange_n, k_base, v_base, k_desc, v_desc,
+                                         bt_row, kv_row0, kvh, d, dmask, scale_log2, stride_c_blk, stride_c_slot,
+                                         stride_kt, stride_vt, HEAD_DIM, BLOCK_SIZE, D_MASK, UPCAST, PREC, MASKED,
+                                         SRC)
+    else:
+        for n0 in range(lo, hi, BLOCK_N):
+            acc, l_i, m_i = _attend_tile(acc, l_i, m_i, q, q_pos, n0, hi, arange_n, k_base, v_base, k_desc, v_desc,
+                                         bt_row, kv_row0, kvh, d, dmask, scale_log2, stride_c_blk, stride_c_slot,
+                                         stride_kt, stride_vt, HEAD_DIM, BLOCK_SIZE, D_MASK, UPCAST, PREC, MASKED,
+                                         SRC)
     return acc, l_i, m_i
 
 
@@ -125,37 +147,41 @@ def _attend_causal(acc, l_i, m_i, q, q_pos, ctx, q_first, end_n, c_base, k_base,
                    vc_desc, bt_row, q_start, kvh, d, dmask, scale_log2, stride_c_kv, stride_c_blk, stride_c_slot,
                    stride_kt, stride_vt,
                    HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, D_MASK: tl.constexpr,
-                   UPCAST: tl.constexpr, PREC: tl.constexpr, NEW_SRC: tl.constexpr, CACHE_SRC: tl.constexpr):
+                   UPCAST: tl.constexpr, PREC: tl.constexpr, NEW_SRC: tl.constexpr, CACHE_SRC: tl.constexpr,
+                   CACHE_STAGES: tl.constexpr):
     """Every key of a query tile whose first query sits at position ``q_first`` (>= ctx), its last key
     ``end_n - 1``: keys below ``q_first`` are seen by every row of the tile (no causal mask), the rest form the
     diagonal. NEW_SRC PAGED: every key from the cache (CACHE_SRC: PAGED or PAGED_TMA), whole unmasked key tiles
     up to ``q_first`` rounded down, then the diagonal. Otherwise the ``ctx`` cached keys come from the cache (the
     last partial tile masked at ``ctx`` only) and the step's new keys from k/v, counted from ``ctx`` so that
-    their unmasked tiles are whole too."""
+    their unmasked tiles are whole too. CACHE_STAGES: the unmasked cache loop's pipeline depth (0: the
+    launch's)."""
     if NEW_SRC == PAGED:
         full_end = (q_first // BLOCK_N) * BLOCK_N
         acc, l_i, m_i = _attend(acc, l_i, m_i, q, q_pos, 0, full_end, c_base, c_base + stride_c_kv, kc_desc, vc_desc,
                                 bt_row, 0, kvh, d, dmask, scale_log2, stride_c_blk, stride_c_slot, stride_kt,
-                                stride_vt, HEAD_DIM, BLOCK_SIZE, BLOCK_N, D_MASK, UPCAST, PREC, False, CACHE_SRC)
+                                stride_vt, HEAD_DIM, BLOCK_SIZE, BLOCK_N, D_MASK, UPCAST, PREC, False, CACHE_SRC,
+                                CACHE_STAGES)
         return _attend(acc, l_i, m_i, q, q_pos, full_end, end_n, c_base, c_base + stride_c_kv, kc_desc, vc_desc,
                        bt_row, 0, kvh, d, dmask, scale_log2, stride_c_blk, stride_c_slot, stride_kt,
-                       stride_vt, HEAD_DIM, BLOCK_SIZE, BLOCK_N, D_MASK, UPCAST, PREC, True, CACHE_SRC)
+                       stride_vt, HEAD_DIM, BLOCK_SIZE, BLOCK_N, D_MASK, UPCAST, PREC, True, CACHE_SRC, 0)
     ctx_full = (ctx // BLOCK_N) * BLOCK_N
     acc, l_i, m_i = _attend(acc, l_i, m_i, q, q_pos, 0, ctx_full, c_base, c_base + stride_c_kv, kc_desc, vc_desc,
                             bt_row, 0, kvh, d, dmask, scale_log2, stride_c_blk, stride_c_slot, stride_kt,
-                            stride_vt, HEAD_DIM, BLOCK_SIZE, BLOCK_N, D_MASK, UPCAST, PREC, False, CACHE_SRC)
+                            stride_vt, HEAD_DIM, BLOCK_SIZE, BLOCK_N, D_MASK, UPCAST, PREC, False, CACHE_SRC,
+                            CACHE_STAGES)
     # the cached keys' last partial tile: every row sees them all, masked only past ctx
     acc, l_i, m_i = _attend(acc, l_i, m_i, q, q_pos, ctx_full, ctx, c_base, c_base + stride_c_kv, kc_desc, vc_desc,
                             bt_row, 0, kvh, d, dmask, scale_log2, stride_c_blk, stride_c_slot, stride_kt,
-                            stride_vt, HEAD_DIM, BLOCK_SIZE, BLOCK_N, D_MASK, UPCAST, PREC, True, CACHE_SRC)
+                            stride_vt, HEAD_DIM, BLOCK_SIZE, BLOCK_N, D_MASK, UPCAST, PREC, True, CACHE_SRC, 0)
     new_full = ctx + ((q_first - ctx) // BLOCK_N) * BLOCK_N
     kv_row0 = q_start - ctx   # key position n of this step's tokens is row q_start + (n - ctx) of k/v
     acc, l_i, m_i = _attend(acc, l_i, m_i, q, q_pos, ctx, new_full, k_base, v_base, k_desc, v_desc,
                             bt_row, kv_row0, kvh, d, dmask, scale_log2, stride_c_blk, stride_c_slot, stride_kt,
-                            stride_vt, HEAD_DIM, BLOCK_SIZE, BLOCK_N, D_MASK, UPCAST, PREC, False, NEW_SRC)
+                            stride_vt, HEAD_DIM, BLOCK_SIZE, BLOCK_N, D_MASK, UPCAST, PREC, False, NEW_SRC, 0)
     return _attend(acc, l_i, m_i, q, q_pos, new_full, end_n, k_base, v_base, k_desc, v_desc,
                    bt_row, kv_row0, kvh, d, dmask, scale_log2, stride_c_blk, stride_c_slot, stride_kt,
-                   stride_vt, HEAD_DIM, BLOCK_SIZE, BLOCK_N, D_MASK, UPCAST, PREC, True, NEW_SRC)
+                   stride_vt, HEAD_DIM, BLOCK_SIZE, BLOCK_N, D_MASK, UPCAST, PREC, True, NEW_SRC, 0)
 
 
 # stride_bt, batch and num_tiles change from step to step: specializing on them (== 1, multiple of 16) would
@@ -170,7 +196,7 @@ def _prefill_kernel_v2(
     HQ: tl.constexpr, G: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     SKIP_DECODE: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr, USE_WORK: tl.constexpr,
-    HAS_KV: tl.constexpr, KV_TMA: tl.constexpr, CACHE_TMA: tl.constexpr,
+    HAS_KV: tl.constexpr, KV_TMA: tl.constexpr, CACHE_TMA: tl.constexpr, CACHE_STAGES: tl.constexpr,
 ):
     pid = tl.program_id(0)
     h = pid % HQ          # query head fastest: programs sharing K/V tiles run together (L2)
@@ -216,7 +242,7 @@ def _prefill_kernel_v2(
         acc, l_i, m_i, q, q_pos, ctx, q_first, end_n, c_base, k_ptr + kvh * stride_kh, v_ptr + kvh * stride_vh,
         k_desc, v_desc, kc_desc, vc_desc, bt_row, q_start, kvh, d, dmask, scale_log2, stride_c_kv, stride_c_blk,
         stride_c_slot, stride_kt, stride_vt, HEAD_DIM, BLOCK_SIZE, BLOCK_N, D_MASK, UPCAST, PREC, NEW_SRC,
-        CACHE_SRC)
+        CACHE_SRC, CACHE_STAGES)
 
     out = acc / l_i[:, None]   # l_i >= 1: the row's maximum contributes exp2(0)
     ptrs = out_ptr + rows[:, None] * stride_ot + h * stride_oh + d[None, :]
@@ -306,6 +332,7 @@ def prefill_attention_v2(
     v: torch.Tensor | None = None,
     kv_tma: bool | None = None,
     cache_tma: bool | None = None,
+    cache_stages: int | None = None,
 ) -> torch.Tensor:
     """Causal varlen attention of ``q`` ``[T, Hq, D]`` over the paged cache into ``out`` (as v1's).
 
@@ -318,6 +345,11 @@ def prefill_attention_v2(
     aligned rows; on CUDA a device of compute capability >= 9). ``cache_tma``: read the cached keys (every key
     without k/v) a tile at a time by TMA from the cache's blocks (`cache_tma_applies`: blocks of a multiple of
     ``block_n`` tokens); None: where it applies. Tile arguments left as None take `default_tile_v2`'s.
+    ``cache_stages``: the software-pipeline depth of the loop over cached keys (0 or None: ``num_stages``, as
+    every other loop). That loop's tile address is a block-table load, which Triton's pipeliner puts a stage
+    ahead of the K/V loads, so at ``num_stages`` 3 the K/V tiles get two buffers and are issued one iteration
+    ahead, after the previous tile's math (its latency is exposed: sm_90 TTGIR); ``num_stages + 1`` gives them
+    the three buffers and two-tile lead the loops over new keys have, at the same shared memory.
     """
     block_size, hkv, d, hq, batch = check_paged_attention_args(q, out, kv_cache, block_tables, seq_lens,
                                                                 query_start_loc)
@@ -330,6 +362,9 @@ def prefill_attention_v2(
     block_n = dn if block_n is None else block_n
     num_warps = dw if num_warps is None else num_warps
     num_stages = ds if num_stages is None else num_stages
+    cache_stages = 0 if cache_stages is None else cache_stages
+    if not (0 <= cache_stages <= 8):
+        fail("cache_stages", f"must be in 0..8, got {cache_stages}")
     if (k is None) != (v is None):
         fail("k" if k is None else "v", "k and v come together")
     if k is not None and v is not None:
@@ -371,7 +406,7 @@ def prefill_attention_v2(
         HQ=hq, G=hq // hkv, HEAD_DIM=d, D_PAD=next_pow2(d),
         BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_N=block_n,
         SKIP_DECODE=skip_decode, UPCAST=upcast_dots(q.dtype), PREC=dot_precision(q.dtype),
-        USE_WORK=work is not None, HAS_KV=contig, KV_TMA=use_tma, CACHE_TMA=use_cache_tma, num_warps=num_warps,
-        num_stages=num_stages,
+        USE_WORK=work is not None, HAS_KV=contig, KV_TMA=use_tma, CACHE_TMA=use_cache_tma,
+        CACHE_STAGES=cache_stages if cache_stages != num_stages else 0, num_warps=num_warps, num_stages=num_stages,
     )
     return out
