@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import argparse
 import json
-from types import SimpleNamespace
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from pydantic import ValidationError
 
 from kvfleet.engine.bench.serve import RequestResult, load_jsonl, load_workload, percentiles, summarize, tiny_workload
-from kvfleet.engine.outputs import Logprob
+from kvfleet.engine.outputs import Logprob, RequestMetrics
 from kvfleet.engine.server.args import SERVE_FLAGS, Flag, add_serve_args, check_serve_args, engine_kwargs, env_name
 from kvfleet.engine.server.auth import KeyFileError, bearer_token, load_keys, parse_keys, tenant_for
 from kvfleet.engine.server.errors import describe_validation_errors, value_error_param
@@ -197,8 +196,9 @@ def test_metrics_names_labels_and_scrape_time_stats() -> None:
     m = ServerMetrics("tiny", lambda: live["s"])
     assert b"num_requests_waiting" not in m.render()  # nothing before the engine is up
     live["s"] = stats
-    t = SimpleNamespace(arrival_time=1.0, first_scheduled_time=1.5, first_token_time=2.0, finished_time=4.0)
+    t = RequestMetrics(arrival_time=1.0, first_scheduled_time=1.5, first_token_time=2.0, finished_time=4.0)
     assert request_timings(t) == {"ttft": 1.0, "e2e": 3.0, "queue": 0.5}
+    assert request_timings(RequestMetrics(arrival_time=1.0)) == {} and request_timings(None) == {}
     m.observe_finished("alpha", "stop", t)
     m.observe_itl(0.2, 2)
     samples = {(s.name, tuple(sorted(s.labels.items()))): s.value

@@ -85,6 +85,11 @@ class AsyncLLM:
         return self._thread.is_alive()
 
     # --- requests ------------------------------------------------------------------
+    def check_inputs(self, prompt: PromptType, sampling_params: Optional[SamplingParams] = None) -> None:
+        """Raise the ValueError `generate` would for this request (the engine's admission rules: n or best_of
+        over max_num_seqs, a request that can never fit the KV cache, ...), without starting it."""
+        self.engine.process_inputs(prompt, sampling_params)
+
     async def generate(self, prompt: PromptType, sampling_params: Optional[SamplingParams] = None,
                        request_id: Optional[str] = None, priority: int = 0,
                        cache_salt: Optional[str] = None) -> AsyncIterator[RequestOutput]:

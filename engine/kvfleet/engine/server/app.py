@@ -13,6 +13,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from kvfleet.engine.async_llm import AsyncLLM
 from kvfleet.engine.server import protocol as P
 from kvfleet.engine.server.auth import DEFAULT_TENANT, bearer_token, tenant_for
 from kvfleet.engine.server.bodies import BoundedJSONRoute
@@ -148,7 +149,7 @@ def _tenant(request: Request) -> str:
     return str(request.scope.get(TENANT_KEY, DEFAULT_TENANT))
 
 
-def build_app(state: ServerState, load_engine: Callable[[], Any] | None = None) -> FastAPI:
+def build_app(state: ServerState, load_engine: Callable[[], AsyncLLM] | None = None) -> FastAPI:
     """`load_engine` (blocking) builds the AsyncLLM; it runs in a thread after the server starts
     listening, so /health answers 503 while the model loads."""
 
@@ -242,12 +243,12 @@ def _detokenize(state: ServerState, tokens: list[int]) -> str:
     return state.decode(tokens)
 
 
-async def _load(state: ServerState, load_engine: Callable[[], Any]) -> None:
+async def _load(state: ServerState, load_engine: Callable[[], AsyncLLM]) -> None:
     try:
-        state.engine = await asyncio.to_thread(load_engine)
-        if state.engine.tokenizer is not None:
-            state.chars_per_token = tokenizer_chars_per_token(state.engine.tokenizer)
-        await _warm_up(state)
+        engine = state.engine = await asyncio.to_thread(load_engine)
+        if engine.tokenizer is not None:
+            state.chars_per_token = tokenizer_chars_per_token(engine.tokenizer)
+        await _warm_up(engine)
     except Exception as exc:
         state.load_error = f"{exc.__class__.__name__}: {exc}"
         logger.exception("model load failed")
@@ -257,7 +258,7 @@ async def _load(state: ServerState, load_engine: Callable[[], Any]) -> None:
                                       "max_prompt_chars": state.max_prompt_chars})
 
 
-async def _warm_up(state: ServerState) -> None:
+async def _warm_up(engine: AsyncLLM) -> None:
     """/health is 200 only once the engine has run every step shape and sampler path it will meet
     (kvfleet.engine.warmup: nothing is compiled or loaded on a request's time), or with KVFLEET_WARMUP=0
     one real one-token step."""
@@ -265,9 +266,9 @@ async def _warm_up(state: ServerState) -> None:
     from kvfleet.engine.warmup import TRITON_COMPILES, warmup_enabled
 
     if warmup_enabled():
-        await state.engine.warm_up()
+        await engine.warm_up()
         TRITON_COMPILES.serving()
         return
     params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
-    async for _ in state.engine.generate({"prompt_token_ids": [0]}, params, "warmup"):
+    async for _ in engine.generate({"prompt_token_ids": [0]}, params, "warmup"):
         pass

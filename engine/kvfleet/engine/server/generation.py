@@ -52,7 +52,8 @@ async def cut_off_requests(state: ServerState) -> int:
     abort's, for one still waiting) makes its handler answer 503 instead of a result."""
     state.cut_off = True
     ids = list(state.live_requests)
-    results = await asyncio.gather(*(state.engine.abort(rid) for rid in ids), return_exceptions=True)
+    engine = state.loaded_engine()
+    results = await asyncio.gather(*(engine.abort(rid) for rid in ids), return_exceptions=True)
     for rid, result in zip(ids, results, strict=True):
         if isinstance(result, BaseException):
             logger.error("abort at the cut-off failed", extra={"request_id": rid, "error": repr(result)})
@@ -67,7 +68,7 @@ def finish_reason_of(out: Any) -> str:
 async def stream_request(state: ServerState, ticket: Ticket, prompt_ids: list[int], params: Any,
                          request_id: str, tenant: str, prompt_text: str | None = None) -> AsyncGenerator[Any, None]:
     """`engine.generate` with bookkeeping: queue count until the first output, ITL, finish metrics."""
-    engine = state.engine
+    engine = state.loaded_engine()
     # With tenant keys, each tenant's prompts hash into its own prefix-cache space: no tenant can
     # reuse (or time) another's cached blocks.
     salt = tenant if state.keys is not None else None
@@ -109,7 +110,7 @@ async def stream_request(state: ServerState, ticket: Ticket, prompt_ids: list[in
                 with anyio.CancelScope(shield=True):
                     await engine.abort(request_id)
             reason = finish_reason_of(last) if finished and last is not None else "abort"
-            state.metrics.observe_finished(tenant, reason, getattr(last, "metrics", None))
+            state.metrics.observe_finished(tenant, reason, last.metrics if last is not None else None)
             if state.log_requests:
                 logger.info("request finished", extra={"request_id": request_id, "tenant": tenant,
                                                        "finish_reason": reason, "output_tokens": prev_tokens})

@@ -14,6 +14,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, disable_cre
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from kvfleet.engine.outputs import RequestMetrics
+
 disable_created_metrics()  # `_created` series double the output and no dashboard reads them
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -64,16 +66,14 @@ class EngineStatsCollector(Collector):
             yield counter
 
 
-def request_timings(metrics: Any) -> dict[str, float]:
+def request_timings(metrics: RequestMetrics | None) -> dict[str, float]:
     """TTFT, end-to-end and queue time in seconds from a RequestOutput's `metrics` (missing -> left out)."""
     if metrics is None:
         return {}
-    arrival = getattr(metrics, "arrival_time", None)
-    if arrival is None:
-        return {}
+    arrival = metrics.arrival_time
     out: dict[str, float] = {}
-    for key, attr in (("ttft", "first_token_time"), ("e2e", "finished_time"), ("queue", "first_scheduled_time")):
-        value = getattr(metrics, attr, None)
+    for key, value in (("ttft", metrics.first_token_time), ("e2e", metrics.finished_time),
+                       ("queue", metrics.first_scheduled_time)):
         if value is not None and value >= arrival:
             out[key] = value - arrival
     return out
@@ -101,7 +101,7 @@ class ServerMetrics:
         self.queue_time = Histogram("kvfleet:request_queue_time_seconds", "Arrival to first scheduled.",
                                     ["model_name"], buckets=LATENCY_BUCKETS, registry=self.registry)
 
-    def observe_finished(self, tenant: str, finished_reason: str, request_metrics: Any) -> None:
+    def observe_finished(self, tenant: str, finished_reason: str, request_metrics: RequestMetrics | None) -> None:
         """One finished engine request (all its `n` choices together)."""
         self.request_success.labels(self.model_name, tenant, finished_reason).inc()
         timings = request_timings(request_metrics)

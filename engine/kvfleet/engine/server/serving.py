@@ -81,11 +81,8 @@ def check_engine_inputs(state: ServerState, prompt_ids: list[int], params: Sampl
     """The engine's own admission rules (n or best_of over max_num_seqs, a request that can never fit the
     KV cache, ...), checked now: once a stream has sent its headers an error could only go in-band
     under a 200."""
-    process_inputs = getattr(getattr(state.engine, "engine", None), "process_inputs", None)
-    if process_inputs is None:
-        return
     try:
-        process_inputs({"prompt_token_ids": prompt_ids}, params)
+        state.loaded_engine().check_inputs({"prompt_token_ids": prompt_ids}, params)
     except ValueError as exc:
         message = str(exc)
         param = value_error_param(message, REQUEST_FIELDS)

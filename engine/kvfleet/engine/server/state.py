@@ -11,6 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, TypeVar
 
+from kvfleet.engine.async_llm import AsyncLLM
 from kvfleet.engine.server.errors import APIError
 from kvfleet.engine.server.limits import Admission
 from kvfleet.engine.server.metrics import ServerMetrics
@@ -40,7 +41,7 @@ class ServerState:
     block_size: int = 16
     max_request_bytes: int = 32 * 2**20   # larger bodies get 413 before they are read
     metrics_port: int | None = None       # /metrics only there (and only /metrics there)
-    engine: Any = None            # AsyncLLM once loaded
+    engine: AsyncLLM | None = None   # once loaded
     ready: bool = False           # loaded and one step has run
     load_error: str | None = None
     draining: bool = False
@@ -62,13 +63,21 @@ class ServerState:
     def engine_stats(self) -> Mapping[str, Any] | None:
         return self.engine.stats() if self.ready and self.engine is not None else None
 
+    def loaded_engine(self) -> AsyncLLM:
+        """The engine, for handlers: requests reach them only once it is loaded (the middleware answers 503
+        before)."""
+        if self.engine is None:
+            raise APIError(503, "The model is still loading; retry shortly.", code="loading",
+                           headers={"Retry-After": "1"})
+        return self.engine
+
     @property
     def tokenizer(self) -> Any:
-        return self.engine.tokenizer
+        return self.loaded_engine().tokenizer
 
     @property
     def max_model_len(self) -> int:
-        return int(self.engine.model_config.max_model_len)
+        return int(self.loaded_engine().model_config.max_model_len)
 
     @property
     def kv_capacity_tokens(self) -> int | None:
@@ -78,7 +87,7 @@ class ServerState:
 
     @property
     def vocab_size(self) -> int:
-        return int(self.engine.model_config.vocab_size)
+        return int(self.loaded_engine().model_config.vocab_size)
 
     @property
     def max_prompt_chars(self) -> int | None:
