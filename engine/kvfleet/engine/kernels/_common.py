@@ -9,6 +9,7 @@ float32 first when interpreting; compiled kernels keep the native dtype.
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import NoReturn
 
@@ -70,6 +71,20 @@ def dot_precision(dtype: torch.dtype) -> str:
 def upcast_dots(dtype: torch.dtype) -> bool:
     """Upcast tl.dot operands to float32 only in the interpreter, for bf16."""
     return _INTERPRET and dtype == torch.bfloat16
+
+
+DEFAULT_SMS = 132   # an H100/H200; what the tiling heuristics assume off a GPU (the CPU tests)
+
+
+@functools.cache
+def _num_sms(device_index: int) -> int:
+    return int(torch.cuda.get_device_properties(device_index).multi_processor_count)
+
+
+def num_sms(device: torch.device) -> int:
+    """The SM count of a CUDA device (cached: no device query per launch); ``DEFAULT_SMS`` elsewhere."""
+    return _num_sms(device.index if device.index is not None else torch.cuda.current_device()) \
+        if device.type == "cuda" else DEFAULT_SMS
 
 
 def next_pow2(n: int) -> int:

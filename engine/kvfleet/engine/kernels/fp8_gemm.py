@@ -21,17 +21,15 @@ kernel writes float32 and PyTorch rounds to the output dtype.
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import torch
 import triton
 import triton.language as tl
 
-from ._common import check, check_tensor, fail, interpret_mode
+from ._common import DEFAULT_SMS, check, check_tensor, fail, interpret_mode, num_sms
 
 FP8_DTYPE = torch.float8_e4m3fn
 OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-_DEFAULT_SMS = 132   # an H100/H200; what the heuristic assumes off a GPU (the CPU tests)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,7 +81,7 @@ def _pow2_at_least(n: int, lo: int, hi: int) -> int:
     return p
 
 
-def default_config(m: int, n: int, k: int, num_sms: int = _DEFAULT_SMS) -> Fp8GemmConfig:
+def default_config(m: int, n: int, k: int, num_sms: int = DEFAULT_SMS) -> Fp8GemmConfig:
     """The tiling for an ``[m, k] x [n, k]^T`` product: M tiles just big enough for the batch, and the K loop
     split until the launch has about a program per SM (each split keeping at least two K blocks)."""
     block_m = _pow2_at_least(m, 16, 64 if m <= 64 else 128)
@@ -97,16 +95,6 @@ def default_config(m: int, n: int, k: int, num_sms: int = _DEFAULT_SMS) -> Fp8Ge
     while tiles * split < num_sms and k_blocks // (split * 2) >= 2:
         split *= 2
     return Fp8GemmConfig(block_m, block_n, block_k, split, warps, stages)
-
-
-@functools.cache
-def _num_sms(device_index: int) -> int:
-    return int(torch.cuda.get_device_properties(device_index).multi_processor_count)
-
-
-def num_sms(device: torch.device) -> int:
-    return _num_sms(device.index if device.index is not None else torch.cuda.current_device()) \
-        if device.type == "cuda" else _DEFAULT_SMS
 
 
 # M is not specialized (one compiled variant for every batch size: M == 1 would be its own); k_per_split is (a

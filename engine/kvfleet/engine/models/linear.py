@@ -4,6 +4,9 @@ Every parameter carries a `weight_loader(param, loaded, shard_id=None)` that tak
 the FULL checkpoint tensor — a torch.Tensor or a lazy safetensors slice (anything
 with `.shape`/`get_shape()` and `[a:b]` indexing) — and copies in only this rank's
 part, so a rank reads only its own shard from disk. At tp_size 1 they are plain layers.
+
+Their products (and the LM head's) go through ``small_m_linear.linear``: ``F.linear``, or on CUDA, for a step of a
+few rows and with ``KVFLEET_SMALL_M_GEMM_MAX`` set (off by default), the Triton small-M GEMM.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvfleet.engine.distributed.parallel_state import get_tp_rank, get_tp_size, tp_all_gather, tp_all_reduce
+from kvfleet.engine.models.small_m_linear import linear
 
 
 def full_shape(loaded: Any) -> tuple[int, ...]:
@@ -83,7 +87,7 @@ class ColumnParallelLinear(nn.Module):
         param.data[offset : offset + length].copy_(_narrow(loaded, 0, start, length))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -145,7 +149,7 @@ class RowParallelLinear(nn.Module):
         param.data.copy_(_narrow(loaded, 1, self.tp_rank * self.local_input, self.local_input))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = tp_all_reduce(F.linear(x, self.weight))
+        y = tp_all_reduce(linear(x, self.weight))
         return y + self.bias if self.bias is not None else y
 
 
@@ -184,6 +188,6 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(VocabParallelEmbedding):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, H] -> float32 logits [N, vocab] (gathered from every rank's vocab shard)."""
-        logits = F.linear(hidden, self.weight)
+        logits = linear(hidden, self.weight)   # in the model dtype, as F.linear: the float32 cast comes after
         logits = tp_all_gather(logits, dim=-1)[:, : self.vocab_size]
         return logits.float()
