@@ -31,6 +31,9 @@ Implementations (`impl` in the results):
   v2 ... contiguous kv     the same with pointer loads (what v2 does where TMA does not apply)
   torch SDPA flash         F.scaled_dot_product_attention, flash backend, contiguous K/V with the KV heads
                            expanded (not counted), causal aligned to the last key
+  gluon fa3-style BM,BN,W,B  the Gluon prototype (`prefill_attention_gluon`: FlashAttention-3's order of async wgmmas,
+                           K/V by TMA into B buffers) on the step's k/v; fresh prompts only, not in the dry run
+                           (Gluon kernels have no interpreter)
   vLLM FA3 paged           vLLM's FlashAttention-3 (`vllm.vllm_flash_attn.flash_attn_varlen_func`, fa_version 3)
                            over the same paged cache and block tables, as vLLM's engine calls it on Hopper: the
                            target for our kernel (only where vLLM's wheels are installed, PYTHONPATH=/tmp/site)
@@ -83,6 +86,8 @@ V2_TILES = [(128, 64, 8, 3), (128, 64, 8, 2), (128, 64, 8, 4), (128, 128, 8, 2),
             (128, 64, 4, 3), (64, 64, 4, 2), (64, 64, 4, 3)]
 V2_DEFAULT = default_tile_v2(8192, BF16)   # KVFLEET_PREFILL_KERNEL=v2 at long chunks
 V2_TMA_TILES = [(128, 64, 8, 3), (128, 64, 8, 2), (128, 128, 8, 2), (128, 128, 8, 3)]
+# the Gluon prototype's default: (BLOCK_M, BLOCK_N, num_warps, K/V buffers)
+GLUON_TILE = (128, 128, 8, 2)
 
 
 def S(n: int) -> int:
@@ -233,6 +238,8 @@ def kernel_runner(c: dict[str, Any], impl: str, tile: tuple[int, int, int, int],
     out = torch.full_like(c["q"], float("nan"))
     common = (c["q"], c["cache"], md.block_tables, md.seq_lens, md.query_start_loc, max(q_lens), SCALE, out)
     qsl = md.query_start_loc_cpu
+    if impl.startswith("gluon"):
+        return gluon_runner(c, tile, out)
     if impl == "v1":
         work = prefill_work(qsl, bm, False, DEV)
 
@@ -254,6 +261,29 @@ def kernel_runner(c: dict[str, Any], impl: str, tile: tuple[int, int, int, int],
     return run, lambda: out
 
 
+def gluon_runner(c: dict[str, Any], tile: tuple[int, int, int, int], out: torch.Tensor,
+                 ) -> tuple[Callable[[], Any], Callable[[], torch.Tensor]]:
+    """The Gluon prototype on the step's k/v (fresh prompts only); imported here, so that a Triton without Gluon
+    fails this row only."""
+    from kvfleet.engine.kernels.prefill_attention_gluon import prefill_attention_gluon
+
+    if any(c["ctx"]):
+        raise ValueError("the Gluon kernel serves fresh prompts only (no cached prefix)")
+    md, q_lens = c["md"], c["q_lens"]
+    bm, bn, warps, buffers = tile
+    work = prefill_work(md.query_start_loc_cpu, bm, False, DEV, md.seq_lens_cpu)
+
+    def run() -> None:
+        prefill_attention_gluon(c["q"], c["k"], c["v"], md.query_start_loc, max(q_lens), SCALE, out, work=work,
+                                block_m=bm, block_n=bn, num_buffers=buffers, num_warps=warps)
+    return run, lambda: out
+
+
+def gluon_rows(fresh: bool) -> list[tuple[str, tuple[int, int, int, int] | None]]:
+    """The Gluon row: fresh prompts only (it reads no cache), never in the dry run (no interpreter for Gluon)."""
+    return [("gluon fa3-style", GLUON_TILE)] if fresh and not DRY else []
+
+
 def configs(fresh: bool, fa3: bool = False) -> list[tuple[str, tuple[int, int, int, int] | None]]:
     """A case's configurations, most wanted first (a case out of time skips the rest); `fa3`: vLLM's FA3 too."""
     if fa3:
@@ -265,7 +295,7 @@ def configs(fresh: bool, fa3: bool = False) -> list[tuple[str, tuple[int, int, i
         if not fresh and BLOCK_SIZE > 16:
             out += [("v2 contiguous kv tma, cache gathered", t) for t in TMA_ONLY]
             out += [("v2 contiguous kv tma, cache gathered, cache +2 stages", t) for t in TMA_ONLY]
-        return out + [("torch SDPA flash", None)]
+        return out + [("torch SDPA flash", None)] + gluon_rows(fresh)
     if DRY:   # the interpreter: check the script end to end, one configuration of each kind
         out: list[tuple[str, tuple[int, int, int, int] | None]] = [
             ("v1", V1_TILES[0]), ("torch SDPA flash", None), ("v2", V2_DEFAULT), ("v2 grid order", V2_DEFAULT)]
@@ -277,7 +307,8 @@ def configs(fresh: bool, fa3: bool = False) -> list[tuple[str, tuple[int, int, i
     out = [("v1", V1_TILES[0]), ("v2", V2_DEFAULT)] + tma[:1] + deeper + [("torch SDPA flash", None)]
     out += [("v1", t) for t in V1_TILES[1:]] + [("v2", t) for t in V2_TILES if t != V2_DEFAULT] + tma[1:]
     out += [("v2 grid order", V2_DEFAULT), ("v2 unsorted work", V2_DEFAULT)]
-    return out + [("v2 contiguous kv", V2_DEFAULT)]
+    # the untried Gluon prototype last: a hang (a wrong mbarrier phase) would cost only the rows after it
+    return out + [("v2 contiguous kv", V2_DEFAULT)] + gluon_rows(fresh)
 
 
 def errors(got: torch.Tensor, ref: torch.Tensor) -> dict[str, float]:
@@ -303,7 +334,7 @@ def write(out_dir: Path, report: dict[str, Any], header: list[str]) -> str:
     for name, _, _ in CASES:
         timed = [r for r in rows if r["case"] == name and "ms" in r]
         best = {k: max((r for r in timed if r["kernel"].startswith(k)), key=lambda r: r["TFLOPs"], default=None)
-                for k in ("v1", "v2", "torch", "vLLM")}
+                for k in ("v1", "v2", "gluon", "torch", "vLLM")}
         lines.append(f"  {name:42} " + "  ".join(f"{k}: {r['impl']} {r['TFLOPs']:.0f}" for k, r in best.items()
                                                    if r is not None))
     failed = [r for r in rows if "error" in r]
@@ -347,7 +378,7 @@ def main() -> int:
         flops = causal_flops(q_lens, ctx)
         for impl, tile in configs(fresh, fa3):
             label = impl if tile is None else impl.replace("v2", f"v2 {','.join(map(str, tile))}", 1).replace(
-                "v1", f"v1 {','.join(map(str, tile))}", 1)
+                "v1", f"v1 {','.join(map(str, tile))}", 1).replace("gluon", f"gluon {','.join(map(str, tile))}", 1)
             row: dict[str, Any] = {"case": name, "impl": label, "kernel": impl, "tile": tile, "q_lens": q_lens,
                                    "ctx": ctx, "flops": flops}
             if time.monotonic() > deadline:

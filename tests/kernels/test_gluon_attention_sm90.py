@@ -1,0 +1,87 @@
+"""The Gluon FA3-style prefill kernel compiles for Hopper (sm_90) on this CPU, and its checks reject what it does not
+support.
+
+Gluon kernels cannot run under Triton's interpreter (``gluon.jit`` always builds a compiled kernel; on a machine
+without a GPU its launch fails with "0 active drivers"), so there is no numerical test here: correctness is checked
+on the GPU (``bench/gpu_gluon_attention_check.py``). What the CPU can check is what only the compiler sees: the
+kernel compiles, does not spill, fits in an H200's shared memory, and its key loop issues its MMAs asynchronously
+with the softmax's exponentials scheduled under them (ptxas keeps the order, no wgmma serialized).
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvfleet.engine.kernels.prefill_attention_gluon import check_tile, prefill_attention_gluon
+
+ROOT = Path(__file__).resolve().parents[2]
+HOPPER_MAX_SHARED = 232448
+
+
+def test_gluon_kernel_compiles_for_sm90_with_softmax_under_the_mmas(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path / "triton-cache")   # compile, do not reuse
+    out = tmp_path / "resources.json"
+    # the default (FlashAttention-3's order, 128 x 128), the S-ahead schedule at its default 64-key tile, and the
+    # warp-specialized variant of each
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "gluon_attention_resources.py"),
+                           "fa3,128,128,2,8", "ahead,128,64,2,8", "fa3-ws,128,128,2,8", "ahead-ws,128,64,2,8",
+                           "--json", str(out)], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = json.loads(out.read_text())
+    assert len(rows) == 4 and not [r for r in rows if "error" in r], rows
+    for r in rows:
+        assert r["stack_bytes"] == 0 and r["shared_bytes"] <= HOPPER_MAX_SHARED and r["fits"], r
+        assert r["ptx_wgmma"] and not r["serialized"], r
+        # every key loop (unmasked, diagonal) starts its softmax with an MMA in flight
+        assert len(r["ptx_loops"]) == 2 and r["ptx_softmax_under_mma"], r
+    fa3, ahead, fa3_ws, ahead_ws = rows
+    # FlashAttention-3's order: P_{j-1} V_{j-1} (RS) under softmax(S_j); S-ahead: Q K_{j+1}^T (SS) too
+    assert all(o["in_flight_at_first_ex2"] == ["RS"] for o in fa3["ptx_loops"] + fa3_ws["ptx_loops"]), fa3
+    assert ahead["ptx_s_next_before_ex2"] and ahead_ws["ptx_s_next_before_ex2"], ahead
+    # ptxas keeps most of the exponentials under an HGMMA group (it does not for fa3-ws: it hoists the wait for
+    # P_{j-1} V_{j-1} above most of the softmax, to pack P_j into P_{j-1}'s registers)
+    for r in (fa3, ahead, ahead_ws):
+        assert r["sass_loops"] and all(o["ex2_under_mma"] * 4 > o["ex2"] * 3 for o in r["sass_loops"]), r
+
+
+def _tensors(d: int = 128) -> dict[str, torch.Tensor]:
+    """A fused qkv projection's q/k/v views (Llama-3.1-8B's heads), one 16-token prompt, on CPU."""
+    qkv = torch.zeros(16, 32 + 2 * 8, d, dtype=torch.bfloat16)
+    return {"q": qkv[:, :32], "k": qkv[:, 32:40], "v": qkv[:, 40:],
+            "query_start_loc": torch.tensor([0, 16], dtype=torch.int32),
+            "out": torch.empty(16, 32, d, dtype=torch.bfloat16)}
+
+
+def _call(**kw: torch.Tensor) -> None:
+    t = _tensors() | kw
+    prefill_attention_gluon(t["q"], t["k"], t["v"], t["query_start_loc"], 16, 0.1, t["out"])
+
+
+def test_gluon_wrapper_rejects_unsupported_inputs() -> None:
+    with pytest.raises(ValueError, match="^q: on cpu: .*CUDA device only"):
+        _call()   # valid arguments, but on CPU: Gluon has no interpreter path
+    with pytest.raises(ValueError, match="^q: dtype"):
+        _call(q=torch.zeros(16, 32, 128))
+    with pytest.raises(ValueError, match="^k: dtype"):
+        _call(k=torch.zeros(16, 8, 128))
+    with pytest.raises(ValueError, match="^q: head dim 96"):
+        _call(**_tensors(d=96))
+    with pytest.raises(ValueError, match=r"^v: needs strides \(\*, 128, 1\)"):
+        _call(v=torch.zeros(16, 8, 256, dtype=torch.bfloat16)[:, :, :128])   # heads not packed in a row
+    with pytest.raises(ValueError, match="^k: innermost stride"):
+        _call(k=torch.zeros(16, 128, 8, dtype=torch.bfloat16).transpose(1, 2))
+    with pytest.raises(ValueError, match="^num_warps"):
+        check_tile(128, 128, 2, 2, 128)
+    with pytest.raises(ValueError, match="^block_m"):
+        check_tile(32, 128, 2, 4, 128)
+    with pytest.raises(ValueError, match="^block_n"):
+        check_tile(128, 96, 2, 8, 128)
+    with pytest.raises(ValueError, match="^num_buffers"):
+        check_tile(128, 128, 4, 8, 128)   # 4 K and 4 V buffers of 32 KiB: more shared memory than an H200 has
+    check_tile(128, 128, 3, 8, 128)
