@@ -40,6 +40,9 @@
 #                     against the Triton small-M GEMM (its default config and a grid around it), the crossover M
 #                     for KVFLEET_SMALL_M_GEMM_MAX and a batch-1 step's estimate (~1.5; SWEEP_BUDGET_S, default 80,
 #                     cuts the grid; into gemm-sweep/, its txt into $OUT)
+#   gluon-check       bench/gpu_gluon_attention_check.py: the Gluon FA3-style prefill prototype against float32 and
+#                     v2 on fresh prompts, then its speed (~2; a hung kernel ends the stage with status 3, what ran
+#                     kept; into gluon-check/, its txt into $OUT)
 #   sweeps            kernel sweeps: bench/gpu_attention_sweep.py (prefill attention kernels and tiles) and
 #                     bench/gpu_fp8_sweep.py (FP8 matmul paths at small M), bench/gpu_decode_step.py (the
 #                     decode step's kernel-count knobs, graph step at batch 1/4/16) (~6)
@@ -179,6 +182,9 @@ attn-sweep)
 gemm-sweep)
   step gemm-sweep 150 env $KV_ENV $PY bench/gpu_small_m_gemm_sweep.py "$RUNS/gemm-sweep"
   cp "$RUNS/gemm-sweep/small_m_gemm_sweep.txt" "$OUT/" 2>/dev/null ;;
+gluon-check)
+  step gluon-check 150 env $KV_ENV $PY bench/gpu_gluon_attention_check.py "$RUNS/gluon-check"
+  cp "$RUNS/gluon-check/gluon_attention_check.txt" "$OUT/" 2>/dev/null ;;
 sweeps)
   step attention-sweep 150 env $KV_ENV $PY bench/gpu_attention_sweep.py "$RUNS/attn-sweep"
   cp "$RUNS/attn-sweep/"*.txt "$OUT/" 2>/dev/null
