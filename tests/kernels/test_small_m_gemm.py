@@ -252,3 +252,19 @@ def test_a_tiny_model_on_the_kernel_matches_transformers(arch: str, tiny_model_f
             got.append(model.compute_logits(hidden))
     torch.testing.assert_close(torch.cat(got), ref, atol=1e-4, rtol=0)
     assert set(rows_on_kernel) == {12, 2, 1}
+
+
+def test_a_bad_setting_fails_at_model_load(monkeypatch: pytest.MonkeyPatch, tiny_model_factory: Any) -> None:
+    """KVFLEET_SMALL_M_GEMM_MAX out of range stops the load with the variable's name, before any forward."""
+    from kvfleet.engine.model_config import ModelConfig
+    from kvfleet.engine.model_loader import load_model
+    from kvfleet.engine.models import small_m_linear
+
+    monkeypatch.setenv("KVFLEET_SMALL_M_GEMM_MAX", "17")
+    small_m_linear.small_m_gemm_settings.cache_clear()
+    try:
+        with pytest.raises(ValueError, match="KVFLEET_SMALL_M_GEMM_MAX"):
+            load_model(ModelConfig.from_pretrained(tiny_model_factory("llama")), device="cpu")
+    finally:
+        monkeypatch.delenv("KVFLEET_SMALL_M_GEMM_MAX")
+        small_m_linear.small_m_gemm_settings.cache_clear()

@@ -20,6 +20,7 @@ import torch
 from kvfleet.engine.model_config import ModelConfig
 from kvfleet.engine.models.base import CausalLM
 from kvfleet.engine.models.registry import get_model_class
+from kvfleet.engine.models.small_m_linear import small_m_gemm_settings
 from kvfleet.engine.progress import progress_bar
 
 logger = logging.getLogger(__name__)
@@ -98,6 +99,7 @@ def load_model(
     rank's part of every tensor is read.
     """
     device = torch.device(device)
+    small_m_gemm_settings()   # a bad KVFLEET_SMALL_M_GEMM_MAX fails here, not at the first forward
     fmt = resolve_load_format(model_config, load_format)
     cls = get_model_class(model_config.architecture)
     with torch.device(device), _default_dtype(model_config.dtype):
