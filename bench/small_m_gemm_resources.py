@@ -71,7 +71,7 @@ def compile_gemm(m: int, cfg: SmallMGemmConfig) -> Any:
                                        "stride_os")}}
     const = {"BLOCK_M": block_m_for(m, cfg.use_dot), "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k,
              "NUM_STAGES": cfg.num_stages, "EVEN_K": True, "EVEN_N": True, "SPLIT": split, "HAS_BIAS": False,
-             "USE_DOT": cfg.use_dot, "UPCAST": False, "PREC": "tf32"}
+             "USE_DOT": cfg.use_dot, "UPCAST": False, "PREC": "tf32", "X_VECTOR": cfg.x_vector}
     return _compile(_small_m_gemm_kernel, sig, const, cfg.num_warps, cfg.num_stages)
 
 

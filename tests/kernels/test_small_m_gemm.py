@@ -49,6 +49,8 @@ CASES = [
     (16, 64, 96, SmallMGemmConfig(32, 32, 1, num_stages=1, use_dot=True)),   # dot, plain loads, partial K
     (1, 64, 256, SmallMGemmConfig(16, 64, 8, num_stages=1)),            # elementwise, plain loads, more splits
     (16, 24, 128, SmallMGemmConfig(8, 32, 2)),                          # elementwise at 16 rows
+    (1, 40, 200, SmallMGemmConfig(16, 64, 1, x_vector=True)),           # x rows as vectors, partial N and K
+    (3, 72, 520, SmallMGemmConfig(8, 64, 3, x_vector=True)),            # ... 3 rows, 3 splits
 ]
 
 
@@ -119,6 +121,8 @@ def test_refuses_what_it_cannot_multiply() -> None:
 
 
 def test_config_validation() -> None:
+    with pytest.raises(ValueError, match="^x_vector:"):
+        SmallMGemmConfig(16, 64, use_dot=True, x_vector=True)
     assert SmallMGemmConfig(8, 512).label() == "ewn8k512s1w4p3"
     assert SmallMGemmConfig(64, 128, 2, 8, 4, use_dot=True).label() == "dotn64k128s2w8p4"
     for kwargs, name in [(dict(block_n=12, block_k=64), "block_n"), (dict(block_n=8, block_k=64, use_dot=True),

@@ -48,7 +48,10 @@ _REDUCE_BLOCK = 1024
 @dataclasses.dataclass(frozen=True)
 class SmallMGemmConfig:
     """One tiling. ``split_k``: the most K splits a launch uses (fewer when K is short); ``use_dot``: tensor
-    cores on x padded to 16 rows instead of elementwise FMAs."""
+    cores on x padded to 16 rows instead of elementwise FMAs; ``x_vector`` (elementwise only): each x row loaded
+    as a ``[BLOCK_K]`` vector and broadcast in registers, where the default loads it as a ``[BLOCK_N, BLOCK_K]``
+    tile (pipelined, that tile goes through shared memory: as many bytes from L2 as the weight tile's; the vector
+    is ``BLOCK_N`` times fewer, sm_90 TTGIR shows no layout conversion in the loop either way)."""
 
     block_n: int
     block_k: int
@@ -56,9 +59,12 @@ class SmallMGemmConfig:
     num_warps: int = 4
     num_stages: int = 3
     use_dot: bool = False
+    x_vector: bool = False
 
     def __post_init__(self) -> None:
         lo = _MIN_BLOCK_N[self.use_dot]
+        if self.x_vector and self.use_dot:
+            raise ValueError("x_vector: only for the elementwise mode (the dot loads x as a tile)")
         if self.block_n < lo or self.block_n > 256 or self.block_n & (self.block_n - 1):
             raise ValueError(f"block_n: must be a power of two in [{lo}, 256], got {self.block_n}")
         if self.block_k < 16 or self.block_k > 1024 or self.block_k & (self.block_k - 1):
@@ -71,8 +77,8 @@ class SmallMGemmConfig:
             raise ValueError(f"num_stages: must be >= 1, got {self.num_stages}")
 
     def label(self) -> str:
-        return (f"{'dot' if self.use_dot else 'ew'}n{self.block_n}k{self.block_k}s{self.split_k}"
-                f"w{self.num_warps}p{self.num_stages}")
+        return (f"{'dot' if self.use_dot else 'ewv' if self.x_vector else 'ew'}n{self.block_n}k{self.block_k}"
+                f"s{self.split_k}w{self.num_warps}p{self.num_stages}")
 
 
 def block_m_for(m: int, use_dot: bool) -> int:
@@ -109,7 +115,7 @@ def _small_m_gemm_kernel(
     M, N, K, k_per_split, stride_xm, stride_wn, stride_om, stride_os,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr,
-    USE_DOT: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
+    USE_DOT: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr, X_VECTOR: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -124,6 +130,8 @@ def _small_m_gemm_kernel(
     # shape, which gives it the weight tile's layout (see the module docstring)
     if USE_DOT:
         x_ptrs = x_ptr + rm[:, None] * stride_xm + (k_start + rk)[None, :]
+    elif X_VECTOR:
+        x_ptrs = x_ptr + k_start + rk
     else:
         x_ptrs = tl.broadcast_to(x_ptr + (k_start + rk)[None, :], (BLOCK_N, BLOCK_K))
     w_ptrs = w_ptr + rn.to(tl.int64)[:, None] * stride_wn + (k_start + rk)[None, :]
@@ -150,8 +158,13 @@ def _small_m_gemm_kernel(
             # one x row at a time against the weight tile, in the same layout: each sum over K stays in a warp
             wf = w.to(tl.float32)
             for i in tl.static_range(BLOCK_M):
-                xi = tl.load(x_ptrs + i * stride_xm, mask=(i < M) & k_mask[None, :], other=0.0,
-                             eviction_policy="evict_last")
+                if X_VECTOR:
+                    xv = tl.load(x_ptrs + i * stride_xm, mask=(i < M) & k_mask, other=0.0,
+                                 eviction_policy="evict_last")
+                    xi = xv[None, :]
+                else:
+                    xi = tl.load(x_ptrs + i * stride_xm, mask=(i < M) & k_mask[None, :], other=0.0,
+                                 eviction_policy="evict_last")
                 part = tl.sum(wf * xi.to(tl.float32), axis=1)
                 acc = tl.where(rm[None, :] == i, acc + part[:, None], acc)
         x_ptrs += BLOCK_K
@@ -216,7 +229,7 @@ def small_m_gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = N
         m, n, k, k_per_split, x.stride(0), w.stride(0), part.stride(-2), part.stride(0) if splits > 1 else 0,
         BLOCK_M=block_m_for(m, cfg.use_dot), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, NUM_STAGES=cfg.num_stages,
         EVEN_K=k % cfg.block_k == 0, EVEN_N=n % cfg.block_n == 0, SPLIT=splits > 1, HAS_BIAS=bias is not None,
-        USE_DOT=cfg.use_dot, UPCAST=interpreting, PREC=dot_precision(x.dtype),
+        USE_DOT=cfg.use_dot, UPCAST=interpreting, PREC=dot_precision(x.dtype), X_VECTOR=cfg.x_vector,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if splits > 1:
