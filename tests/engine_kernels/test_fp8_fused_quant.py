@@ -1,6 +1,6 @@
 """Per-token FP8 quantization fused into the RMSNorm and SiLU-and-mul kernels (FP8 models), against the unfused
 path: the same kernel's model-dtype output quantized by ``per_token_quant_fp8`` (itself bit-identical to the
-PyTorch reference, tests/kernels/test_fp8_quant_kernel.py). Values and scales must be bit-identical: the fused
+PyTorch reference, tests/engine_kernels/test_fp8_quant_kernel.py). Values and scales must be bit-identical: the fused
 kernels quantize the same rounded values with the same arithmetic. Then the layers: an FP8 MLP and a norm feeding
 an FP8 linear give the same output with the fusion on as off (the Triton path, interpreted on CPU).
 """

@@ -19,7 +19,7 @@ from kvfleet.engine.kernels import fp8_gemm as fg
 
 LLAMA_8B = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 
-# Runs in a child process: this one interprets (tests/kernels/conftest.py), and Triton's interpreter patches the
+# Runs in a child process: this one interprets (tests/engine_kernels/conftest.py), and Triton's interpreter patches the
 # language objects the compiler needs. Prints, per tile, what the compiled kernel does.
 _COMPILE = r"""
 import json, re, sys
