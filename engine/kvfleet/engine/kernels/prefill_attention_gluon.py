@@ -45,7 +45,8 @@ Gluon kernels cannot run under Triton's CPU interpreter: with ``TRITON_INTERPRET
 a compiled kernel (a ``GluonJITFunction``), whose launch on a machine without a GPU fails with "RuntimeError:
 0 active drivers ([]). There should only be one." Correctness is checked on a GPU only
 (``bench/gpu_gluon_attention_check.py``); on CPU the kernel is compiled for sm_90 and its resources and
-instruction order are checked (``bench/gluon_attention_resources.py``, ``tests/engine_kernels/test_gluon_attention_sm90.py``).
+instruction order are checked (``bench/gluon_attention_resources.py``,
+``tests/engine_kernels/test_gluon_attention_sm90.py``).
 """
 
 from __future__ import annotations
