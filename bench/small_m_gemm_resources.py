@@ -15,16 +15,14 @@ from __future__ import annotations
 import json
 import os
 import re
-import subprocess
 import sys
-import tempfile
 from typing import Any
 
 if os.environ.get("TRITON_INTERPRET") == "1":
     sys.exit("small_m_gemm_resources: unset TRITON_INTERPRET (this compiles for the GPU)")
 
 import triton  # noqa: E402
-from triton.backends.compiler import GPUTarget  # noqa: E402
+from prefill_kernel_resources import HOPPER_MAX_SHARED, TARGET, _usage  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from kvfleet.engine.kernels.small_m_gemm import (  # noqa: E402
@@ -35,24 +33,9 @@ from kvfleet.engine.kernels.small_m_gemm import (  # noqa: E402
     default_small_m_config,
 )
 
-TARGET = GPUTarget("cuda", 90, 32)
-CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-HOPPER_MAX_SHARED = 232448
 SMS = 132
 LLAMA_8B = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336),
             "lm_head": (128256, 4096)}   # N, K
-
-
-def _usage(cubin: bytes) -> dict[str, int]:
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(cubin)
-        f.flush()
-        out = subprocess.run([CUOBJDUMP, "--dump-resource-usage", f.name], capture_output=True, text=True,
-                             check=True).stdout
-    m = re.search(r"REG:(\d+) STACK:(\d+)", out)
-    if m is None:
-        raise RuntimeError(f"no resource usage in cuobjdump's output: {out[-300:]}")
-    return {"registers": int(m.group(1)), "stack_bytes": int(m.group(2))}
 
 
 def _compile(fn: Any, sig: dict[str, str], const: dict[str, Any], warps: int, stages: int) -> Any:
