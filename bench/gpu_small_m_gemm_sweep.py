@@ -153,9 +153,9 @@ def essentials(rows: list[dict[str, Any]], s: Shape, m: int) -> None:
 
 def grid_configs(m: int, n: int, k: int) -> list[SmallMGemmConfig]:
     """Configs one step from the default: column block and K block halved and doubled, split-K 1 and x2, warps 2
-    and 8, plain loads (1 stage) and a stage more; elementwise, x rows as vectors (3 and 4 stages); the other
-    multiply mode at its own default (elementwise only up to 4 rows: it loads a broadcast tile per x row); on the
-    dot, 128-column blocks (wgmma)."""
+    and 8, plain loads (1 stage) and a stage more; elementwise, x rows loaded the other way (broadcast tiles
+    where the default loads vectors) at the default's stages and at 3; the other multiply mode at its own default
+    (elementwise only up to 4 rows); on the dot, 128-column blocks (wgmma)."""
     sms = num_sms(DEV)
     base = default_small_m_config(m, n, k, sms)
     rep = dataclasses.replace
@@ -167,8 +167,8 @@ def grid_configs(m: int, n: int, k: int) -> list[SmallMGemmConfig]:
         lambda: rep(base, num_stages=1), lambda: rep(base, num_stages=base.num_stages + 1),
     ]
     if not base.use_dot:
-        cands.append(lambda: rep(base, x_vector=True))                # x rows as K vectors, not broadcast tiles
-        cands.append(lambda: rep(base, x_vector=True, num_stages=4))
+        cands.append(lambda: rep(base, x_vector=not base.x_vector))   # x rows as K vectors or as broadcast tiles
+        cands.append(lambda: rep(base, x_vector=not base.x_vector, num_stages=3))
         cands.append(lambda: default_small_m_config(16, n, k, sms))   # the dot's tiling (x padded to 16 rows)
     elif m <= 4:
         cands.append(lambda: default_small_m_config(1, n, k, sms))    # elementwise's

@@ -1,7 +1,8 @@
 """The small-M bf16 GEMM compiled for Hopper (sm_90) with Triton's real compiler and ptxas, on this CPU
 (bench/small_m_gemm_resources.py): the default tile of every Llama-3.1-8B shape at 1 and 16 rows (the elementwise
 and the dot mode) compiles without spilling registers, fits an H200's shared memory, and loads its weights as
-16-byte vectors (the kernel is a read of the weights: byte-wide or 2-byte loads would waste the point of it).
+16-byte vectors (the kernel is a read of the weights: byte-wide or 2-byte loads would waste the point of it; only
+an x row loaded as a vector may be narrow).
 """
 
 import json
@@ -27,7 +28,10 @@ def test_default_tiles_compile_for_sm90_without_spills(tmp_path: Path) -> None:
     assert any(r.get("kernel") == "split-K sum" for r in rows)
     for r in rows:
         assert "error" not in r and r["fits"] and r["stack_bytes"] == 0, r
-        assert r["ld_global_narrow"] == 0, r
+        # the weights never load narrow; x rows loaded as vectors (``ewv``) may: an x row is BLOCK_K elements
+        # over the program's threads (gate_up's 128 over 128: one bf16 each), from L1, one load a row
+        x_rows = r["M"] if str(r.get("config", "")).startswith("ewv") else 0
+        assert r["ld_global_narrow"] <= x_rows, r
     for r in gemms:
         assert r["programs"] >= 2 * 132, r
         assert r["cp_async16"] > 0, r   # the default configs pipeline 16-byte copies

@@ -55,7 +55,7 @@ def test_prefill_kernel_choice() -> None:
 
 
 def test_prefill_cache_extra_stages_knob() -> None:
-    assert prefill_cache_extra_stages("") == 0 and prefill_cache_extra_stages(" 2 ") == 2
+    assert prefill_cache_extra_stages("") == 2 and prefill_cache_extra_stages(" 0 ") == 0
     for bad in ("-1", "5", "two"):
         with pytest.raises(ValueError, match="KVFLEET_PREFILL_CACHE_EXTRA_STAGES"):
             prefill_cache_extra_stages(bad)

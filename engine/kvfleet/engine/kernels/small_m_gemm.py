@@ -10,7 +10,10 @@ accumulator is ``[BLOCK_N, M]`` (out transposed). Two ways to multiply, a config
 * elementwise (M <= 2 by default): each x row is loaded as a ``[BLOCK_N, BLOCK_K]`` broadcast of itself, so it
   has the weight tile's layout: a float32 multiply and a sum over K inside each warp, no layout conversion in the
   loop (Triton gives a plain ``[1, BLOCK_K]`` row, or a 3-D ``[M, BLOCK_N, BLOCK_K]`` product, layouts that
-  shuffle through shared memory or reduce across warps every step). No padding of M.
+  shuffle through shared memory or reduce across warps every step). No padding of M. By default each x row is
+  loaded as a ``[BLOCK_K]`` vector and broadcast in registers instead (``x_vector``): the tile, pipelined, went
+  through shared memory and read as many bytes from L2 as the weights; on an H200 the vector load runs at
+  3.3-4.3 TB/s where the tile ran at 1.6-2.6 (M = 1, Llama-3.1-8B's layers).
 * ``tl.dot`` (M > 2): ``w_tile @ x_tile^T`` with x padded to 16 rows, on tensor cores (wgmma from 64 columns),
   where the FMAs, the redundant x rows and the ``BLOCK_N x 16`` tile would otherwise grow with M.
 
@@ -104,7 +107,10 @@ def default_small_m_config(m: int, n: int, k: int, num_sms: int = DEFAULT_SMS) -
     split = 1
     while tiles * split < target and k_blocks // (split * 2) >= 2:
         split *= 2
-    return SmallMGemmConfig(block_n, block_k, split, num_warps=4, num_stages=4 if use_dot else 3, use_dot=use_dot)
+    # elementwise: x rows as vectors (x_vector) and 4 stages, the H200 sweep's best or within 2 % of it at M = 1 on
+    # every Llama-3.1-8B shape (bench/results/issue16/lease12/: 1.03-1.11x cuBLAS; the broadcast tile: 0.5-0.8x)
+    return SmallMGemmConfig(block_n, block_k, split, num_warps=4, num_stages=4, use_dot=use_dot,
+                            x_vector=not use_dot)
 
 
 # M is not specialized (M == 1 would compile its own variant); k_per_split is a multiple of BLOCK_K, so Triton
