@@ -172,10 +172,11 @@ def test_default_config_splits_k_for_small_n() -> None:
 
 
 def test_settings_from_the_environment() -> None:
-    assert parse_small_m_gemm_settings({}) == SmallMGemmSettings(max_m=0)   # off by default
+    assert parse_small_m_gemm_settings({}) == SmallMGemmSettings(max_m=1)   # batch-1 products by default
+    assert parse_small_m_gemm_settings({"KVFLEET_SMALL_M_GEMM_MAX": "0"}).max_m == 0
     assert parse_small_m_gemm_settings({"KVFLEET_SMALL_M_GEMM_MAX": " 8 "}).max_m == 8
     assert parse_small_m_gemm_settings({"KVFLEET_SMALL_M_GEMM_MAX": "16"}).max_m == 16
-    assert parse_small_m_gemm_settings({"KVFLEET_SMALL_M_GEMM_MAX": ""}).max_m == 0
+    assert parse_small_m_gemm_settings({"KVFLEET_SMALL_M_GEMM_MAX": ""}).max_m == 1
     for bad in ("-1", "17", "many", "1.5"):
         with pytest.raises(ValueError, match="KVFLEET_SMALL_M_GEMM_MAX"):
             parse_small_m_gemm_settings({"KVFLEET_SMALL_M_GEMM_MAX": bad})

@@ -6,7 +6,7 @@ with `.shape`/`get_shape()` and `[a:b]` indexing) — and copies in only this ra
 part, so a rank reads only its own shard from disk. At tp_size 1 they are plain layers.
 
 Their products (and the LM head's) go through ``small_m_linear.linear``: ``F.linear``, or on CUDA, for a step of a
-few rows and with ``KVFLEET_SMALL_M_GEMM_MAX`` set (off by default), the Triton small-M GEMM.
+few rows (``KVFLEET_SMALL_M_GEMM_MAX``, default 1: batch-1 decode on CUDA), the Triton small-M GEMM.
 """
 
 from __future__ import annotations

@@ -2,9 +2,11 @@
 rows, our Triton kernel (``kernels/small_m_gemm.py``), which reads the weights once in one launch where cuBLAS's
 GEMV adds a split-K reduction launch.
 
-``KVFLEET_SMALL_M_GEMM_MAX`` (read once per process): 0, the default, always ``F.linear``; N in 1..16: the Triton
-kernel for a product of 1..N rows of bf16/fp16 on CUDA with a contiguous weight. Off until an H200 sweep
-(``bench/gpu_small_m_gemm_sweep.py``) shows where it beats cuBLAS. CUDA graphs capture decode at fixed batch sizes,
+``KVFLEET_SMALL_M_GEMM_MAX`` (read once per process): N in 1..16, the Triton kernel for a product of 1..N rows of
+bf16/fp16 on CUDA with a contiguous weight; 0, always ``F.linear``. The default, 1, is where the H200 sweep
+(``bench/gpu_small_m_gemm_sweep.py``, issue 16 lease 12) has it beat cuBLAS on every Llama-3.1-8B shape (1.03-1.11x;
+at 2 rows and above they are level or cuBLAS wins): a batch-1 step's linears 3.88 ms instead of 4.21, and
+``kvfleet serve``'s TPOT p50 at 0.5 req/s 4.47 ms instead of 4.70. CUDA graphs capture decode at fixed batch sizes,
 so each captured size keeps one path. FP8 layers (models/fp8.py) have their own kernel and setting.
 """
 
@@ -31,14 +33,14 @@ LinearPath = Literal["triton", "torch"]
 class SmallMGemmSettings:
     """``max_m``: the most rows the Triton kernel takes (0: never)."""
 
-    max_m: int = 0
+    max_m: int = 1
 
 
 def parse_small_m_gemm_settings(env: Mapping[str, str]) -> SmallMGemmSettings:
     """The settings from environment variables (a ValueError names the variable)."""
     raw = env.get(SMALL_M_GEMM_MAX_ENV, "").strip()
     try:
-        max_m = int(raw) if raw else 0
+        max_m = int(raw) if raw else SmallMGemmSettings.max_m
     except ValueError:
         max_m = -1
     if not 0 <= max_m <= MAX_M:
@@ -67,7 +69,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
            settings: SmallMGemmSettings | None = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)``, by the Triton kernel where ``linear_path`` says so (``x [..., K]``)."""
     max_m = (settings or small_m_gemm_settings()).max_m
-    if max_m == 0:   # the default: no further checks on the hot path
+    if max_m == 0:   # off: no further checks on the hot path
         return F.linear(x, weight, bias)
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     if linear_path(rows, x.dtype, weight.dtype, x.device.type, weight.is_contiguous(), max_m) == "torch":
