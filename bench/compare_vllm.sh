@@ -43,6 +43,9 @@
 #   gluon-check       bench/gpu_gluon_attention_check.py: the Gluon FA3-style prefill prototype against float32 and
 #                     v2 on fresh prompts, then its speed (~2; a hung kernel ends the stage with status 3, what ran
 #                     kept; into gluon-check/, its txt into $OUT)
+#   gluon-engine      bench/gpu_gluon_engine_check.py: KVFLEET_PREFILL_KERNEL=gluon inside the attention op (steps
+#                     like the long-prompt workload's against the torch op in float32, and against v2; status 1 if
+#                     wrong), then Qwen3-0.6B greedy on long prompts with each choice (~2; into gluon-engine/)
 #   sweeps            kernel sweeps: bench/gpu_attention_sweep.py (prefill attention kernels and tiles) and
 #                     bench/gpu_fp8_sweep.py (FP8 matmul paths at small M), bench/gpu_decode_step.py (the
 #                     decode step's kernel-count knobs, graph step at batch 1/4/16) (~6)
@@ -185,6 +188,8 @@ gemm-sweep)
 gluon-check)
   step gluon-check 150 env $KV_ENV $PY bench/gpu_gluon_attention_check.py "$RUNS/gluon-check"
   cp "$RUNS/gluon-check/gluon_attention_check.txt" "$OUT/" 2>/dev/null ;;
+gluon-engine)
+  step gluon-engine 180 env $KV_ENV $PY bench/gpu_gluon_engine_check.py "$RUNS/gluon-engine" "$QWEN" ;;
 sweeps)
   step attention-sweep 150 env $KV_ENV $PY bench/gpu_attention_sweep.py "$RUNS/attn-sweep"
   cp "$RUNS/attn-sweep/"*.txt "$OUT/" 2>/dev/null

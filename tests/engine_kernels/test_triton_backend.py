@@ -1,17 +1,21 @@
 """The Triton attention op against the torch reference op on the same metadata."""
 
+import functools
 from typing import Any
 
 import pytest
 import torch
 
 from kvfleet.engine.attention import build_attention_metadata, torch_paged_attention, triton_backend
+from kvfleet.engine.attention.fresh_prompts import fresh_long_prompts
 from kvfleet.engine.attention.triton_backend import (
     prefill_cache_extra_stages,
     prefill_kernel_choice,
     triton_paged_attention,
 )
 from kvfleet.engine.kernels import apply_rotary_cos_sin
+from kvfleet.engine.kernels.prefill_attention import prefill_work_pairs
+from kvfleet.engine.kernels.prefill_attention_gluon import gluon_applies
 from kvfleet.engine.models.layers import RotaryEmbedding, apply_rotary
 from kvfleet.engine.rope import Rotary
 
@@ -49,9 +53,88 @@ def test_triton_op_matches_torch_op(q_lens: list[int], seq_lens: list[int], rota
 
 def test_prefill_kernel_choice() -> None:
     assert prefill_kernel_choice("") == "v2" and prefill_kernel_choice(" v1 ") == "v1"
-    assert prefill_kernel_choice("v2-paged") == "v2-paged"
+    assert prefill_kernel_choice("v2-paged") == "v2-paged" and prefill_kernel_choice("gluon") == "gluon"
     with pytest.raises(ValueError, match="KVFLEET_PREFILL_KERNEL"):
         prefill_kernel_choice("v3")
+
+
+def test_fresh_long_prompts_and_work_lists_for_them() -> None:
+    qsl, seq_lens = [0, 40, 41, 61, 94, 96], [40, 9, 50, 33, 2]
+    assert fresh_long_prompts(qsl, seq_lens, min_tokens=16) == [True, False, False, True, False]
+    assert fresh_long_prompts(qsl, seq_lens, min_tokens=34) == [True, False, False, False, False]
+    assert fresh_long_prompts(qsl, seq_lens, min_tokens=1) == [True, False, False, True, True]   # never decode rows
+    assert fresh_long_prompts([0, 5000], [5000]) == [True] and fresh_long_prompts([0, 2047], [2047]) == [False]
+    only = [True, False, False, True, False]
+    pairs = prefill_work_pairs(qsl, 16, True, seq_lens, only=only)
+    assert sorted(set(pairs[0::2])) == [0, 3] and len(pairs) // 2 == 3 + 3
+    rest = prefill_work_pairs(qsl, 16, True, seq_lens, only=[not x for x in only])
+    assert sorted(set(rest[0::2])) == [2, 4] and len(rest) // 2 == 2 + 1
+
+
+def _causal_attention_of(work: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                         qsl: torch.Tensor, scale: float, out: torch.Tensor) -> None:
+    """What the Gluon kernel computes, in torch: each listed prompt's rows attend causally to its own k/v rows."""
+    group = q.shape[1] // k.shape[1]
+    for b in sorted(set(work[:, 0].tolist())):
+        s, e = int(qsl[b]), int(qsl[b + 1])
+        kk, vv = (x[s:e].repeat_interleave(group, dim=1) for x in (k, v))
+        scores = torch.einsum("qhd,khd->hqk", q[s:e].float(), kk.float()) * scale
+        scores = scores.masked_fill(torch.ones(e - s, e - s, dtype=torch.bool).triu(1), float("-inf"))
+        out[s:e] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), vv.float()).to(out.dtype)
+
+
+@pytest.mark.parametrize("rotary", ["fused", "separate"])
+def test_gluon_choice_takes_fresh_long_prompts_and_v2_the_rest(rotary: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """KVFLEET_PREFILL_KERNEL=gluon: the fresh prompts over the threshold go to the Gluon kernel (a torch stand-in
+    here: Gluon has no CPU interpreter; `bench/gpu_gluon_attention_check.py` checks the kernel on an H200), with k
+    rotated in place first; the chunk over a cached prefix and the decode row to v2 and the decode kernel. The step
+    equals the torch op."""
+    calls: list[torch.Tensor] = []
+
+    def gluon_stand_in(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qsl: torch.Tensor, max_query_len: int,
+                       scale: float, out: torch.Tensor, work: torch.Tensor, **tile: Any) -> torch.Tensor:
+        assert tile["block_m"] == 128 and not tile["s_ahead"]
+        calls.append(work.clone())
+        _causal_attention_of(work, q, k, v, qsl, scale, out)
+        return out
+
+    monkeypatch.setattr(triton_backend, "PREFILL_KERNEL", "gluon")
+    monkeypatch.setattr(triton_backend, "gluon_applies", lambda q, k, v: True)
+    monkeypatch.setattr(triton_backend, "prefill_attention_gluon", gluon_stand_in)
+    monkeypatch.setattr(triton_backend, "fresh_long_prompts", functools.partial(fresh_long_prompts, min_tokens=16))
+    monkeypatch.setattr(triton_backend, "FUSED_ROTARY_CACHE", rotary == "fused")
+    # v2 reads the fresh keys through the cache here, so only the Gluon kernel needs k rotated in place
+    monkeypatch.setattr(triton_backend, "tma_applies", lambda k, v, block_n: False)
+    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    q_lens, seq_lens = [40, 1, 20, 33, 6], [40, 9, 50, 33, 6]
+    q, k, v, cache, md = _step(gen, q_lens, seq_lens)
+    positions = torch.tensor([p for ql, s in zip(q_lens, seq_lens, strict=True) for p in range(s - ql, s)])
+    rope = Rotary(*RotaryEmbedding(16, 10000.0)(positions, torch.float32))
+    cache_ref, q_ref, k_ref = cache.clone(), q.clone(), k.clone()
+    out = triton_paged_attention(q, k, v, cache, md, 0.25, rotary=rope)
+    ref = torch_paged_attention(q_ref, k_ref, v, cache_ref, md, 0.25, rotary=rope)
+    assert rel_err(cache, cache_ref) < 1e-6
+    assert rel_err(out, ref) < 1e-5
+    plan = md.plans["triton_prefill"]
+    assert isinstance(plan, triton_backend.PrefillPlan) and plan.kernel == "v2" and plan.gluon_work is not None
+    assert len(calls) == 1 and sorted(set(calls[0][:, 0].tolist())) == [0, 3]
+    assert sorted(set(plan.work[:, 0].tolist())) == [2, 4]
+
+
+def test_gluon_choice_falls_back_to_v2_where_it_does_not_apply(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a CPU (or any tensors `gluon_applies` refuses) the gluon choice is plain v2, and exact."""
+    monkeypatch.setattr(triton_backend, "PREFILL_KERNEL", "gluon")
+    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    q, k, v, cache, md = _step(gen, [40, 1, 33], [40, 9, 33])
+    assert not gluon_applies(q, k, v)
+    cache_ref, q_ref = cache.clone(), q.clone()
+    out = triton_paged_attention(q, k, v, cache, md, 0.25)
+    ref = torch_paged_attention(q_ref, k, v, cache_ref, md, 0.25)
+    assert rel_err(out, ref) < 1e-5
+    plan = md.plans["triton_prefill"]
+    assert isinstance(plan, triton_backend.PrefillPlan) and plan.kernel == "v2" and plan.gluon_work is None
+    captured = triton_backend.CapturedPrefill(128, 4, torch.float32, torch.device("cpu"))
+    assert captured.kernel == "v2" and captured.plan(128).gluon_work is None   # graphs replay v2 alone
 
 
 def test_prefill_cache_extra_stages_knob() -> None:

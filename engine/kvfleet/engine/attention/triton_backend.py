@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from kvfleet.engine.attention import shared_prefix as sp
+from kvfleet.engine.attention.fresh_prompts import fresh_long_prompts
 from kvfleet.engine.attention.metadata import AttentionMetadata
 from kvfleet.engine.kernels.paged_decode import SharedPrefixArgs, choose_decode_split, paged_decode_attention
 from kvfleet.engine.kernels.prefill_attention import (
@@ -31,6 +32,8 @@ from kvfleet.engine.kernels.prefill_attention import (
     prefill_work,
     prefill_work_pairs,
 )
+from kvfleet.engine.kernels.prefill_attention_gluon import ENGINE_TILE as GLUON_TILE
+from kvfleet.engine.kernels.prefill_attention_gluon import gluon_applies, prefill_attention_gluon
 from kvfleet.engine.kernels.prefill_attention_v2 import (
     SHORT_QUERY_MAX_TOKENS,
     default_tile_v2,
@@ -71,13 +74,15 @@ def prefill_tile(raw: str, name: str = "KVFLEET_PREFILL_TILE") -> tuple[int, int
     return bm, bn, warps, stages
 
 
-PREFILL_KERNELS = ("v1", "v2", "v2-paged")
+PREFILL_KERNELS = ("v1", "v2", "v2-paged", "gluon")
 
 
 def prefill_kernel_choice(raw: str) -> str:
     """KVFLEET_PREFILL_KERNEL: "v2" (the default, `prefill_attention_v2`: split causal loop, heaviest-first
     work, GQA-ordered grid, the new tokens' K/V from the step's projections by TMA on Hopper), "v2-paged" (v2
-    reading every key through the block table) or "v1" (the first kernel); issue 16's A/B on the GPU."""
+    reading every key through the block table), "v1" (the first kernel) or "gluon" (v2, but a step's fresh prompts
+    of `GLUON_MIN_QUERY_TOKENS` and more go to the Gluon FlashAttention-3-style kernel where it applies: a Hopper
+    GPU, 16-bit, head dim 64/128; eager steps only, captured ones keep v2); issue 16's A/B on the GPU."""
     choice = raw.strip() or "v2"
     if choice not in PREFILL_KERNELS:
         raise ValueError(f"KVFLEET_PREFILL_KERNEL: expected one of {', '.join(PREFILL_KERNELS)}, got {raw!r}")
@@ -109,9 +114,10 @@ class PrefillPlan(NamedTuple):
     """How a step with prefill runs its attention: computed once per step (the first layer)."""
 
     mixed: bool                        # single-token (decode) rows too: the decode kernel runs after the prefill
-    kernel: str                        # PREFILL_KERNELS
+    kernel: str                        # "v1", "v2" or "v2-paged": the Triton kernel of every prompt not in gluon_work
     tile: tuple[int, int, int, int]    # BLOCK_M, BLOCK_N, num_warps, num_stages
     work: torch.Tensor                 # the prefill kernel's work list
+    gluon_work: torch.Tensor | None = None   # the Gluon kernel's work list (fresh long prompts), or None: not used
 
 
 def _prefill_tile(kernel: str, max_query_len: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
@@ -129,18 +135,30 @@ def _prefill_tile(kernel: str, max_query_len: int, dtype: torch.dtype) -> tuple[
     return tile
 
 
-def _prefill_plan(md: AttentionMetadata, dtype: torch.dtype, device: torch.device) -> PrefillPlan:
-    """The step's `PrefillPlan`, kept in `md.plans` for the other layers."""
+def _triton_kernel(choice: str) -> str:
+    """The Triton prefill kernel behind a KVFLEET_PREFILL_KERNEL choice ("gluon" runs v2 beside the Gluon kernel)."""
+    return "v2" if choice == "gluon" else choice
+
+
+def _prefill_plan(md: AttentionMetadata, dtype: torch.dtype, device: torch.device, gluon_ok: bool) -> PrefillPlan:
+    """The step's `PrefillPlan`, kept in `md.plans` for the other layers. ``gluon_ok``: the Gluon kernel applies
+    to the step's tensors (`gluon_applies`) and was chosen."""
     plan = md.plans.get("triton_prefill")
     if isinstance(plan, PrefillPlan):
         return plan
     qsl = md.query_start_loc_cpu
     mixed = any(qsl[i + 1] - qsl[i] == 1 for i in range(len(qsl) - 1))
-    kernel = PREFILL_KERNEL
+    kernel = _triton_kernel(PREFILL_KERNEL)
     tile = _prefill_tile(kernel, md.max_query_len, dtype)
-    # v2 takes its work heaviest first (the sequences' key counts)
-    work = prefill_work(qsl, tile[0], mixed, device, md.seq_lens_cpu if kernel != "v1" else None)
-    md.plans["triton_prefill"] = plan = PrefillPlan(mixed, kernel, tile, work)
+    seq_lens = md.seq_lens_cpu if kernel != "v1" else None   # v2 takes its work heaviest first (key counts)
+    gluon_work, rest = None, None
+    if gluon_ok:
+        fresh = fresh_long_prompts(qsl, md.seq_lens_cpu)
+        if any(fresh):
+            gluon_work = prefill_work(qsl, GLUON_TILE.block_m, False, device, md.seq_lens_cpu, only=fresh)
+            rest = [not f for f in fresh]
+    work = prefill_work(qsl, tile[0], mixed, device, seq_lens, only=rest)
+    md.plans["triton_prefill"] = plan = PrefillPlan(mixed, kernel, tile, work, gluon_work)
     return plan
 
 
@@ -174,7 +192,7 @@ class CapturedPrefill:
     one and finds nothing to do when no sequence decodes)."""
 
     def __init__(self, max_tokens: int, max_prefill_seqs: int, dtype: torch.dtype, device: torch.device) -> None:
-        self.kernel = PREFILL_KERNEL
+        self.kernel = _triton_kernel(PREFILL_KERNEL)   # captured steps never run the Gluon kernel
         self.tile = _prefill_tile(self.kernel, max_tokens, dtype)
         self.max_prefill_seqs = max_prefill_seqs
         self.work = torch.zeros((self.capacity(max_tokens), 2), dtype=torch.int32, device=device)
@@ -221,14 +239,19 @@ def triton_paged_attention(
     """q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq, D]; rotates q (in place) and k by `rotary` when given,
     writes k/v into kv_cache, then attends."""
     md = attn_metadata
-    plan = _prefill_plan(md, q.dtype, q.device) if md.max_query_len > 1 else None
+    plan = None
+    if md.max_query_len > 1:
+        gluon_ok = PREFILL_KERNEL == "gluon" and k.dtype == kv_cache.dtype and gluon_applies(q, k, v)
+        plan = _prefill_plan(md, q.dtype, q.device, gluon_ok)
     # v2: the step's new keys and values are read from k/v themselves, by TMA (Hopper); where TMA does not apply,
     # pointer loads of k/v would only save the block-table lookups: not used (the sweep's "contiguous kv" rows
-    # measure it). k must then hold the rotated keys, as the cache does.
+    # measure it). k must then hold the rotated keys, as the cache does; so must it for the Gluon kernel.
     new_kv = (plan is not None and plan.kernel == "v2" and k.dtype == kv_cache.dtype
                 and tma_applies(k, v, plan.tile[1]))
+    gluon_work = plan.gluon_work if plan is not None else None
     if rotary is not None and FUSED_ROTARY_CACHE:
-        rotary_and_cache(q, k, v, rotary.cos, rotary.sin, kv_cache, md.slot_mapping, rotate_k=new_kv)
+        rotary_and_cache(q, k, v, rotary.cos, rotary.sin, kv_cache, md.slot_mapping,
+                         rotate_k=new_kv or gluon_work is not None)
     else:
         if rotary is not None:
             apply_rotary_cos_sin(q, k, rotary.cos, rotary.sin)
@@ -251,8 +274,14 @@ def triton_paged_attention(
                                       merge="kernel" if shared or split.direct_single else None,
                                       split_tokens=split.split_tokens, shared=decode_shared,
                                       direct_single=split.direct_single)
-    mixed, kernel, (block_m, block_n, warps, stages), work = plan
+    mixed, kernel, work = plan.mixed, plan.kernel, plan.work
+    block_m, block_n, warps, stages = plan.tile
     args = (q, kv_cache, md.block_tables, md.seq_lens, md.query_start_loc, md.max_query_len, scale, out)
+    if gluon_work is not None:   # the fresh long prompts' rows; the Triton kernel below has the other prompts'
+        g = GLUON_TILE
+        prefill_attention_gluon(q, k, v, md.query_start_loc, md.max_query_len, scale, out, work=gluon_work,
+                                block_m=g.block_m, block_n=g.block_n, num_buffers=g.num_buffers,
+                                num_warps=g.num_warps, s_ahead=g.s_ahead, warp_specialize=g.warp_specialize)
     if kernel != "v1":
         prefill_attention_v2(*args, skip_decode=mixed, block_m=block_m, block_n=block_n, work=work,
                              num_warps=warps, num_stages=stages, k=k if new_kv else None,

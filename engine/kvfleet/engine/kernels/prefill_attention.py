@@ -10,6 +10,8 @@ program; query token ``i`` sits at position ``seq_len - q_len + i`` and sees key
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import triton
 import triton.language as tl
@@ -99,16 +101,17 @@ def default_block_m(max_query_len: int, dtype: torch.dtype) -> int:
 
 
 def prefill_work_pairs(query_start_loc_cpu: list[int], block_m: int, skip_decode: bool,
-                       seq_lens_cpu: list[int] | None = None) -> list[int]:
+                       seq_lens_cpu: list[int] | None = None, only: Sequence[bool] | None = None) -> list[int]:
     """Flat ``[seq, tile, seq, tile, ...]``: the (sequence, query tile) pairs that have work, from the host copy
     of query_start_loc (pure; `prefill_work` puts it on the device).
 
     With ``seq_lens_cpu`` the pairs come heaviest first (most keys to read: cached prefix plus the tile's
-    causal span), so the longest programs of a causal prompt start first instead of last (v2's order)."""
+    causal span), so the longest programs of a causal prompt start first instead of last (v2's order).
+    ``only``: one flag a sequence; those without it get no work (another kernel attends for them)."""
     pairs: list[tuple[int, int]] = []
     for b in range(len(query_start_loc_cpu) - 1):
         q_len = query_start_loc_cpu[b + 1] - query_start_loc_cpu[b]
-        if q_len == 0 or (skip_decode and q_len == 1):
+        if q_len == 0 or (skip_decode and q_len == 1) or (only is not None and not only[b]):
             continue
         pairs += ((b, t) for t in range(-(-q_len // block_m)))
     if seq_lens_cpu is not None:
@@ -121,11 +124,12 @@ def prefill_work_pairs(query_start_loc_cpu: list[int], block_m: int, skip_decode
 
 
 def prefill_work(query_start_loc_cpu: list[int], block_m: int, skip_decode: bool,
-                 device: torch.device | str, seq_lens_cpu: list[int] | None = None) -> torch.Tensor:
+                 device: torch.device | str, seq_lens_cpu: list[int] | None = None,
+                 only: Sequence[bool] | None = None) -> torch.Tensor:
     """int32 ``[n, 2]`` (sequence, query tile) pairs that have work (`prefill_work_pairs`) on ``device``. The copy
     goes through pinned memory: one from pageable memory would wait for every kernel queued before it (with async
     scheduling, the whole previous step)."""
-    flat = torch.tensor(prefill_work_pairs(query_start_loc_cpu, block_m, skip_decode, seq_lens_cpu),
+    flat = torch.tensor(prefill_work_pairs(query_start_loc_cpu, block_m, skip_decode, seq_lens_cpu, only),
                         dtype=torch.int32).view(-1, 2)
     if torch.device(device).type == "cpu":
         return flat

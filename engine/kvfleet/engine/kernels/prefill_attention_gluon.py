@@ -51,6 +51,7 @@ instruction order are checked (``bench/gluon_attention_resources.py``,
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import torch
@@ -438,6 +439,42 @@ def check_tile(block_m: int, block_n: int, num_buffers: int, num_warps: int, hea
         fail("num_buffers", f"{num_buffers} K/V buffers of {block_n} x {head_dim} with a {block_m}-row Q tile"
                             f"{' (warp-specialized)' if warp_specialize else ''} need more than {HOPPER_MAX_SHARED} "
                             "bytes of shared memory")
+
+
+@dataclasses.dataclass(frozen=True)
+class GluonTile:
+    """The kernel's tiling arguments (`prefill_attention_gluon`)."""
+
+    block_m: int = 128
+    block_n: int = 128
+    num_buffers: int = 2
+    num_warps: int = 8
+    s_ahead: bool = False
+    warp_specialize: bool = False
+
+
+# What the engine runs (KVFLEET_PREFILL_KERNEL=gluon): FlashAttention-3's order at 128 x 128 with two buffers, the
+# H200's best at 1 x 8192 (509 TFLOP/s against v2's 459; warp-specialized 503) and 379 at 2 x 4096 (v2 342,
+# warp-specialized 398): issue 16, lease 12.
+ENGINE_TILE = GluonTile()
+
+
+def _tma_rows_ok(t: torch.Tensor) -> bool:
+    d, es = t.shape[2], t.element_size()
+    return (t.stride(2) == 1 and t.stride(1) == d and (t.stride(0) * es) % 16 == 0 and t.data_ptr() % 16 == 0)
+
+
+def gluon_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether `prefill_attention_gluon` takes these ``[T, H, D]`` tensors (no exception: the engine's choice): a
+    Hopper GPU, bf16/fp16 everywhere, head dim 64 or 128, whole GQA groups, rows a 2-D descriptor can read."""
+    if q.device.type != "cuda" or q.dtype not in GLUON_DTYPES or q.dim() != 3 or q.shape[2] not in HEAD_DIMS:
+        return False
+    if not all(x.dtype == q.dtype and x.device == q.device and x.dim() == 3 and x.shape == k.shape
+               and x.shape[0] == q.shape[0] and x.shape[2] == q.shape[2] for x in (k, v)):
+        return False
+    if q.shape[1] % k.shape[1] != 0 or not all(_tma_rows_ok(x) for x in (q, k, v)):
+        return False
+    return _hopper(q.device.index if q.device.index is not None else torch.cuda.current_device())
 
 
 def _check_tma_rows(name: str, t: torch.Tensor) -> None:
