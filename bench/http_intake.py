@@ -5,9 +5,13 @@ the step loop (`AsyncLLM`): what each request costs there delays every request b
 with the real code, per part, for a `/v1/completions` body with a token-id prompt of L tokens:
 
   parse      json.loads + `CompletionRequest` validation (what FastAPI runs before the handler)
-  handler    the prompt field, `build_params` (limits and the engine's admission check), the prompt's text
-  generate   `AsyncLLM.generate`'s validation (`LLMEngine.process_inputs`)
-  engine     `LLMEngine.add_request` on the step loop's thread (abort not counted)
+  handler    the prompt field, `build_inputs` (limits, and the engine's own check, `LLMEngine.process_inputs`, which
+             `AsyncLLM.generate` then takes as it is), the prompt's text
+  engine     `LLMEngine.add_checked` on the step loop's thread (abort not counted)
+
+(Before `EngineInputs`, the engine's check ran three times a request: in the handler, in `generate` and in
+`add_request` on the step loop's thread; `intake-before-checked-once.json` measured that code, as parts
+"handler", "generate" and "engine".)
 
 Median of R rounds of N requests each (a shared 2-core machine is noisy), with and without a tokenizer (the GPU
 benchmark's dummy models have none). Writes JSON (`--out`, e.g. bench/results/host/intake-<label>.json).
@@ -34,7 +38,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from provenance import git_describe  # noqa: E402
 
-PARTS = ("parse", "handler", "generate", "engine")
+PARTS = ("parse", "handler", "engine")
 
 
 @dataclass
@@ -53,6 +57,10 @@ class EngineHandle:
 
     def stats(self) -> dict[str, Any]:
         return dict(self.engine.stats())
+
+    def process_inputs(self, prompt: Any, sampling_params: Any = None) -> Any:
+        """As `AsyncLLM.process_inputs`: the engine's admission rules, nothing started."""
+        return self.engine.process_inputs(prompt, sampling_params)
 
 
 def build_engine(model_dir: Path, tokenizer: bool) -> Any:
@@ -75,7 +83,7 @@ def one_round(state: Any, bodies: list[bytes]) -> dict[str, float]:
     """µs per request of each part, over `bodies`."""
     from kvfleet.engine.server.completions import _prompts, prompt_texts
     from kvfleet.engine.server.protocol import CompletionRequest
-    from kvfleet.engine.server.serving import build_params
+    from kvfleet.engine.server.serving import build_inputs
 
     engine = state.engine.engine
     spent = dict.fromkeys(PARTS, 0.0)
@@ -87,18 +95,15 @@ def one_round(state: Any, bodies: list[bytes]) -> dict[str, float]:
             req = CompletionRequest.model_validate(json.loads(body))
             t1 = time.perf_counter()
             prompts = await _prompts(state, req.prompt)
-            params = [build_params(state, req, ids, req.max_tokens, "prompt", "max_tokens", req.logprobs)
-                      for _, ids in prompts]
+            inputs = [build_inputs(state, req, ids, req.max_tokens, "prompt", "max_tokens", req.logprobs, None, text)
+                      for text, ids in prompts]
             prompt_texts(state, prompts, req.echo)
             t2 = time.perf_counter()
-            text, ids, checked, _ = engine.process_inputs({"prompt": prompts[0][0], "prompt_token_ids": prompts[0][1]},
-                                                          params[0])
-            t3 = time.perf_counter()
             rid = f"intake-{n}"
-            engine.add_request(rid, {"prompt": text, "prompt_token_ids": ids}, checked)
-            t4 = time.perf_counter()
+            engine.add_checked(rid, inputs[0])
+            t3 = time.perf_counter()
             added.append(rid)
-            for part, dt in zip(PARTS, (t1 - t0, t2 - t1, t3 - t2, t4 - t3), strict=True):
+            for part, dt in zip(PARTS, (t1 - t0, t2 - t1, t3 - t2), strict=True):
                 spent[part] += dt
 
     asyncio.run(run())
@@ -134,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
                           for _ in range(args.requests)]
                 rounds = [one_round(state, bodies) for _ in range(args.rounds)]
                 med = {part: statistics.median(r[part] for r in rounds) for part in PARTS}
-                med["event_loop"] = med["parse"] + med["handler"] + med["generate"]
+                med["event_loop"] = med["parse"] + med["handler"]
                 key = f"{'tokenizer' if tokenizer else 'no tokenizer'}, {length} tokens"
                 results["us_per_request"][key] = med
                 print(f"{key:30}: " + "  ".join(f"{k} {v:7.1f}" for k, v in med.items()) + "  µs/request",

@@ -21,7 +21,7 @@ from typing import Any, AsyncIterator, Callable, Optional
 
 from kvfleet.engine.config import EngineConfig
 from kvfleet.engine.core.inputs import PromptType
-from kvfleet.engine.llm_engine import LLMEngine, StepError
+from kvfleet.engine.llm_engine import EngineInputs, LLMEngine, StepError
 from kvfleet.engine.outputs import RequestOutput
 from kvfleet.engine.sampling_params import SamplingParams
 from kvfleet.engine.warmup import WarmupReport
@@ -85,14 +85,17 @@ class AsyncLLM:
         return self._thread.is_alive()
 
     # --- requests ------------------------------------------------------------------
-    def check_inputs(self, prompt: PromptType, sampling_params: Optional[SamplingParams] = None) -> None:
-        """Raise the ValueError `generate` would for this request (the engine's admission rules: n or best_of
-        over max_num_seqs, a request that can never fit the KV cache, ...), without starting it."""
-        self.engine.process_inputs(prompt, sampling_params)
+    def process_inputs(self, prompt: PromptType, sampling_params: Optional[SamplingParams] = None) -> EngineInputs:
+        """The request checked as `generate` would (the engine's admission rules: n or best_of over max_num_seqs, a
+        request that can never fit the KV cache, ...: a ValueError names the field), without starting it; pass the
+        result to `generate` to start it unchecked again."""
+        return self.engine.process_inputs(prompt, sampling_params)
 
-    async def generate(self, prompt: PromptType, sampling_params: Optional[SamplingParams] = None,
+    async def generate(self, prompt: PromptType | EngineInputs, sampling_params: Optional[SamplingParams] = None,
                        request_id: Optional[str] = None, priority: int = 0,
                        cache_salt: Optional[str] = None) -> AsyncIterator[RequestOutput]:
+        """Stream a request's outputs. ``prompt``: a prompt with ``sampling_params``, or what `process_inputs`
+        returned (its parameters are the request's; ``sampling_params`` must then be None)."""
         if not self.is_running:
             raise RuntimeError("engine: the step loop is not running (shut down?)")
         # Arrival is now, not when the step loop takes the request in between two steps: the server's TTFT and
@@ -101,14 +104,18 @@ class AsyncLLM:
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if rid in self._streams:
             raise ValueError(f"request_id: {rid!r} is already running")
-        # Validate here (the caller sees the ValueError); the loop thread re-checks cheaply.
-        text, ids, params, _ = self.engine.process_inputs(prompt, sampling_params)
+        # Validate here (the caller sees the ValueError), once: the loop thread takes the checked request as it is.
+        if isinstance(prompt, EngineInputs):
+            if sampling_params is not None:
+                raise ValueError("sampling_params: the checked request carries its own (pass them to process_inputs)")
+            inputs = prompt
+        else:
+            inputs = self.engine.process_inputs(prompt, sampling_params)
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         self._streams[rid] = stream
         with self._pending_lock:
             self._pending_adds += 1
-            self._commands.put(lambda: self._add(rid, {"prompt": text, "prompt_token_ids": ids}, params,
-                                                 priority, cache_salt, arrival))
+            self._commands.put(lambda: self._add(rid, inputs, priority, cache_salt, arrival))
         finished = False
         try:
             while True:
@@ -124,16 +131,14 @@ class AsyncLLM:
             if not finished:
                 self._commands.put(lambda: self._abort_now(rid))
 
-    def _add(self, rid: str, prompt: dict, params: SamplingParams, priority: int, salt: Optional[str],
-             arrival: float) -> None:
+    def _add(self, rid: str, inputs: EngineInputs, priority: int, salt: Optional[str], arrival: float) -> None:
         with self._pending_lock:   # moves from pending to the engine's queue in one step for stats()
             self._pending_adds -= 1
             stream = self._streams.get(rid)
             if stream is None:
                 return   # cancelled before it started
             try:
-                self.engine.add_request(rid, prompt, params, priority=priority, cache_salt=salt,
-                                        arrival_time=arrival)
+                self.engine.add_checked(rid, inputs, priority=priority, cache_salt=salt, arrival_time=arrival)
             except Exception as e:   # noqa: BLE001 - delivered to the caller
                 self._streams.pop(rid, None)
                 stream.put(e)

@@ -37,6 +37,17 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
+@dataclasses.dataclass(frozen=True)
+class EngineInputs:
+    """A request as `LLMEngine.process_inputs` checked it: its text (if it came as text), its token ids, its own
+    copy of the sampling parameters, and the output tokens it may have (``max_tokens`` resolved)."""
+
+    text: Optional[str]
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    max_tokens: int
+
+
 class StepError(RuntimeError):
     """A model step failed; the requests in it (`request_ids`) were aborted."""
 
@@ -150,9 +161,8 @@ class LLMEngine:
             ids = self.tokenizer.encode(text) if text else []
         return text, ids
 
-    def process_inputs(self, prompt: PromptType, params: Optional[SamplingParams]
-                       ) -> tuple[Optional[str], list[int], SamplingParams, int]:
-        """Validate and tokenize (no engine state touched): (text, ids, params copy, max_tokens)."""
+    def process_inputs(self, prompt: PromptType, params: Optional[SamplingParams]) -> EngineInputs:
+        """Validate and tokenize (no engine state touched; a ValueError names the field)."""
         params = (params or SamplingParams()).clone()
         params.validate(self.model_config.vocab_size)
         if params.num_samples > self.config.max_num_seqs:
@@ -163,7 +173,7 @@ class LLMEngine:
         beams = params.beam_width if params.use_beam_search else 1
         max_tokens = check_prompt(ids, self.model_config.vocab_size, self.model_config.max_model_len,
                                   params.max_tokens, kv_tokens, beams, self.config.block_size)
-        return text, ids, params, max_tokens
+        return EngineInputs(text, ids, params, max_tokens)
 
     def add_request(self, request_id: str, prompt: PromptType, params: Optional[SamplingParams] = None,
                     priority: int = 0, arrival_time: Optional[float] = None,
@@ -171,7 +181,15 @@ class LLMEngine:
         """Validate and queue a request; bad input raises ValueError naming the field."""
         if request_id in self.groups:
             raise ValueError(f"request_id: {request_id!r} is already running")
-        text, ids, params, max_tokens = self.process_inputs(prompt, params)
+        self.add_checked(request_id, self.process_inputs(prompt, params), priority, arrival_time, cache_salt)
+
+    def add_checked(self, request_id: str, inputs: EngineInputs, priority: int = 0,
+                    arrival_time: Optional[float] = None, cache_salt: Optional[str] = None) -> None:
+        """Queue a request that `process_inputs` of this engine checked (not again: the server checks each request
+        on its event loop, and this runs on the step loop's thread)."""
+        if request_id in self.groups:
+            raise ValueError(f"request_id: {request_id!r} is already running")
+        text, ids, params, max_tokens = inputs.text, inputs.prompt_token_ids, inputs.params, inputs.max_tokens
         stop_ids = frozenset(params.stop_token_ids or ()) | (frozenset() if params.ignore_eos else self.eos_token_ids)
         now = arrival_time if arrival_time is not None else time.monotonic()
         group = RequestGroup(request_id, text, ids, params, self.tokenizer, RequestMetrics(arrival_time=now))

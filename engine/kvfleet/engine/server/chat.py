@@ -15,7 +15,7 @@ from kvfleet.engine.server.protocol import ChatCompletionRequest, ChatMessage
 from kvfleet.engine.server.serving import (
     SSE_DONE,
     ManagedStream,
-    build_params,
+    build_inputs,
     check_model,
     release_all,
     sse,
@@ -56,10 +56,10 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     max_field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    params = build_params(state, req, ids, requested, "messages", max_field, logprobs)
+    inputs = build_inputs(state, req, ids, requested, "messages", max_field, logprobs)
     tickets = take_tickets(state, 1, tenant)
     request_id = new_request_id("chatcmpl")
-    streams = [stream_request(state, tickets[0], ids, params, request_id, tenant)]
+    streams = [stream_request(state, tickets[0], inputs, request_id, tenant)]
     created = int(time.time())
     if req.stream:
         return ManagedStream(_stream(state, req, streams, request_id, model, created),

@@ -16,7 +16,7 @@ from kvfleet.engine.server.serving import (
     SSE_DONE,
     ManagedStream,
     TextChunks,
-    build_params,
+    build_inputs,
     check_model,
     release_all,
     sse,
@@ -59,13 +59,12 @@ async def create_completion(state: ServerState, req: CompletionRequest, request:
     prompts = await _prompts(state, req.prompt)
     field = "prompt"
     want_prompt_lp = req.logprobs if (req.echo and req.logprobs is not None) else None
-    params = [build_params(state, req, ids, req.max_tokens, field, "max_tokens", req.logprobs, want_prompt_lp)
-              for _, ids in prompts]
+    inputs = [build_inputs(state, req, ids, req.max_tokens, field, "max_tokens", req.logprobs, want_prompt_lp, text)
+              for text, ids in prompts]
     texts = prompt_texts(state, prompts, req.echo)
     tickets = take_tickets(state, len(prompts), tenant)
     request_id = new_request_id("cmpl")
-    streams = [stream_request(state, tickets[i], ids, params[i], f"{request_id}-{i}", tenant, text)
-               for i, (text, ids) in enumerate(prompts)]
+    streams = [stream_request(state, tickets[i], inputs[i], f"{request_id}-{i}", tenant) for i in range(len(prompts))]
     created = int(time.time())
     if req.stream:
         body = _stream(state, req, streams, texts, request_id, model, created)

@@ -16,6 +16,7 @@ from typing import Any, AsyncGenerator, AsyncIterator, Sequence, TypeVar
 import anyio
 from starlette.requests import Request
 
+from kvfleet.engine.llm_engine import EngineInputs
 from kvfleet.engine.server.errors import APIError, value_error_param
 from kvfleet.engine.server.limits import Ticket
 from kvfleet.engine.server.state import ServerState, logger
@@ -65,8 +66,8 @@ def finish_reason_of(out: Any) -> str:
     return reasons[0] if reasons else "abort"
 
 
-async def stream_request(state: ServerState, ticket: Ticket, prompt_ids: list[int], params: Any,
-                         request_id: str, tenant: str, prompt_text: str | None = None) -> AsyncGenerator[Any, None]:
+async def stream_request(state: ServerState, ticket: Ticket, inputs: EngineInputs, request_id: str,
+                         tenant: str) -> AsyncGenerator[Any, None]:
     """`engine.generate` with bookkeeping: queue count until the first output, ITL, finish metrics."""
     engine = state.loaded_engine()
     # With tenant keys, each tenant's prompts hash into its own prefix-cache space: no tenant can
@@ -81,8 +82,7 @@ async def stream_request(state: ServerState, ticket: Ticket, prompt_ids: list[in
     state.live_requests.add(request_id)
     try:
         try:
-            async for out in engine.generate({"prompt": prompt_text, "prompt_token_ids": prompt_ids}, params,
-                                             request_id, cache_salt=salt):
+            async for out in engine.generate(inputs, None, request_id, cache_salt=salt):
                 if state.cut_off and cut_short(out):
                     raise shutdown_error()
                 now = time.monotonic()

@@ -8,6 +8,7 @@ from typing import Any, AsyncIterator, Callable, Sequence
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from kvfleet.engine.llm_engine import EngineInputs
 from kvfleet.engine.sampling_params import SamplingParams
 from kvfleet.engine.server.errors import APIError, value_error_param
 from kvfleet.engine.server.generation import REQUEST_FIELDS
@@ -55,10 +56,11 @@ def check_model(state: ServerState, model: str | None) -> str:
     return state.model_name
 
 
-def build_params(state: ServerState, req: SamplingFields, prompt_ids: list[int], requested_max: int | None,
+def build_inputs(state: ServerState, req: SamplingFields, prompt_ids: list[int], requested_max: int | None,
                  prompt_field: str, max_field: str, logprobs: int | None,
-                 prompt_logprobs: int | None = None) -> SamplingParams:
-    """Validated SamplingParams for one prompt; any problem is a 400 naming the field."""
+                 prompt_logprobs: int | None = None, prompt_text: str | None = None) -> EngineInputs:
+    """One prompt's request with validated SamplingParams, checked by the engine's own rules as well (once:
+    `AsyncLLM.generate` takes it as it is); any problem is a 400 naming the field."""
     try:
         # Length first: an over-long list of token ids is refused before each id is looked at.
         max_tokens = resolve_max_tokens(requested_max, len(prompt_ids), state.max_model_len, prompt_field,
@@ -72,17 +74,16 @@ def build_params(state: ServerState, req: SamplingFields, prompt_ids: list[int],
         message = str(exc)
         field = message.split(":", 1)[0].strip()
         raise APIError(400, message, field if field.isidentifier() else None, "invalid_value") from None
-    check_engine_inputs(state, prompt_ids, params, prompt_field, max_field)
-    return params
+    return check_engine_inputs(state, prompt_ids, params, prompt_field, max_field, prompt_text)
 
 
 def check_engine_inputs(state: ServerState, prompt_ids: list[int], params: SamplingParams, prompt_field: str,
-                        max_field: str) -> None:
+                        max_field: str, prompt_text: str | None = None) -> EngineInputs:
     """The engine's own admission rules (n or best_of over max_num_seqs, a request that can never fit the
     KV cache, ...), checked now: once a stream has sent its headers an error could only go in-band
     under a 200."""
     try:
-        state.loaded_engine().check_inputs({"prompt_token_ids": prompt_ids}, params)
+        return state.loaded_engine().process_inputs({"prompt": prompt_text, "prompt_token_ids": prompt_ids}, params)
     except ValueError as exc:
         message = str(exc)
         param = value_error_param(message, REQUEST_FIELDS)
