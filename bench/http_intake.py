@@ -12,7 +12,8 @@ with the real code, per part, for a `/v1/completions` body with a token-id promp
 (Before `EngineInputs`, the engine's check ran three times a request: in the handler, in `generate` and in
 `add_request` on the step loop's thread; `intake-before-checked-once-N.json` measured that code, as parts "handler",
 "generate" and "engine", alternated with `intake-checked-once-N.json`: a 1,024-token request 395-575 -> 255-380 us of
-host time, of it on the step loop's thread 90-130 -> 20-30; 8,192 tokens 2.75-3.40 -> 1.68-1.80 ms, 547-672 -> 86-99 us.)
+host time, of it on the step loop's thread 90-130 -> 20-30; 8,192 tokens 2.75-3.40 -> 1.68-1.80 ms, 547-672 -> 86-99
+us.)
 
 Median of R rounds of N requests each (a shared 2-core machine is noisy), with and without a tokenizer (the GPU
 benchmark's dummy models have none). Writes JSON (`--out`, e.g. bench/results/host/intake-<label>.json).
