@@ -41,6 +41,7 @@ import torch.nn.functional as F  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_report import GpuReport  # noqa: E402
 
+from kvfleet.engine.bench.decode_probe import ms_per_call  # noqa: E402
 from kvfleet.engine.kernels._common import num_sms  # noqa: E402
 from kvfleet.engine.kernels.small_m_gemm import SmallMGemmConfig, default_small_m_config, small_m_gemm  # noqa: E402
 
@@ -68,32 +69,8 @@ def scaled(n: int) -> int:
 
 
 def time_per_call(calls: list[Callable[[], Any]]) -> tuple[float, bool]:
-    """(ms per call, whether a CUDA graph ran them): the calls captured once in a graph, the graph's median over
-    the calls. On CPU (dry run): one eager pass."""
-    if DEV.type != "cuda":
-        t = time.perf_counter()
-        for c in calls:
-            c()
-        return (time.perf_counter() - t) * 1e3 / len(calls), False
-    from kvfleet.engine.bench.decode_probe import median_cuda_ms
-
-    for c in calls:   # compiles, cuBLAS heuristics and workspaces before capture
-        c()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    try:
-        with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
-            for c in calls:
-                c()
-    except Exception:  # noqa: BLE001 - not capturable: time it eagerly, and say so
-        torch.cuda.synchronize()
-        return median_cuda_ms(lambda: [c() for c in calls], ITERS) / len(calls), False
-    torch.cuda.current_stream().wait_stream(stream)
-    ms = median_cuda_ms(graph.replay, ITERS) / len(calls)
-    del graph
-    return ms, True
+    """(ms per call, whether a CUDA graph ran them): `decode_probe.ms_per_call` on this sweep's device."""
+    return ms_per_call(calls, DEV, ITERS)
 
 
 def errors(out: torch.Tensor, ref: torch.Tensor) -> dict[str, float]:

@@ -13,6 +13,8 @@ on every row, timed with CUDA events (median).
 from __future__ import annotations
 
 import math
+import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -56,6 +58,34 @@ def median_cuda_ms(fn: Any, iters: int) -> float:
         b.synchronize()
         times.append(a.elapsed_time(b))
     return sorted(times)[len(times) // 2]
+
+
+def ms_per_call(calls: list[Callable[[], Any]], device: torch.device, iters: int) -> tuple[float, bool]:
+    """(ms per call, whether a CUDA graph ran them): the calls once each in a graph, the graph's median over the
+    calls (launch gaps out of the figure, as in the engine's captured steps). Not capturable: eager, and says so.
+    On CPU (the kernel sweeps' dry runs): one eager pass, timed by the clock."""
+    if device.type != "cuda":
+        t = time.perf_counter()
+        for c in calls:
+            c()
+        return (time.perf_counter() - t) * 1e3 / len(calls), False
+    for c in calls:   # compiles, library heuristics and workspaces before capture
+        c()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    try:
+        with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+            for c in calls:
+                c()
+    except Exception:  # noqa: BLE001 - not capturable: time it eagerly, and say so
+        torch.cuda.synchronize()
+        return median_cuda_ms(lambda: [c() for c in calls], iters) / len(calls), False
+    torch.cuda.current_stream().wait_stream(stream)
+    ms = median_cuda_ms(graph.replay, iters) / len(calls)
+    del graph
+    return ms, True
 
 
 def probe_decode_step(engine: Any, batch: int, ctx: int, iters: int = 20) -> dict[str, Any]:
