@@ -140,12 +140,14 @@ def _triton_kernel(choice: str) -> str:
     return "v2" if choice == "gluon" else choice
 
 
-def _prefill_plan(md: AttentionMetadata, dtype: torch.dtype, device: torch.device, gluon_ok: bool) -> PrefillPlan:
-    """The step's `PrefillPlan`, kept in `md.plans` for the other layers. ``gluon_ok``: the Gluon kernel applies
-    to the step's tensors (`gluon_applies`) and was chosen."""
+def _prefill_plan(md: AttentionMetadata, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  cache_dtype: torch.dtype) -> PrefillPlan:
+    """The step's `PrefillPlan`, made from the first layer's tensors and kept in `md.plans` for the other layers."""
     plan = md.plans.get("triton_prefill")
     if isinstance(plan, PrefillPlan):
         return plan
+    dtype, device = q.dtype, q.device
+    gluon_ok = PREFILL_KERNEL == "gluon" and k.dtype == cache_dtype and gluon_applies(q, k, v)
     qsl = md.query_start_loc_cpu
     mixed = any(qsl[i + 1] - qsl[i] == 1 for i in range(len(qsl) - 1))
     kernel = _triton_kernel(PREFILL_KERNEL)
@@ -239,10 +241,7 @@ def triton_paged_attention(
     """q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq, D]; rotates q (in place) and k by `rotary` when given,
     writes k/v into kv_cache, then attends."""
     md = attn_metadata
-    plan = None
-    if md.max_query_len > 1:
-        gluon_ok = PREFILL_KERNEL == "gluon" and k.dtype == kv_cache.dtype and gluon_applies(q, k, v)
-        plan = _prefill_plan(md, q.dtype, q.device, gluon_ok)
+    plan = _prefill_plan(md, q, k, v, kv_cache.dtype) if md.max_query_len > 1 else None
     # v2: the step's new keys and values are read from k/v themselves, by TMA (Hopper); where TMA does not apply,
     # pointer loads of k/v would only save the block-table lookups: not used (the sweep's "contiguous kv" rows
     # measure it). k must then hold the rotated keys, as the cache does; so must it for the Gluon kernel.

@@ -459,22 +459,15 @@ class GluonTile:
 ENGINE_TILE = GluonTile()
 
 
-def _tma_rows_ok(t: torch.Tensor) -> bool:
-    d, es = t.shape[2], t.element_size()
-    return (t.stride(2) == 1 and t.stride(1) == d and (t.stride(0) * es) % 16 == 0 and t.data_ptr() % 16 == 0)
-
-
 def gluon_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
-    """Whether `prefill_attention_gluon` takes these ``[T, H, D]`` tensors (no exception: the engine's choice): a
-    Hopper GPU, bf16/fp16 everywhere, head dim 64 or 128, whole GQA groups, rows a 2-D descriptor can read."""
-    if q.device.type != "cuda" or q.dtype not in GLUON_DTYPES or q.dim() != 3 or q.shape[2] not in HEAD_DIMS:
+    """Whether `prefill_attention_gluon` takes these ``[T, H, D]`` tensors (the engine's choice, once a step): the
+    kernel's own checks of them (`_check_qkv`: a Hopper GPU, bf16/fp16 everywhere, head dim 64 or 128, whole GQA
+    groups, rows a 2-D descriptor can read), as a yes or no."""
+    try:
+        _check_qkv(q, k, v)
+    except ValueError:
         return False
-    if not all(x.dtype == q.dtype and x.device == q.device and x.dim() == 3 and x.shape == k.shape
-               and x.shape[0] == q.shape[0] and x.shape[2] == q.shape[2] for x in (k, v)):
-        return False
-    if q.shape[1] % k.shape[1] != 0 or not all(_tma_rows_ok(x) for x in (q, k, v)):
-        return False
-    return _hopper(q.device.index if q.device.index is not None else torch.cuda.current_device())
+    return True
 
 
 def _check_tma_rows(name: str, t: torch.Tensor) -> None:
@@ -486,9 +479,8 @@ def _check_tma_rows(name: str, t: torch.Tensor) -> None:
         fail(name, f"rows must be 16-byte aligned (stride {t.stride(0)}, address {t.data_ptr():#x})")
 
 
-def _check_args(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, query_start_loc: torch.Tensor,
-                out: torch.Tensor) -> tuple[int, int, int, int]:
-    """-> (T, Hq, Hkv, D)."""
+def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[int, int, int, int]:
+    """q/k/v as the kernel reads them, on a device it runs on -> (T, Hq, Hkv, D)."""
     check_tensor("q", q, ndim=3, dtype=GLUON_DTYPES)
     t, hq, d = q.shape
     if d not in HEAD_DIMS:
@@ -502,17 +494,24 @@ def _check_args(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, query_start_l
         fail("q", f"{hq} query heads not a multiple of {hkv} KV heads")
     for name, x in (("q", q), ("k", k), ("v", v)):
         _check_tma_rows(name, x)
+    if q.device.type != "cuda":
+        fail("q", f"on {q.device}: the Gluon kernel runs on a CUDA device only (no interpreter)")
+    if not _hopper(q.device.index if q.device.index is not None else torch.cuda.current_device()):
+        fail("q", "the Gluon kernel needs a Hopper GPU (compute capability 9.x: wgmma)")
+    return t, hq, hkv, d
+
+
+def _check_args(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, query_start_loc: torch.Tensor,
+                out: torch.Tensor) -> tuple[int, int, int, int]:
+    """-> (T, Hq, Hkv, D)."""
+    dims = _check_qkv(q, k, v)
     check_tensor("out", out, ndim=3, dtype=q.dtype, device=q.device)
     if out.shape != q.shape:
         fail("out", f"shape {tuple(out.shape)} != q {tuple(q.shape)}")
     check_tensor("query_start_loc", query_start_loc, ndim=1, dtype=torch.int32, device=q.device)
     if query_start_loc.shape[0] < 1:
         fail("query_start_loc", "must hold at least one offset (B + 1)")
-    if q.device.type != "cuda":
-        fail("q", f"on {q.device}: the Gluon kernel runs on a CUDA device only (no interpreter)")
-    if not _hopper(q.device.index if q.device.index is not None else torch.cuda.current_device()):
-        fail("q", "the Gluon kernel needs a Hopper GPU (compute capability 9.x: wgmma)")
-    return t, hq, hkv, d
+    return dims
 
 
 def prefill_attention_gluon(
