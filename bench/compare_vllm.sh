@@ -43,9 +43,10 @@
 #   gluon-check       bench/gpu_gluon_attention_check.py: the Gluon FA3-style prefill prototype against float32 and
 #                     v2 on fresh prompts, then its speed (~2; a hung kernel ends the stage with status 3, what ran
 #                     kept; into gluon-check/, its txt into $OUT)
-#   gluon-engine      bench/gpu_gluon_engine_check.py: KVFLEET_PREFILL_KERNEL=gluon inside the attention op (steps
-#                     like the long-prompt workload's against the torch op in float32, and against v2; status 1 if
-#                     wrong), then Qwen3-0.6B greedy on long prompts with each choice (~2; into gluon-engine/)
+#   gluon-engine      bench/gpu_gluon_engine_check.py: KVFLEET_PREFILL_KERNEL=gluon and gluon-chunks inside the
+#                     attention op (steps like the long-prompt and shared-prefix workloads' against the torch op in
+#                     float32, and against v2; status 1 if wrong), then Qwen3-0.6B greedy on long prompts in chunks
+#                     with each choice (~2.5; into gluon-engine/)
 #   sweeps            kernel sweeps: bench/gpu_attention_sweep.py (prefill attention kernels and tiles) and
 #                     bench/gpu_fp8_sweep.py (FP8 matmul paths at small M), bench/gpu_decode_step.py (the
 #                     decode step's kernel-count knobs, graph step at batch 1/4/16) (~6)

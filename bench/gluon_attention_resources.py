@@ -4,7 +4,8 @@ the softmax. Usage:
     python bench/gluon_attention_resources.py [SCHED,BM,BN,NB,WARPS[,D] ...] [--json OUT]
 SCHED is ``fa3`` (S_j and P_{j-1} V_{j-1} issued, softmax(S_j) under the latter) or ``ahead`` (S_{j+1} and
 P_{j-1} V_{j-1} issued before softmax(S_j)), either with ``-ws`` (a producer warp issues the TMA refills:
-``warp_specialize=True``); D defaults to 128.
+``warp_specialize=True``), and any of them with ``-paged`` (the chunk kernel, `prefill_attention_gluon_paged`: every
+key from a paged cache of 16-token blocks, one copy a block); D defaults to 128.
 
 Each launch is specialized as Llama-3.1-8B's (32 query heads, 8 KV heads, bf16, the work list): Gluon kernels compile
 through their own source class (``GluonASTSource``: no layout inference, the layouts are the kernel's), then Triton's
@@ -49,16 +50,23 @@ DEFAULT_VARIANTS = [("fa3", 128, 128, 2, 8, 128), ("ahead", 128, 64, 2, 8, 128),
                     ("ahead-ws", 128, 64, 2, 8, 128), ("fa3", 128, 128, 3, 8, 128), ("fa3", 128, 64, 2, 8, 128),
                     ("ahead", 128, 128, 2, 8, 128), ("fa3", 128, 128, 2, 8, 64)]
 SCHEDULES = ("fa3", "ahead", "fa3-ws", "ahead-ws")
-DIVISIBLE = ("qsl_ptr", "work_ptr", "out_ptr", "stride_ot", "stride_oh")
+DIVISIBLE = ("qsl_ptr", "work_ptr", "out_ptr", "table_ptr", "seq_lens_ptr", "stride_ot", "stride_oh")
+PAGE = 16   # the engine's default cache block
 
 
 def compile_variant(sched: str, bm: int, bn: int, nb: int, warps: int, d: int = 128) -> Any:
-    """The kernel compiled for sm_90 as `prefill_attention_gluon` launches it with a work list."""
+    """The kernel compiled for sm_90 as `prefill_attention_gluon` (or, ``-paged``, `prefill_attention_gluon_paged`)
+    launches it with a work list."""
     fn = _prefill_gluon_kernel
+    paged = sched.endswith("-paged")
+    sched = sched.removesuffix("-paged")
     const = dict(HQ=32, G=4, HEAD_DIM=d, BLOCK_M=bm, BLOCK_N=bn, NUM_BUFFERS=nb, USE_WORK=True,
-                 S_AHEAD=sched.startswith("ahead"), WARP_SPEC=sched.endswith("-ws"), **kernel_layouts(bm, bn, d, warps))
-    descs = {"q_desc": (bm, smem_layout(bm, d, torch.bfloat16)), "k_desc": (bn, smem_layout(bn, d, torch.bfloat16)),
-             "v_desc": (bn, smem_layout(bn, d, torch.bfloat16))}
+                 S_AHEAD=sched.startswith("ahead"), WARP_SPEC=sched.endswith("-ws"), PAGED=paged,
+                 **kernel_layouts(bm, bn, d, warps))
+    kv_rows = PAGE if paged else bn
+    descs = {"q_desc": (bm, smem_layout(bm, d, torch.bfloat16)),
+             "k_desc": (kv_rows, smem_layout(kv_rows, d, torch.bfloat16)),
+             "v_desc": (kv_rows, smem_layout(kv_rows, d, torch.bfloat16))}
     sig: dict[str, str] = {}
     for name in fn.arg_names:
         if name in const:
@@ -192,7 +200,7 @@ def measure(variant: tuple[str, int, int, int, int, int]) -> dict[str, Any]:
 
 def parse_variant(raw: str) -> tuple[str, int, int, int, int, int]:
     sched, *nums = raw.split(",")
-    if sched not in SCHEDULES or len(nums) not in (4, 5):
+    if sched.removesuffix("-paged") not in SCHEDULES or len(nums) not in (4, 5):
         sys.exit(f"gluon_attention_resources: expected SCHED,BM,BN,NB,WARPS[,D], SCHED one of {SCHEDULES}, got {raw!r}")
     bm, bn, nb, warps, *d = (int(x) for x in nums)
     return sched, bm, bn, nb, warps, d[0] if d else 128

@@ -34,6 +34,9 @@ Implementations (`impl` in the results):
   gluon fa3-style BM,BN,W,B  the Gluon prototype (`prefill_attention_gluon`: FlashAttention-3's order of async wgmmas,
                            K/V by TMA into B buffers) on the step's k/v; fresh prompts only, not in the dry run
                            (Gluon kernels have no interpreter)
+  gluon paged fa3[-ws] ... its paged form (`prefill_attention_gluon_paged`, what KVFLEET_PREFILL_KERNEL=gluon-chunks
+                           runs on chunks over a cached prefix): every key from the paged cache, one TMA copy a
+                           block into the key tile; -ws: a producer warp issues them (the engine's); every case
   vLLM FA3 paged           vLLM's FlashAttention-3 (`vllm.vllm_flash_attn.flash_attn_varlen_func`, fa_version 3)
                            over the same paged cache and block tables, as vLLM's engine calls it on Hopper: the
                            target for our kernel (only where vLLM's wheels are installed, PYTHONPATH=/tmp/site)
@@ -238,6 +241,8 @@ def kernel_runner(c: dict[str, Any], impl: str, tile: tuple[int, int, int, int],
     out = torch.full_like(c["q"], float("nan"))
     common = (c["q"], c["cache"], md.block_tables, md.seq_lens, md.query_start_loc, max(q_lens), SCALE, out)
     qsl = md.query_start_loc_cpu
+    if impl.startswith("gluon paged"):
+        return gluon_paged_runner(c, tile, out, warp_specialize=impl.endswith("-ws"))
     if impl.startswith("gluon"):
         return gluon_runner(c, tile, out)
     if impl == "v1":
@@ -279,9 +284,29 @@ def gluon_runner(c: dict[str, Any], tile: tuple[int, int, int, int], out: torch.
     return run, lambda: out
 
 
+def gluon_paged_runner(c: dict[str, Any], tile: tuple[int, int, int, int], out: torch.Tensor, warp_specialize: bool,
+                       ) -> tuple[Callable[[], Any], Callable[[], torch.Tensor]]:
+    """The Gluon kernel's paged form: every key of each sequence from the cache (the new tokens' written there)."""
+    from kvfleet.engine.kernels.prefill_attention_gluon import prefill_attention_gluon_paged
+
+    md, q_lens = c["md"], c["q_lens"]
+    bm, bn, warps, buffers = tile
+    work = prefill_work(md.query_start_loc_cpu, bm, False, DEV, md.seq_lens_cpu)
+
+    def run() -> None:
+        prefill_attention_gluon_paged(c["q"], c["cache"], md.block_tables, md.seq_lens, md.query_start_loc,
+                                      max(q_lens), SCALE, out, work=work, block_m=bm, block_n=bn,
+                                      num_buffers=buffers, num_warps=warps, warp_specialize=warp_specialize)
+    return run, lambda: out
+
+
 def gluon_rows(fresh: bool) -> list[tuple[str, tuple[int, int, int, int] | None]]:
-    """The Gluon row: fresh prompts only (it reads no cache), never in the dry run (no interpreter for Gluon)."""
-    return [("gluon fa3-style", GLUON_TILE)] if fresh and not DRY else []
+    """The Gluon rows, never in the dry run (no interpreter for Gluon): on the step's k/v for fresh prompts (it reads
+    no cache there), its paged form (the engine's, warp-specialized, first) for every case."""
+    if DRY:
+        return []
+    fresh_row = [("gluon fa3-style", GLUON_TILE)] if fresh else []
+    return fresh_row + [("gluon paged fa3-ws", GLUON_TILE), ("gluon paged fa3", GLUON_TILE)]
 
 
 def configs(fresh: bool, fa3: bool = False) -> list[tuple[str, tuple[int, int, int, int] | None]]:

@@ -1,15 +1,18 @@
-"""The Gluon prefill kernel inside the engine's attention op (``KVFLEET_PREFILL_KERNEL=gluon``), on a Hopper GPU.
-Usage:
+"""The Gluon prefill kernels inside the engine's attention op (``KVFLEET_PREFILL_KERNEL=gluon`` and
+``gluon-chunks``), on a Hopper GPU. Usage:
     python bench/gpu_gluon_engine_check.py OUT_DIR [MODEL_DIR]      (no dry run: Gluon has no CPU interpreter)
 
-1. The op (must pass; exit status 1 if not): steps shaped like the offline long-prompt workload's, Llama-3.1-8B's
-   attention (32 query heads, 8 KV heads, D 128), bf16, q/k/v views of one fused projection, rotary fused with the
-   cache write, a paged cache of 16-token blocks. Each step through `triton_paged_attention` with the gluon choice
-   and with v2, against the torch op in float32 on the same inputs: the relative error of each, whether the plan gave
-   the Gluon kernel exactly the fresh prompts of `GLUON_MIN_QUERY_TOKENS` and more, and the op's time both ways.
+1. The op (must pass; exit status 1 if not): steps shaped like the offline long-prompt and shared-prefix workloads',
+   Llama-3.1-8B's attention (32 query heads, 8 KV heads, D 128), bf16, q/k/v views of one fused projection, rotary
+   fused with the cache write, a paged cache of 16-token blocks. Each step through `triton_paged_attention` with each
+   Gluon choice and with v2, against the torch op in float32 on the same inputs: the relative error of each, whether
+   the plan gave the Gluon kernel exactly the fresh prompts of `GLUON_MIN_QUERY_TOKENS` and more and its paged form
+   exactly the chunks `long_prefix_chunks` picks, and the op's time per layer each way (the step's metadata and plan
+   made once, as the engine's first layer does; then rotary, cache write and the kernels).
 2. The engine (reported, not required): MODEL_DIR (default bench/models/qwen3-0.6b, dummy weights, bf16) greedy on
-   long fresh prompts with each choice, one process each (the choice is read at import); how many of the sampled
-   tokens agree (random weights give near ties, where bf16 rounding may pick another token).
+   long prompts with each choice, in steps of at most 4,096 tokens (so that prompts are split into chunks over a
+   cached prefix), one process each (the choice is read at import); how many of the sampled tokens agree with v2's
+   (random weights give near ties, where bf16 rounding may pick another token).
 
 Writes OUT_DIR/gluon_engine_check.json and prints a summary.
 """
@@ -28,7 +31,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from kvfleet.engine.attention import build_attention_metadata, torch_paged_attention, triton_backend  # noqa: E402
-from kvfleet.engine.attention.fresh_prompts import fresh_long_prompts  # noqa: E402
+from kvfleet.engine.attention.fresh_prompts import fresh_long_prompts, long_prefix_chunks  # noqa: E402
 from kvfleet.engine.bench.decode_probe import median_cuda_ms  # noqa: E402
 from kvfleet.engine.models.layers import RotaryEmbedding  # noqa: E402
 from kvfleet.engine.rope import Rotary  # noqa: E402
@@ -45,9 +48,14 @@ STEPS: list[tuple[str, list[int], list[int]]] = [
     ("fresh 5000 + chunk 3000 over 2500 + 8 decodes", [5000, 3000] + [1] * 8, [5000, 5500] + [700] * 8),
     ("fresh 4096 x 2", [4096, 4096], [4096, 4096]),
     ("fresh 6000 + fresh 1500 + fresh 600", [6000, 1500, 600], [6000, 1500, 600]),
+    ("chunk 2048 over 6144 cached", [2048], [8192]),
+    ("chunk 1000 over 5000 + chunk 100 over 7000", [1000, 100], [6000, 7100]),
+    ("16 x 384 over 2048 cached (shared prefix)", [384] * 16, [2432] * 16),
 ]
+CHOICES = ("gluon", "gluon-chunks")
 ENGINE_PROMPTS = [2500, 4100, 6000, 3000]
 ENGINE_TOKENS = 16
+ENGINE_STEP_TOKENS = 4096
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -73,19 +81,24 @@ def build_step(q_lens: list[int], seq_lens: list[int], gen: torch.Generator) -> 
 
 def run_op(step: dict[str, Any], choice: str) -> tuple[torch.Tensor, triton_backend.PrefillPlan, float]:
     """The op with a prefill kernel choice -> (out on fresh copies of the step's tensors, its plan, median ms of the
-    op alone: planned anew each call as each engine step is, on one set of tensors that each call rotates again)."""
+    op per layer: the metadata and plan made once, as the engine's first layer makes them for the others, on one set
+    of tensors that each call rotates again)."""
     triton_backend.PREFILL_KERNEL = choice
     rotary = Rotary(step["cos"], step["sin"])
 
-    def call(qkv: torch.Tensor, cache: torch.Tensor) -> tuple[torch.Tensor, Any]:
+    def call(qkv: torch.Tensor, cache: torch.Tensor, md: Any) -> torch.Tensor:
         q, k, v = qkv.split([HQ, HKV, HKV], dim=1)
-        md = build_attention_metadata(step["q_lens"], step["seq_lens"], step["tables"], BLOCK, device="cuda")
-        return triton_backend.triton_paged_attention(q, k, v, cache, md, SCALE, rotary=rotary), md.plans[
-            "triton_prefill"]
+        return triton_backend.triton_paged_attention(q, k, v, cache, md, SCALE, rotary=rotary)
 
-    out, plan = call(step["qkv"].clone(), step["cache"].clone())
-    qkv, cache = step["qkv"].clone(), step["cache"].clone()
-    ms = median_cuda_ms(lambda: call(qkv, cache), iters=5)
+    def metadata() -> Any:
+        return build_attention_metadata(step["q_lens"], step["seq_lens"], step["tables"], BLOCK, device="cuda")
+
+    md = metadata()
+    out = call(step["qkv"].clone(), step["cache"].clone(), md)
+    plan = md.plans["triton_prefill"]
+    qkv, cache, md = step["qkv"].clone(), step["cache"].clone(), metadata()
+    ms = median_cuda_ms(lambda: call(qkv, cache, md), iters=10)
+    assert isinstance(plan, triton_backend.PrefillPlan)
     return out, plan, ms
 
 
@@ -97,28 +110,35 @@ def reference(step: dict[str, Any]) -> torch.Tensor:
                                  rotary=Rotary(step["cos"], step["sin"]))
 
 
+def _sequences(work: torch.Tensor | None) -> list[int]:
+    return sorted(set(work[:, 0].tolist())) if work is not None else []
+
+
 def op_rows() -> tuple[list[dict[str, Any]], bool]:
     gen = torch.Generator().manual_seed(11)
     rows, ok = [], True
     for name, q_lens, seq_lens in STEPS:
         step = build_step(q_lens, seq_lens, gen)
         ref = reference(step)
-        got_g, plan_g, ms_g = run_op(step, "gluon")
         got_v, _, ms_v = run_op(step, "v2")
         qsl = [0]
         for n in q_lens:
             qsl.append(qsl[-1] + n)
-        want = sorted(b for b, f in enumerate(fresh_long_prompts(qsl, seq_lens)) if f)
-        took = sorted(set(plan_g.gluon_work[:, 0].tolist())) if plan_g.gluon_work is not None else []
-        row = {"step": name, "err_gluon": rel_err(got_g, ref), "err_v2": rel_err(got_v, ref),
-               "gluon_vs_v2": rel_err(got_g, got_v), "gluon_prompts": took, "fresh_long_prompts": want,
-               "ms_gluon": ms_g, "ms_v2": ms_v, "finite": bool(torch.isfinite(got_g).all())}
-        row["ok"] = row["finite"] and row["err_gluon"] < TOL and took == want
-        ok &= row["ok"]
-        rows.append(row)
-        print(f"{name:48} err gluon {row['err_gluon']:.2e} v2 {row['err_v2']:.2e} (gluon vs v2 "
-              f"{row['gluon_vs_v2']:.2e})  gluon prompts {took} (want {want})  op {ms_g:.2f} ms vs v2 {ms_v:.2f} ms"
-              f"  {'ok' if row['ok'] else 'FAILED'}", flush=True)
+        want_fresh = sorted(b for b, f in enumerate(fresh_long_prompts(qsl, seq_lens)) if f)
+        want_chunks = sorted(b for b, f in enumerate(long_prefix_chunks(qsl, seq_lens)) if f)
+        for choice in CHOICES:
+            got, plan, ms = run_op(step, choice)
+            fresh, chunks = _sequences(plan.gluon_work), _sequences(plan.gluon_chunk_work)
+            want = (want_fresh, want_chunks if choice == "gluon-chunks" else [])
+            row = {"step": name, "choice": choice, "err": rel_err(got, ref), "err_v2": rel_err(got_v, ref),
+                   "vs_v2": rel_err(got, got_v), "fresh_prompts": fresh, "chunks": chunks, "want": want,
+                   "ms": ms, "ms_v2": ms_v, "finite": bool(torch.isfinite(got).all())}
+            row["ok"] = row["finite"] and row["err"] < TOL and (fresh, chunks) == want
+            ok &= row["ok"]
+            rows.append(row)
+            print(f"{name:44} {choice:13} err {row['err']:.2e} v2 {row['err_v2']:.2e} (vs v2 {row['vs_v2']:.2e})  "
+                  f"fresh {fresh} chunks {chunks} (want {want[0]} {want[1]})  op {ms:.3f} ms vs v2 {ms_v:.3f} ms"
+                  f"  {'ok' if row['ok'] else 'FAILED'}", flush=True)
     return rows, ok
 
 
@@ -126,10 +146,11 @@ ENGINE_CHILD = r"""
 import json, sys, torch
 from kvfleet.engine.llm import LLM
 from kvfleet.engine.sampling_params import SamplingParams
-model, lens, n = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3])
+model, lens, n, step = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
 g = torch.Generator().manual_seed(5)
 prompts = [{"prompt_token_ids": torch.randint(10, 30000, (L,), generator=g).tolist()} for L in lens]
-llm = LLM(model, load_format="dummy", dtype="bfloat16", max_model_len=8192, enforce_eager=True)
+llm = LLM(model, load_format="dummy", dtype="bfloat16", max_model_len=8192, enforce_eager=True,
+          max_num_batched_tokens=step)
 outs = llm.generate(prompts, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
 print("TOKENS " + json.dumps([list(o.outputs[0].token_ids) for o in outs]), flush=True)
 """
@@ -137,7 +158,8 @@ print("TOKENS " + json.dumps([list(o.outputs[0].token_ids) for o in outs]), flus
 
 def engine_tokens(model: str, choice: str) -> list[list[int]]:
     env = {**os.environ, "KVFLEET_PREFILL_KERNEL": choice}
-    proc = subprocess.run([sys.executable, "-c", ENGINE_CHILD, model, json.dumps(ENGINE_PROMPTS), str(ENGINE_TOKENS)],
+    proc = subprocess.run([sys.executable, "-c", ENGINE_CHILD, model, json.dumps(ENGINE_PROMPTS), str(ENGINE_TOKENS),
+                           str(ENGINE_STEP_TOKENS)],
                           env=env, capture_output=True, text=True, timeout=300)
     for line in proc.stdout.splitlines():
         if line.startswith("TOKENS "):
@@ -155,17 +177,20 @@ def main() -> int:
     t0 = time.time()
     result: dict[str, Any] = {"device": torch.cuda.get_device_name(), "source": git_describe()}
     result["op"], ok = op_rows()
+    result["engine"] = {"model": model, "prompts": ENGINE_PROMPTS, "step_tokens": ENGINE_STEP_TOKENS}
     try:
-        v2, gl = engine_tokens(model, "v2"), engine_tokens(model, "gluon")
-        same = sum(a == b for x, y in zip(v2, gl, strict=True) for a, b in zip(x, y, strict=True))
-        first = sum(x[0] == y[0] for x, y in zip(v2, gl, strict=True))
-        result["engine"] = {"model": model, "prompts": ENGINE_PROMPTS, "tokens_v2": v2, "tokens_gluon": gl,
-                            "same_tokens": same, "of": len(ENGINE_PROMPTS) * ENGINE_TOKENS,
-                            "same_first_tokens": first}
-        print(f"engine {model}: {same} of {len(ENGINE_PROMPTS) * ENGINE_TOKENS} greedy tokens the same, first "
-              f"tokens {first} of {len(ENGINE_PROMPTS)}", flush=True)
+        v2 = engine_tokens(model, "v2")
+        result["engine"]["tokens_v2"] = v2
+        for choice in CHOICES:
+            got = engine_tokens(model, choice)
+            same = sum(a == b for x, y in zip(v2, got, strict=True) for a, b in zip(x, y, strict=True))
+            first = sum(x[0] == y[0] for x, y in zip(v2, got, strict=True))
+            result["engine"][choice] = {"tokens": got, "same_tokens": same, "of": len(ENGINE_PROMPTS) * ENGINE_TOKENS,
+                                        "same_first_tokens": first}
+            print(f"engine {model} {choice}: {same} of {len(ENGINE_PROMPTS) * ENGINE_TOKENS} greedy tokens as v2's, "
+                  f"first tokens {first} of {len(ENGINE_PROMPTS)}", flush=True)
     except Exception as e:  # noqa: BLE001 - the op's rows stand on their own
-        result["engine"] = {"error": f"{type(e).__name__}: {e}"[:3000]}
+        result["engine"]["error"] = f"{type(e).__name__}: {e}"[:3000]
         print(f"engine check failed: {result['engine']['error']}", flush=True)
     result["ok"], result["seconds"] = ok, round(time.time() - t0, 1)
     (out_dir / "gluon_engine_check.json").write_text(json.dumps(result, indent=1))

@@ -17,7 +17,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvfleet.engine.kernels.prefill_attention_gluon import check_tile, prefill_attention_gluon
+from kvfleet.engine.kernels.prefill_attention_gluon import (
+    check_tile,
+    paged_applies,
+    prefill_attention_gluon,
+    prefill_attention_gluon_paged,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 HOPPER_MAX_SHARED = 232448
@@ -28,19 +33,25 @@ def test_gluon_kernel_compiles_for_sm90_with_softmax_under_the_mmas(tmp_path: Pa
     env["TRITON_CACHE_DIR"] = str(tmp_path / "triton-cache")   # compile, do not reuse
     out = tmp_path / "resources.json"
     # the default (FlashAttention-3's order, 128 x 128), the S-ahead schedule at its default 64-key tile, and the
-    # warp-specialized variant of each
+    # warp-specialized variant of each; then the paged form the engine runs on chunks (warp-specialized)
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / "gluon_attention_resources.py"),
                            "fa3,128,128,2,8", "ahead,128,64,2,8", "fa3-ws,128,128,2,8", "ahead-ws,128,64,2,8",
-                           "--json", str(out)], env=env, capture_output=True, text=True, timeout=600)
+                           "fa3-ws-paged,128,128,2,8", "--json", str(out)],
+                          env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = json.loads(out.read_text())
-    assert len(rows) == 4 and not [r for r in rows if "error" in r], rows
-    for r in rows:
+    assert len(rows) == 5 and not [r for r in rows if "error" in r], rows
+    paged = rows.pop()
+    for r in rows + [paged]:
         assert r["stack_bytes"] == 0 and r["shared_bytes"] <= HOPPER_MAX_SHARED and r["fits"], r
         assert r["ptx_wgmma"] and not r["serialized"], r
         # every key loop (unmasked, diagonal) starts its softmax with an MMA in flight
         assert len(r["ptx_loops"]) == 2 and r["ptx_softmax_under_mma"], r
     fa3, ahead, fa3_ws, ahead_ws = rows
+    # the producer warp takes the block-table loads and the eight copies a tile: the consumer's loops have the fresh
+    # kernel's registers and CTA barriers (ptxas schedules the diagonal's softmax a little differently)
+    assert paged["registers"] == fa3_ws["registers"], paged
+    assert [o["bar_sync"] for o in paged["sass_loops"]] == [o["bar_sync"] for o in fa3_ws["sass_loops"]], paged
     # FlashAttention-3's order: P_{j-1} V_{j-1} (RS) under softmax(S_j); S-ahead: Q K_{j+1}^T (SS) too
     assert all(o["in_flight_at_first_ex2"] == ["RS"] for o in fa3["ptx_loops"] + fa3_ws["ptx_loops"]), fa3
     assert ahead["ptx_s_next_before_ex2"] and ahead_ws["ptx_s_next_before_ex2"], ahead
@@ -61,6 +72,20 @@ def _tensors(d: int = 128) -> dict[str, torch.Tensor]:
 def _call(**kw: torch.Tensor) -> None:
     t = _tensors() | kw
     prefill_attention_gluon(t["q"], t["k"], t["v"], t["query_start_loc"], 16, 0.1, t["out"])
+
+
+def test_gluon_paged_checks_name_what_they_refuse() -> None:
+    cache = torch.zeros(2, 4, 16, 8, 128, dtype=torch.bfloat16)
+    assert paged_applies(cache, 128) and paged_applies(cache, 64)
+    assert not paged_applies(torch.zeros(2, 4, 128, 8, 128, dtype=torch.bfloat16), 128)   # a block a tile: v2's TMA
+    assert not paged_applies(torch.zeros(2, 4, 12, 8, 128, dtype=torch.bfloat16), 128)    # not dividing the tile
+    assert not paged_applies(cache.float(), 128)
+    assert not paged_applies(cache.transpose(3, 2), 128)                                  # heads not in a row
+    t = _tensors()
+    with pytest.raises(ValueError, match="^q: on cpu: .*CUDA device only"):
+        prefill_attention_gluon_paged(t["q"], cache, torch.zeros(1, 1, dtype=torch.int32),
+                                      torch.tensor([16], dtype=torch.int32), t["query_start_loc"], 16, 0.1, t["out"],
+                                      work=torch.zeros(1, 2, dtype=torch.int32))
 
 
 def test_gluon_wrapper_rejects_unsupported_inputs() -> None:

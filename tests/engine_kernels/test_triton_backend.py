@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kvfleet.engine.attention import build_attention_metadata, torch_paged_attention, triton_backend
-from kvfleet.engine.attention.fresh_prompts import fresh_long_prompts
+from kvfleet.engine.attention.fresh_prompts import fresh_long_prompts, long_prefix_chunks
 from kvfleet.engine.attention.triton_backend import (
     prefill_cache_extra_stages,
     prefill_kernel_choice,
@@ -54,6 +54,7 @@ def test_triton_op_matches_torch_op(q_lens: list[int], seq_lens: list[int], rota
 def test_prefill_kernel_choice() -> None:
     assert prefill_kernel_choice("") == "v2" and prefill_kernel_choice(" v1 ") == "v1"
     assert prefill_kernel_choice("v2-paged") == "v2-paged" and prefill_kernel_choice("gluon") == "gluon"
+    assert prefill_kernel_choice("gluon-chunks") == "gluon-chunks"
     with pytest.raises(ValueError, match="KVFLEET_PREFILL_KERNEL"):
         prefill_kernel_choice("v3")
 
@@ -69,6 +70,16 @@ def test_fresh_long_prompts_and_work_lists_for_them() -> None:
     assert sorted(set(pairs[0::2])) == [0, 3] and len(pairs) // 2 == 3 + 3
     rest = prefill_work_pairs(qsl, 16, True, seq_lens, only=[not x for x in only])
     assert sorted(set(rest[0::2])) == [2, 4] and len(rest) // 2 == 2 + 1
+
+
+def test_long_prefix_chunks() -> None:
+    # a fresh prompt, a decode row, a short chunk, a long chunk over a cached prefix, a chunk in a short sequence
+    qsl, seq_lens = [0, 40, 41, 47, 87, 127], [40, 90, 60, 100, 45]
+    assert long_prefix_chunks(qsl, seq_lens, min_query=8, min_keys=50) == [False, False, False, True, False]
+    assert long_prefix_chunks(qsl, seq_lens, min_query=6, min_keys=46) == [False, False, True, True, False]
+    assert long_prefix_chunks(qsl, seq_lens, min_query=1, min_keys=1) == [False, False, True, True, True]
+    assert long_prefix_chunks([0, 3000], [7000]) == [True] and long_prefix_chunks([0, 127], [7000]) == [False]
+    assert long_prefix_chunks([0, 1000], [2047]) == [False] and long_prefix_chunks([0, 3000], [3000]) == [False]
 
 
 def _causal_attention_of(work: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -119,6 +130,87 @@ def test_gluon_choice_takes_fresh_long_prompts_and_v2_the_rest(rotary: str, monk
     assert isinstance(plan, triton_backend.PrefillPlan) and plan.kernel == "v2" and plan.gluon_work is not None
     assert len(calls) == 1 and sorted(set(calls[0][:, 0].tolist())) == [0, 3]
     assert sorted(set(plan.work[:, 0].tolist())) == [2, 4]
+
+
+def _chunk_attention_of(work: torch.Tensor, q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
+                        seq_lens: torch.Tensor, qsl: torch.Tensor, scale: float, out: torch.Tensor) -> None:
+    """What the Gluon kernel's paged form computes, in torch: each listed sequence's query rows (its last tokens)
+    attend causally to all its keys, read from the cache through its block table."""
+    group, bs = q.shape[1] // kv_cache.shape[3], kv_cache.shape[2]
+    for b in sorted(set(work[:, 0].tolist())):
+        s, e, n = int(qsl[b]), int(qsl[b + 1]), int(seq_lens[b])
+        blocks = block_tables[b, :-(-n // bs)].long()
+        kk, vv = (kv_cache[i, blocks].reshape(-1, *kv_cache.shape[3:])[:n].repeat_interleave(group, dim=1)
+                  for i in (0, 1))
+        scores = torch.einsum("qhd,khd->hqk", q[s:e].float(), kk.float()) * scale
+        cached = n - (e - s)
+        hidden = torch.ones(e - s, n, dtype=torch.bool).triu(cached + 1)
+        out[s:e] = torch.einsum("hqk,khd->qhd", scores.masked_fill(hidden, float("-inf")).softmax(-1),
+                                vv.float()).to(out.dtype)
+
+
+def test_gluon_chunks_choice_takes_long_chunks_over_a_cached_prefix(monkeypatch: pytest.MonkeyPatch) -> None:
+    """KVFLEET_PREFILL_KERNEL=gluon-chunks: the fresh long prompts to the Gluon kernel, the long chunks over a cached
+    prefix to its paged form (torch stand-ins for both: no CPU interpreter; `bench/gpu_gluon_engine_check.py` checks
+    them on an H200), which reads the chunk's own keys from the cache, rotated as written; the short chunk and
+    the decode row to v2 and the decode kernel. The step equals the torch op."""
+    fresh_calls: list[torch.Tensor] = []
+    chunk_calls: list[torch.Tensor] = []
+
+    def gluon_stand_in(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qsl: torch.Tensor, max_query_len: int,
+                       scale: float, out: torch.Tensor, work: torch.Tensor, **tile: Any) -> torch.Tensor:
+        fresh_calls.append(work.clone())
+        _causal_attention_of(work, q, k, v, qsl, scale, out)
+        return out
+
+    def paged_stand_in(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                       qsl: torch.Tensor, max_query_len: int, scale: float, out: torch.Tensor, work: torch.Tensor,
+                       **tile: Any) -> torch.Tensor:
+        assert tile["block_m"] == 128 and tile["warp_specialize"]
+        chunk_calls.append(work.clone())
+        _chunk_attention_of(work, q, kv_cache, block_tables, seq_lens, qsl, scale, out)
+        return out
+
+    monkeypatch.setattr(triton_backend, "PREFILL_KERNEL", "gluon-chunks")
+    monkeypatch.setattr(triton_backend, "gluon_applies", lambda q, k, v: True)
+    monkeypatch.setattr(triton_backend, "paged_applies", lambda kv_cache, block_n: True)
+    monkeypatch.setattr(triton_backend, "prefill_attention_gluon", gluon_stand_in)
+    monkeypatch.setattr(triton_backend, "prefill_attention_gluon_paged", paged_stand_in)
+    monkeypatch.setattr(triton_backend, "fresh_long_prompts", functools.partial(fresh_long_prompts, min_tokens=16))
+    monkeypatch.setattr(triton_backend, "long_prefix_chunks",
+                        functools.partial(long_prefix_chunks, min_query=16, min_keys=40))
+    monkeypatch.setattr(triton_backend, "FUSED_ROTARY_CACHE", True)
+    monkeypatch.setattr(triton_backend, "tma_applies", lambda k, v, block_n: False)
+    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    # fresh long, decode, long chunk over 30 cached, short chunk, chunk in a short sequence, fresh short
+    q_lens, seq_lens = [40, 1, 20, 5, 17, 6], [40, 9, 50, 60, 30, 6]
+    q, k, v, cache, md = _step(gen, q_lens, seq_lens)
+    positions = torch.tensor([p for ql, s in zip(q_lens, seq_lens, strict=True) for p in range(s - ql, s)])
+    rope = Rotary(*RotaryEmbedding(16, 10000.0)(positions, torch.float32))
+    cache_ref, q_ref, k_ref = cache.clone(), q.clone(), k.clone()
+    out = triton_paged_attention(q, k, v, cache, md, 0.25, rotary=rope)
+    ref = torch_paged_attention(q_ref, k_ref, v, cache_ref, md, 0.25, rotary=rope)
+    assert rel_err(cache, cache_ref) < 1e-6
+    assert rel_err(out, ref) < 1e-5
+    plan = md.plans["triton_prefill"]
+    assert isinstance(plan, triton_backend.PrefillPlan) and plan.gluon_chunk_work is not None
+    assert len(fresh_calls) == 1 and sorted(set(fresh_calls[0][:, 0].tolist())) == [0]
+    assert len(chunk_calls) == 1 and sorted(set(chunk_calls[0][:, 0].tolist())) == [2]
+    assert sorted(set(plan.work[:, 0].tolist())) == [3, 4, 5]
+
+
+def test_gluon_chunks_choice_keeps_chunks_on_v2_without_a_paged_cache_it_reads(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where `paged_applies` refuses the cache (blocks as long as the key tile, say), "gluon-chunks" is "gluon"."""
+    monkeypatch.setattr(triton_backend, "PREFILL_KERNEL", "gluon-chunks")
+    monkeypatch.setattr(triton_backend, "gluon_applies", lambda q, k, v: True)
+    monkeypatch.setattr(triton_backend, "long_prefix_chunks",
+                        functools.partial(long_prefix_chunks, min_query=16, min_keys=40))
+    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    q, k, v, cache, md = _step(gen, [20, 1], [50, 9])
+    plan = triton_backend._prefill_plan(md, q, k, v, cache)   # float32 cache of 8-token blocks: not Gluon's
+    assert plan.gluon_chunk_work is None and plan.gluon_work is None
+    assert sorted(set(plan.work[:, 0].tolist())) == [0]
 
 
 def test_gluon_choice_falls_back_to_v2_where_it_does_not_apply(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from kvfleet.engine.attention import shared_prefix as sp
-from kvfleet.engine.attention.fresh_prompts import fresh_long_prompts
+from kvfleet.engine.attention.fresh_prompts import fresh_long_prompts, long_prefix_chunks
 from kvfleet.engine.attention.metadata import AttentionMetadata
 from kvfleet.engine.kernels.paged_decode import SharedPrefixArgs, choose_decode_split, paged_decode_attention
 from kvfleet.engine.kernels.prefill_attention import (
@@ -32,8 +32,14 @@ from kvfleet.engine.kernels.prefill_attention import (
     prefill_work,
     prefill_work_pairs,
 )
+from kvfleet.engine.kernels.prefill_attention_gluon import ENGINE_CHUNK_TILE as GLUON_CHUNK_TILE
 from kvfleet.engine.kernels.prefill_attention_gluon import ENGINE_TILE as GLUON_TILE
-from kvfleet.engine.kernels.prefill_attention_gluon import gluon_applies, prefill_attention_gluon
+from kvfleet.engine.kernels.prefill_attention_gluon import (
+    gluon_applies,
+    paged_applies,
+    prefill_attention_gluon,
+    prefill_attention_gluon_paged,
+)
 from kvfleet.engine.kernels.prefill_attention_v2 import (
     SHORT_QUERY_MAX_TOKENS,
     default_tile_v2,
@@ -74,15 +80,18 @@ def prefill_tile(raw: str, name: str = "KVFLEET_PREFILL_TILE") -> tuple[int, int
     return bm, bn, warps, stages
 
 
-PREFILL_KERNELS = ("v1", "v2", "v2-paged", "gluon")
+PREFILL_KERNELS = ("v1", "v2", "v2-paged", "gluon", "gluon-chunks")
+GLUON_CHOICES = ("gluon", "gluon-chunks")
 
 
 def prefill_kernel_choice(raw: str) -> str:
     """KVFLEET_PREFILL_KERNEL: "v2" (the default, `prefill_attention_v2`: split causal loop, heaviest-first
     work, GQA-ordered grid, the new tokens' K/V from the step's projections by TMA on Hopper), "v2-paged" (v2
-    reading every key through the block table), "v1" (the first kernel) or "gluon" (v2, but a step's fresh prompts
+    reading every key through the block table), "v1" (the first kernel), "gluon" (v2, but a step's fresh prompts
     of `GLUON_MIN_QUERY_TOKENS` and more go to the Gluon FlashAttention-3-style kernel where it applies: a Hopper
-    GPU, 16-bit, head dim 64/128; eager steps only, captured ones keep v2); issue 16's A/B on the GPU."""
+    GPU, 16-bit, head dim 64/128; eager steps only, captured ones keep v2) or "gluon-chunks" (as "gluon", and its
+    chunks over a cached prefix that `long_prefix_chunks` picks go to the kernel's paged form, on caches of blocks
+    shorter than its key tile); issue 16's A/B on the GPU."""
     choice = raw.strip() or "v2"
     if choice not in PREFILL_KERNELS:
         raise ValueError(f"KVFLEET_PREFILL_KERNEL: expected one of {', '.join(PREFILL_KERNELS)}, got {raw!r}")
@@ -118,6 +127,7 @@ class PrefillPlan(NamedTuple):
     tile: tuple[int, int, int, int]    # BLOCK_M, BLOCK_N, num_warps, num_stages
     work: torch.Tensor                 # the prefill kernel's work list
     gluon_work: torch.Tensor | None = None   # the Gluon kernel's work list (fresh long prompts), or None: not used
+    gluon_chunk_work: torch.Tensor | None = None   # its paged form's (chunks over a cached prefix), or None
 
 
 def _prefill_tile(kernel: str, max_query_len: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
@@ -136,31 +146,36 @@ def _prefill_tile(kernel: str, max_query_len: int, dtype: torch.dtype) -> tuple[
 
 
 def _triton_kernel(choice: str) -> str:
-    """The Triton prefill kernel behind a KVFLEET_PREFILL_KERNEL choice ("gluon" runs v2 beside the Gluon kernel)."""
-    return "v2" if choice == "gluon" else choice
+    """The Triton prefill kernel behind a KVFLEET_PREFILL_KERNEL choice (the Gluon ones run v2 beside their kernel)."""
+    return "v2" if choice in GLUON_CHOICES else choice
 
 
 def _prefill_plan(md: AttentionMetadata, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                  cache_dtype: torch.dtype) -> PrefillPlan:
+                  kv_cache: torch.Tensor) -> PrefillPlan:
     """The step's `PrefillPlan`, made from the first layer's tensors and kept in `md.plans` for the other layers."""
     plan = md.plans.get("triton_prefill")
     if isinstance(plan, PrefillPlan):
         return plan
     dtype, device = q.dtype, q.device
-    gluon_ok = PREFILL_KERNEL == "gluon" and k.dtype == cache_dtype and gluon_applies(q, k, v)
+    gluon_ok = PREFILL_KERNEL in GLUON_CHOICES and k.dtype == kv_cache.dtype and gluon_applies(q, k, v)
+    chunks_ok = gluon_ok and PREFILL_KERNEL == "gluon-chunks" and paged_applies(kv_cache, GLUON_CHUNK_TILE.block_n)
     qsl = md.query_start_loc_cpu
     mixed = any(qsl[i + 1] - qsl[i] == 1 for i in range(len(qsl) - 1))
     kernel = _triton_kernel(PREFILL_KERNEL)
     tile = _prefill_tile(kernel, md.max_query_len, dtype)
     seq_lens = md.seq_lens_cpu if kernel != "v1" else None   # v2 takes its work heaviest first (key counts)
-    gluon_work, rest = None, None
+    gluon_work, chunk_work, rest = None, None, None
     if gluon_ok:
         fresh = fresh_long_prompts(qsl, md.seq_lens_cpu)
+        chunks = long_prefix_chunks(qsl, md.seq_lens_cpu) if chunks_ok else [False] * len(fresh)
         if any(fresh):
             gluon_work = prefill_work(qsl, GLUON_TILE.block_m, False, device, md.seq_lens_cpu, only=fresh)
-            rest = [not f for f in fresh]
+        if any(chunks):
+            chunk_work = prefill_work(qsl, GLUON_CHUNK_TILE.block_m, False, device, md.seq_lens_cpu, only=chunks)
+        if any(fresh) or any(chunks):
+            rest = [not (f or c) for f, c in zip(fresh, chunks, strict=True)]
     work = prefill_work(qsl, tile[0], mixed, device, seq_lens, only=rest)
-    md.plans["triton_prefill"] = plan = PrefillPlan(mixed, kernel, tile, work, gluon_work)
+    md.plans["triton_prefill"] = plan = PrefillPlan(mixed, kernel, tile, work, gluon_work, chunk_work)
     return plan
 
 
@@ -241,10 +256,11 @@ def triton_paged_attention(
     """q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq, D]; rotates q (in place) and k by `rotary` when given,
     writes k/v into kv_cache, then attends."""
     md = attn_metadata
-    plan = _prefill_plan(md, q, k, v, kv_cache.dtype) if md.max_query_len > 1 else None
+    plan = _prefill_plan(md, q, k, v, kv_cache) if md.max_query_len > 1 else None
     # v2: the step's new keys and values are read from k/v themselves, by TMA (Hopper); where TMA does not apply,
     # pointer loads of k/v would only save the block-table lookups: not used (the sweep's "contiguous kv" rows
-    # measure it). k must then hold the rotated keys, as the cache does; so must it for the Gluon kernel.
+    # measure it). k must then hold the rotated keys, as the cache does; so must it for the Gluon kernel (its
+    # paged form reads the cache, rotated as written).
     new_kv = (plan is not None and plan.kernel == "v2" and k.dtype == kv_cache.dtype
                 and tma_applies(k, v, plan.tile[1]))
     gluon_work = plan.gluon_work if plan is not None else None
@@ -281,6 +297,12 @@ def triton_paged_attention(
         prefill_attention_gluon(q, k, v, md.query_start_loc, md.max_query_len, scale, out, work=gluon_work,
                                 block_m=g.block_m, block_n=g.block_n, num_buffers=g.num_buffers,
                                 num_warps=g.num_warps, s_ahead=g.s_ahead, warp_specialize=g.warp_specialize)
+    if plan.gluon_chunk_work is not None:   # chunks over a cached prefix: every key from the cache (written above)
+        c = GLUON_CHUNK_TILE
+        prefill_attention_gluon_paged(q, kv_cache, md.block_tables, md.seq_lens, md.query_start_loc,
+                                      md.max_query_len, scale, out, work=plan.gluon_chunk_work, block_m=c.block_m,
+                                      block_n=c.block_n, num_buffers=c.num_buffers, num_warps=c.num_warps,
+                                      s_ahead=c.s_ahead, warp_specialize=c.warp_specialize)
     if kernel != "v1":
         prefill_attention_v2(*args, skip_decode=mixed, block_m=block_m, block_n=block_n, work=work,
                              num_warps=warps, num_stages=stages, k=k if new_kv else None,

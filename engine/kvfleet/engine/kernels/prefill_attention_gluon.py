@@ -39,7 +39,12 @@ softmax, where FlashAttention-3 lets them drift and even orders them (one's GEMM
 single-partition kernel refills); the kernel's warps only wait for tiles and compute. Gluon's ``mbarrier.arrive``
 is one thread's, so each "free" signal still needs a barrier of the consumer's 8 warps first (3 an iteration
 instead of 4). Not done: per-warpgroup "free" arrivals and FlashAttention-3's ping-pong (named barriers ordering
-the two warpgroups), a persistent grid, chunks over a cached prefix, head dims other than 64 and 128.
+the two warpgroups), a persistent grid, head dims other than 64 and 128.
+
+``PAGED`` (`prefill_attention_gluon_paged`): chunks over a cached prefix. Every key comes from the paged cache, by
+descriptors whose box is one cache block: a key tile is ``block_n / block_size`` copies into row slices of its ring
+buffer, their block numbers read from the sequence's block-table row; query rows take absolute positions (cached
+keys + row), so the key loop, its causal split and its mask are unchanged.
 
 Gluon kernels cannot run under Triton's CPU interpreter: with ``TRITON_INTERPRET=1`` ``gluon.jit`` still builds
 a compiled kernel (a ``GluonJITFunction``), whose launch on a machine without a GPU fails with "RuntimeError:
@@ -79,15 +84,31 @@ HOPPER_MAX_SHARED = 232448   # bytes of shared memory a block may have on an H10
 # ``ring``: (k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty): the K/V descriptors, the two rings of
 # NUM_BUFFERS tiles, their "landed" mbarriers and (with WARP_SPEC) their "free" mbarriers, which the consumer
 # signals and the producer partition waits on before refilling.
+# ``src``: (row0, table_ptr, n_pages): where key tile j comes from. A fresh prompt's keys are rows ``row0 + j *
+# block_n`` of k/v (descriptors with ``block_n``-row boxes: one copy a tile). A chunk's keys are its sequence's
+# pages in the paged cache (descriptors with one-page boxes, shorter than the tile: one copy a page into its rows
+# of the buffer), the page numbers from its block-table row ``table_ptr``, ``n_pages`` long.
 
 @gluon.jit
-def _load_tile(desc, bufs, bars, j, row0, col, pred, NUM_BUFFERS: gl.constexpr):
-    """TMA of key tile j (rows ``row0 + j * block_n``) into ring slot ``j % NUM_BUFFERS``, when ``pred``."""
+def _load_tile(desc, bufs, bars, j, src, col, pred, NUM_BUFFERS: gl.constexpr):
+    """TMA of key tile j into ring slot ``j % NUM_BUFFERS``, when ``pred`` (``src`` above)."""
+    row0, table_ptr, n_pages = src
+    BLOCK_N: gl.constexpr = bufs.shape[1]
+    BOX: gl.constexpr = desc.block_type.shape[0]
+    PIECES: gl.constexpr = BLOCK_N // BOX
     idx = j % NUM_BUFFERS
     bar = bars.index(idx)
-    mbarrier.expect(bar, desc.block_type.nbytes, pred=pred)
-    tma.async_copy_global_to_shared(desc, [row0 + j * desc.block_type.shape[0], col], bar, bufs.index(idx),
-                                    pred=pred)
+    buf = bufs.index(idx)
+    mbarrier.expect(bar, desc.block_type.nbytes * PIECES, pred=pred)
+    if PIECES == 1:
+        tma.async_copy_global_to_shared(desc, [row0 + j * BLOCK_N, col], bar, buf, pred=pred)
+    else:
+        for i in gl.static_range(PIECES):
+            # pages past the sequence's (in a tile that ends past its last key) read page 0: zeroed at start or
+            # finite keys, which the causal mask hides from every row that is stored
+            page = j * PIECES + i
+            block = gl.load(table_ptr + page, mask=pred & (page < n_pages), other=0)
+            tma.async_copy_global_to_shared(desc, [block * BOX, col], bar, buf.slice(i * BOX, BOX), pred=pred)
 
 
 @gluon.jit
@@ -97,7 +118,7 @@ def _wait_tile(bars, j, NUM_BUFFERS: gl.constexpr):
 
 
 @gluon.jit
-def _free(desc, bufs, ready, empty, j, row0, col, n_tiles, NUM_BUFFERS: gl.constexpr, WARP_SPEC: gl.constexpr):
+def _free(desc, bufs, ready, empty, j, src, col, n_tiles, NUM_BUFFERS: gl.constexpr, WARP_SPEC: gl.constexpr):
     """Key tile j's slot is no longer read (its MMA retired): refill it with tile j + NUM_BUFFERS, or (WARP_SPEC)
     tell the producer partition so."""
     pred = j + NUM_BUFFERS < n_tiles
@@ -105,19 +126,19 @@ def _free(desc, bufs, ready, empty, j, row0, col, n_tiles, NUM_BUFFERS: gl.const
         gl.thread_barrier()   # one thread arrives: both warpgroups' MMAs on the slot have retired by then
         mbarrier.arrive(empty.index(j % NUM_BUFFERS), pred=pred)
     else:
-        _load_tile(desc, bufs, ready, j + NUM_BUFFERS, row0, col, pred, NUM_BUFFERS)
+        _load_tile(desc, bufs, ready, j + NUM_BUFFERS, src, col, pred, NUM_BUFFERS)
 
 
 @gluon.jit
-def _free_k(ring, j, row0, col, n_tiles, NUM_BUFFERS: gl.constexpr, WARP_SPEC: gl.constexpr):
+def _free_k(ring, j, src, col, n_tiles, NUM_BUFFERS: gl.constexpr, WARP_SPEC: gl.constexpr):
     k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty = ring
-    _free(k_desc, k_bufs, k_ready, k_empty, j, row0, col, n_tiles, NUM_BUFFERS, WARP_SPEC)
+    _free(k_desc, k_bufs, k_ready, k_empty, j, src, col, n_tiles, NUM_BUFFERS, WARP_SPEC)
 
 
 @gluon.jit
-def _free_v(ring, j, row0, col, n_tiles, NUM_BUFFERS: gl.constexpr, WARP_SPEC: gl.constexpr):
+def _free_v(ring, j, src, col, n_tiles, NUM_BUFFERS: gl.constexpr, WARP_SPEC: gl.constexpr):
     k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty = ring
-    _free(v_desc, v_bufs, v_ready, v_empty, j, row0, col, n_tiles, NUM_BUFFERS, WARP_SPEC)
+    _free(v_desc, v_bufs, v_ready, v_empty, j, src, col, n_tiles, NUM_BUFFERS, WARP_SPEC)
 
 
 @gluon.jit
@@ -171,7 +192,7 @@ def _rescale(o, alpha, O_LAYOUT: gl.constexpr):
 
 
 @gluon.jit
-def _step_fa3(q_smem, ring, o, p, m_i, l_i, j, n_tiles, q_pos, kv_row0, kv_col, scale_log2, MASKED: gl.constexpr,
+def _step_fa3(q_smem, ring, o, p, m_i, l_i, j, n_tiles, q_pos, src, kv_col, scale_log2, MASKED: gl.constexpr,
               S_LAYOUT: gl.constexpr, O_LAYOUT: gl.constexpr, P_LAYOUT: gl.constexpr, NUM_BUFFERS: gl.constexpr,
               WARP_SPEC: gl.constexpr):
     """FlashAttention-3's iteration j >= 1: S_j and P_{j-1} V_{j-1} issued, softmax(S_j) under the latter."""
@@ -179,16 +200,16 @@ def _step_fa3(q_smem, ring, o, p, m_i, l_i, j, n_tiles, q_pos, kv_row0, kv_col, 
     s = _issue_qk(q_smem, ring, j, S_LAYOUT, NUM_BUFFERS)
     acc = _issue_pv(p, ring, j - 1, o, NUM_BUFFERS)
     s = warpgroup_mma_wait(1, deps=[s])            # S_j retired (issued first); P_{j-1} V_{j-1} still runs
-    _free_k(ring, j, kv_row0, kv_col, n_tiles, NUM_BUFFERS, WARP_SPEC)
+    _free_k(ring, j, src, kv_col, n_tiles, NUM_BUFFERS, WARP_SPEC)
     p_new, alpha, l_i, m_i = _softmax(s, m_i, l_i, j * BLOCK_N, q_pos, scale_log2, MASKED, S_LAYOUT)
     p_new = _a_operand(p_new, P_LAYOUT, q_smem.dtype)
     o, p = warpgroup_mma_wait(0, deps=[acc, p])     # P_{j-1}'s registers stay live until its MMA retires
-    _free_v(ring, j - 1, kv_row0, kv_col, n_tiles, NUM_BUFFERS, WARP_SPEC)
+    _free_v(ring, j - 1, src, kv_col, n_tiles, NUM_BUFFERS, WARP_SPEC)
     return _rescale(o, alpha, O_LAYOUT), p_new, m_i, l_i
 
 
 @gluon.jit
-def _step_ahead(q_smem, ring, s, o, p, m_i, l_i, j, n_tiles, q_pos, kv_row0, kv_col, scale_log2,
+def _step_ahead(q_smem, ring, s, o, p, m_i, l_i, j, n_tiles, q_pos, src, kv_col, scale_log2,
                 MASKED: gl.constexpr, HAS_PREV: gl.constexpr, HAS_NEXT: gl.constexpr, S_LAYOUT: gl.constexpr,
                 O_LAYOUT: gl.constexpr, P_LAYOUT: gl.constexpr, NUM_BUFFERS: gl.constexpr, WARP_SPEC: gl.constexpr):
     """Iteration j of the ``s_ahead`` schedule. In: S_j (retired), O (rescaled for P_{j-1}) and P_{j-1} (float32).
@@ -211,16 +232,16 @@ def _step_ahead(q_smem, ring, s, o, p, m_i, l_i, j, n_tiles, q_pos, kv_row0, kv_
             o, p, s = warpgroup_mma_wait(0, deps=[acc, p, s_next])
         else:
             o, p = warpgroup_mma_wait(0, deps=[acc, p])
-        _free_v(ring, j - 1, kv_row0, kv_col, n_tiles, NUM_BUFFERS, WARP_SPEC)
+        _free_v(ring, j - 1, src, kv_col, n_tiles, NUM_BUFFERS, WARP_SPEC)
     else:
         s = warpgroup_mma_wait(0, deps=[s_next])
     if HAS_NEXT:
-        _free_k(ring, j + 1, kv_row0, kv_col, n_tiles, NUM_BUFFERS, WARP_SPEC)
+        _free_k(ring, j + 1, src, kv_col, n_tiles, NUM_BUFFERS, WARP_SPEC)
     return s, _rescale(o, alpha, O_LAYOUT), p_new, m_i, l_i
 
 
 @gluon.jit
-def _attend_fa3(q_smem, ring, s, q_pos, n_full, n_tiles, kv_row0, kv_col, scale_log2, S_LAYOUT: gl.constexpr,
+def _attend_fa3(q_smem, ring, s, q_pos, n_full, n_tiles, src, kv_col, scale_log2, S_LAYOUT: gl.constexpr,
                 O_LAYOUT: gl.constexpr, P_LAYOUT: gl.constexpr, NUM_BUFFERS: gl.constexpr, WARP_SPEC: gl.constexpr):
     """The key loop in FlashAttention-3's order, from S_0 (retired): -> (O unnormalized, l)."""
     BLOCK_M: gl.constexpr = q_smem.shape[0]
@@ -233,10 +254,10 @@ def _attend_fa3(q_smem, ring, s, q_pos, n_full, n_tiles, kv_row0, kv_col, scale_
     p = _a_operand(p, P_LAYOUT, q_smem.dtype)
     first_masked = gl.maximum(n_full, 1)
     for j in range(1, first_masked):
-        o, p, m_i, l_i = _step_fa3(q_smem, ring, o, p, m_i, l_i, j, n_tiles, q_pos, kv_row0, kv_col, scale_log2,
+        o, p, m_i, l_i = _step_fa3(q_smem, ring, o, p, m_i, l_i, j, n_tiles, q_pos, src, kv_col, scale_log2,
                                    False, S_LAYOUT, O_LAYOUT, P_LAYOUT, NUM_BUFFERS, WARP_SPEC)
     for j in range(first_masked, n_tiles):
-        o, p, m_i, l_i = _step_fa3(q_smem, ring, o, p, m_i, l_i, j, n_tiles, q_pos, kv_row0, kv_col, scale_log2,
+        o, p, m_i, l_i = _step_fa3(q_smem, ring, o, p, m_i, l_i, j, n_tiles, q_pos, src, kv_col, scale_log2,
                                    True, S_LAYOUT, O_LAYOUT, P_LAYOUT, NUM_BUFFERS, WARP_SPEC)
     acc = _issue_pv(p, ring, n_tiles - 1, o, NUM_BUFFERS)
     o, p = warpgroup_mma_wait(0, deps=[acc, p])
@@ -244,7 +265,7 @@ def _attend_fa3(q_smem, ring, s, q_pos, n_full, n_tiles, kv_row0, kv_col, scale_
 
 
 @gluon.jit
-def _attend_ahead(q_smem, ring, s, q_pos, n_full, n_tiles, kv_row0, kv_col, scale_log2, S_LAYOUT: gl.constexpr,
+def _attend_ahead(q_smem, ring, s, q_pos, n_full, n_tiles, src, kv_col, scale_log2, S_LAYOUT: gl.constexpr,
                   O_LAYOUT: gl.constexpr, P_LAYOUT: gl.constexpr, NUM_BUFFERS: gl.constexpr,
                   WARP_SPEC: gl.constexpr):
     """The key loop with S_{j+1} issued before softmax(S_j), from S_0 (retired): -> (O unnormalized, l)."""
@@ -257,18 +278,18 @@ def _attend_ahead(q_smem, ring, s, q_pos, n_full, n_tiles, kv_row0, kv_col, scal
     if n_tiles > 1:
         # tile 0 (masked: a no-op unless it is on the diagonal) has no P V before it
         p = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, S_LAYOUT)
-        s, o, p, m_i, l_i = _step_ahead(q_smem, ring, s, o, p, m_i, l_i, 0, n_tiles, q_pos, kv_row0, kv_col,
+        s, o, p, m_i, l_i = _step_ahead(q_smem, ring, s, o, p, m_i, l_i, 0, n_tiles, q_pos, src, kv_col,
                                         scale_log2, True, False, True, S_LAYOUT, O_LAYOUT, P_LAYOUT, NUM_BUFFERS,
                                         WARP_SPEC)
         for j in range(1, n_full):
-            s, o, p, m_i, l_i = _step_ahead(q_smem, ring, s, o, p, m_i, l_i, j, n_tiles, q_pos, kv_row0, kv_col,
+            s, o, p, m_i, l_i = _step_ahead(q_smem, ring, s, o, p, m_i, l_i, j, n_tiles, q_pos, src, kv_col,
                                             scale_log2, False, True, True, S_LAYOUT, O_LAYOUT, P_LAYOUT, NUM_BUFFERS,
                                             WARP_SPEC)
         for j in range(gl.maximum(n_full, 1), n_tiles - 1):
-            s, o, p, m_i, l_i = _step_ahead(q_smem, ring, s, o, p, m_i, l_i, j, n_tiles, q_pos, kv_row0, kv_col,
+            s, o, p, m_i, l_i = _step_ahead(q_smem, ring, s, o, p, m_i, l_i, j, n_tiles, q_pos, src, kv_col,
                                             scale_log2, True, True, True, S_LAYOUT, O_LAYOUT, P_LAYOUT, NUM_BUFFERS,
                                             WARP_SPEC)
-        s, o, p, m_i, l_i = _step_ahead(q_smem, ring, s, o, p, m_i, l_i, n_tiles - 1, n_tiles, q_pos, kv_row0,
+        s, o, p, m_i, l_i = _step_ahead(q_smem, ring, s, o, p, m_i, l_i, n_tiles - 1, n_tiles, q_pos, src,
                                         kv_col, scale_log2, True, True, False, S_LAYOUT, O_LAYOUT, P_LAYOUT,
                                         NUM_BUFFERS, WARP_SPEC)
     else:
@@ -280,22 +301,23 @@ def _attend_ahead(q_smem, ring, s, q_pos, n_full, n_tiles, kv_row0, kv_col, scal
 
 
 @gluon.jit
-def _consume(q_smem, q_bar, ring, out_ptr, h, q_start, q_len, q_first, n_full, n_tiles, kv_col, scale_log2, stride_ot,
-             stride_oh, S_AHEAD: gl.constexpr, S_LAYOUT: gl.constexpr, O_LAYOUT: gl.constexpr,
+def _consume(q_smem, q_bar, ring, src, out_ptr, h, q_start, q_len, q_first, cached, n_full, n_tiles, kv_col,
+             scale_log2, stride_ot, stride_oh, S_AHEAD: gl.constexpr, S_LAYOUT: gl.constexpr, O_LAYOUT: gl.constexpr,
              P_LAYOUT: gl.constexpr, OUT_LAYOUT: gl.constexpr, NUM_BUFFERS: gl.constexpr, WARP_SPEC: gl.constexpr):
-    """The MMA and softmax warps: every key tile of the query tile, then the normalized rows into ``out``."""
+    """The MMA and softmax warps: every key tile of the query tile, then the normalized rows into ``out``. A query
+    row's position is ``cached`` (the keys before the chunk) plus its row in the chunk."""
     BLOCK_M: gl.constexpr = q_smem.shape[0]
     HEAD_DIM: gl.constexpr = O_LAYOUT.instr_shape[1]
-    q_pos = q_first + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, S_LAYOUT))
+    q_pos = cached + q_first + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, S_LAYOUT))
     mbarrier.wait(q_bar, 0)
     s = _issue_qk(q_smem, ring, 0, S_LAYOUT, NUM_BUFFERS)
     s = warpgroup_mma_wait(0, deps=[s])
-    _free_k(ring, 0, q_start, kv_col, n_tiles, NUM_BUFFERS, WARP_SPEC)
+    _free_k(ring, 0, src, kv_col, n_tiles, NUM_BUFFERS, WARP_SPEC)
     if S_AHEAD:
-        o, l_i = _attend_ahead(q_smem, ring, s, q_pos, n_full, n_tiles, q_start, kv_col, scale_log2, S_LAYOUT,
+        o, l_i = _attend_ahead(q_smem, ring, s, q_pos, n_full, n_tiles, src, kv_col, scale_log2, S_LAYOUT,
                                O_LAYOUT, P_LAYOUT, NUM_BUFFERS, WARP_SPEC)
     else:
-        o, l_i = _attend_fa3(q_smem, ring, s, q_pos, n_full, n_tiles, q_start, kv_col, scale_log2, S_LAYOUT,
+        o, l_i = _attend_fa3(q_smem, ring, s, q_pos, n_full, n_tiles, src, kv_col, scale_log2, S_LAYOUT,
                              O_LAYOUT, P_LAYOUT, NUM_BUFFERS, WARP_SPEC)
     # l_i >= 1: the row's maximum contributes exp2(0)
     o = o / gl.convert_layout(l_i, gl.SliceLayout(1, O_LAYOUT))[:, None]
@@ -307,7 +329,7 @@ def _consume(q_smem, q_bar, ring, out_ptr, h, q_start, q_len, q_first, n_full, n
 
 
 @gluon.jit
-def _produce(ring, q_start, kv_col, n_tiles, NUM_BUFFERS: gl.constexpr):
+def _produce(ring, src, kv_col, n_tiles, NUM_BUFFERS: gl.constexpr):
     """The producer warp (WARP_SPEC): refills each ring slot once the consumer has freed it (tiles from
     NUM_BUFFERS on: the first NUM_BUFFERS are issued before the partitions fork)."""
     k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty = ring
@@ -315,19 +337,24 @@ def _produce(ring, q_start, kv_col, n_tiles, NUM_BUFFERS: gl.constexpr):
         idx = j % NUM_BUFFERS
         freed = (j // NUM_BUFFERS - 1) & 1   # the release of tile j - NUM_BUFFERS completes that phase
         mbarrier.wait(k_empty.index(idx), freed)
-        _load_tile(k_desc, k_bufs, k_ready, j, q_start, kv_col, True, NUM_BUFFERS)
+        _load_tile(k_desc, k_bufs, k_ready, j, src, kv_col, True, NUM_BUFFERS)
         mbarrier.wait(v_empty.index(idx), freed)
-        _load_tile(v_desc, v_bufs, v_ready, j, q_start, kv_col, True, NUM_BUFFERS)
+        _load_tile(v_desc, v_bufs, v_ready, j, src, kv_col, True, NUM_BUFFERS)
 
 
-@gluon.jit(do_not_specialize=["batch", "num_tiles"])
+@gluon.jit(do_not_specialize=["batch", "num_tiles", "stride_table"])
 def _prefill_gluon_kernel(
-    q_desc, k_desc, v_desc, qsl_ptr, work_ptr, out_ptr,
-    scale_log2, batch, num_tiles, stride_ot, stride_oh,
+    q_desc, k_desc, v_desc, qsl_ptr, work_ptr, out_ptr, table_ptr, seq_lens_ptr,
+    scale_log2, batch, num_tiles, stride_ot, stride_oh, stride_table,
     HQ: gl.constexpr, G: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     NUM_BUFFERS: gl.constexpr, USE_WORK: gl.constexpr, S_AHEAD: gl.constexpr, WARP_SPEC: gl.constexpr,
-    S_LAYOUT: gl.constexpr, O_LAYOUT: gl.constexpr, P_LAYOUT: gl.constexpr, OUT_LAYOUT: gl.constexpr,
+    PAGED: gl.constexpr, S_LAYOUT: gl.constexpr, O_LAYOUT: gl.constexpr, P_LAYOUT: gl.constexpr,
+    OUT_LAYOUT: gl.constexpr,
 ):
+    """One (prompt, query tile) pair for one query head. ``PAGED``: every key of the sequence (its cached prefix and
+    the chunk's own, written there before) from the paged cache, by k/v descriptors over it with one-page boxes
+    (``table_ptr``: the block tables, ``seq_lens_ptr``: the sequences' lengths); otherwise a fresh prompt's keys
+    from the step's k/v (``table_ptr``/``seq_lens_ptr`` unused)."""
     pid = gl.program_id(0)
     h = pid % HQ          # query head fastest: programs sharing K/V tiles run together (L2)
     w = pid // HQ
@@ -342,15 +369,24 @@ def _prefill_gluon_kernel(
     if tile * BLOCK_M >= q_len:
         return
     q_first = tile * BLOCK_M
-    end_n = gl.minimum(q_len, q_first + BLOCK_M)   # one past the tile's last key
+    if PAGED:
+        seq_len = gl.load(seq_lens_ptr + b)
+        cached = seq_len - q_len                   # keys before the chunk
+        PAGE: gl.constexpr = k_desc.block_type.shape[0]
+        src = (0, table_ptr + b.to(gl.int64) * stride_table, gl.cdiv(seq_len, PAGE))
+    else:
+        cached = 0
+        src = (q_start, table_ptr, 0)
+    end_n = cached + gl.minimum(q_len, q_first + BLOCK_M)   # one past the tile's last key
     n_tiles = gl.cdiv(end_n, BLOCK_N)
-    n_full = q_first // BLOCK_N                    # key tiles every row of the query tile sees whole
+    n_full = (cached + q_first) // BLOCK_N                  # key tiles every row of the query tile sees whole
     kv_col = (h // G) * HEAD_DIM
     dtype: gl.constexpr = q_desc.dtype
 
     q_smem = gl.allocate_shared_memory(dtype, q_desc.block_type.shape, q_desc.layout)
-    k_bufs = gl.allocate_shared_memory(dtype, [NUM_BUFFERS] + k_desc.block_type.shape, k_desc.layout)
-    v_bufs = gl.allocate_shared_memory(dtype, [NUM_BUFFERS] + v_desc.block_type.shape, v_desc.layout)
+    # the rings hold whole key tiles (a paged descriptor's box is one page: same NVMMA layout, fewer rows)
+    k_bufs = gl.allocate_shared_memory(dtype, [NUM_BUFFERS, BLOCK_N, HEAD_DIM], k_desc.layout)
+    v_bufs = gl.allocate_shared_memory(dtype, [NUM_BUFFERS, BLOCK_N, HEAD_DIM], v_desc.layout)
     q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [NUM_BUFFERS, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [NUM_BUFFERS, 1], mbarrier.MBarrierLayout())
@@ -367,19 +403,21 @@ def _prefill_gluon_kernel(
     mbarrier.expect(q_bar, q_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(q_desc, [q_start + q_first, h * HEAD_DIM], q_bar, q_smem)
     for i in gl.static_range(NUM_BUFFERS):
-        _load_tile(k_desc, k_bufs, k_ready, i, q_start, kv_col, i < n_tiles, NUM_BUFFERS)
-        _load_tile(v_desc, v_bufs, v_ready, i, q_start, kv_col, i < n_tiles, NUM_BUFFERS)
+        _load_tile(k_desc, k_bufs, k_ready, i, src, kv_col, i < n_tiles, NUM_BUFFERS)
+        _load_tile(v_desc, v_bufs, v_ready, i, src, kv_col, i < n_tiles, NUM_BUFFERS)
     ring = (k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty)
     if WARP_SPEC:
         # one producer warp (24 registers) issues the refills; the kernel's warps (the default partition) consume
         gl.warp_specialize([
-            (_consume, (q_smem, q_bar, ring, out_ptr, h, q_start, q_len, q_first, n_full, n_tiles, kv_col, scale_log2,
-                        stride_ot, stride_oh, S_AHEAD, S_LAYOUT, O_LAYOUT, P_LAYOUT, OUT_LAYOUT, NUM_BUFFERS, True)),
-            (_produce, (ring, q_start, kv_col, n_tiles, NUM_BUFFERS)),
+            (_consume, (q_smem, q_bar, ring, src, out_ptr, h, q_start, q_len, q_first, cached, n_full, n_tiles,
+                        kv_col, scale_log2, stride_ot, stride_oh, S_AHEAD, S_LAYOUT, O_LAYOUT, P_LAYOUT, OUT_LAYOUT,
+                        NUM_BUFFERS, True)),
+            (_produce, (ring, src, kv_col, n_tiles, NUM_BUFFERS)),
         ], [1], [24])
     else:
-        _consume(q_smem, q_bar, ring, out_ptr, h, q_start, q_len, q_first, n_full, n_tiles, kv_col, scale_log2,
-                 stride_ot, stride_oh, S_AHEAD, S_LAYOUT, O_LAYOUT, P_LAYOUT, OUT_LAYOUT, NUM_BUFFERS, False)
+        _consume(q_smem, q_bar, ring, src, out_ptr, h, q_start, q_len, q_first, cached, n_full, n_tiles, kv_col,
+                 scale_log2, stride_ot, stride_oh, S_AHEAD, S_LAYOUT, O_LAYOUT, P_LAYOUT, OUT_LAYOUT, NUM_BUFFERS,
+                 False)
 
 
 # ---------------------------------------------------------------------------------------------------------- host
@@ -457,6 +495,11 @@ class GluonTile:
 # H200's best at 1 x 8192 (509 TFLOP/s against v2's 459; warp-specialized 503) and 379 at 2 x 4096 (v2 342,
 # warp-specialized 398): issue 16, lease 12.
 ENGINE_TILE = GluonTile()
+# What the engine runs on chunks over a cached prefix (KVFLEET_PREFILL_KERNEL=gluon-chunks): the same tile, with a
+# producer warp issuing the K/V copies, eight a tile from 16-token blocks, and their block-table loads (on sm_90 the
+# single-partition form puts ~18 CTA barriers an iteration around them and no exponential under an MMA; warp-
+# specialized it compiles to the fresh kernel's consumer: `bench/gluon_attention_resources.py`). Not measured yet.
+ENGINE_CHUNK_TILE = GluonTile(warp_specialize=True)
 
 
 def gluon_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
@@ -558,9 +601,105 @@ def prefill_attention_gluon(
     k_desc, v_desc = (TensorDescriptor(x, [t, hkv * d], [x.stride(0), 1], [block_n, d], kv_layout) for x in (k, v))
     _prefill_gluon_kernel[(programs,)](
         q_desc, k_desc, v_desc, query_start_loc, work if work is not None else query_start_loc, out,
-        scale * LOG2E, batch, num_tiles, out.stride(0), out.stride(1),
+        query_start_loc, query_start_loc,   # no block tables, no sequence lengths: fresh prompts
+        scale * LOG2E, batch, num_tiles, out.stride(0), out.stride(1), 0,
         HQ=hq, G=hq // hkv, HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n, NUM_BUFFERS=num_buffers,
-        USE_WORK=work is not None, S_AHEAD=s_ahead, WARP_SPEC=warp_specialize,
+        USE_WORK=work is not None, S_AHEAD=s_ahead, WARP_SPEC=warp_specialize, PAGED=False,
+        **kernel_layouts(block_m, block_n, d, num_warps),
+        num_warps=num_warps,
+    )
+    return out
+
+
+def paged_applies(kv_cache: torch.Tensor, block_n: int) -> bool:
+    """Whether `prefill_attention_gluon_paged` reads this cache ``[2, blocks, block_size, Hkv, D]`` with key tiles
+    of ``block_n`` rows (the cache's own checks, `_check_cache`, as a yes or no)."""
+    try:
+        _check_cache(kv_cache, block_n)
+    except ValueError:
+        return False
+    return True
+
+
+def _check_cache(kv_cache: torch.Tensor, block_n: int) -> tuple[int, int, int]:
+    """The paged cache as the kernel reads it: each half ``[blocks * block_size, Hkv * D]`` rows of 2-D
+    descriptors with one-block boxes, several blocks a key tile -> (blocks, block_size, Hkv)."""
+    check_tensor("kv_cache", kv_cache, ndim=5, dtype=GLUON_DTYPES)
+    _, nb, bs, hkv, d = kv_cache.shape
+    if bs >= block_n or block_n % bs != 0 or bs % 8 != 0:
+        fail("kv_cache", f"blocks of {bs} tokens: the kernel needs blocks of a multiple of 8 tokens that divide its "
+                         f"{block_n}-key tiles, and shorter than them")
+    es = kv_cache.element_size()
+    s_kv, s_blk, s_slot, s_head, s_d = kv_cache.stride()
+    if not (s_d == 1 and s_head == d and s_slot == hkv * d and s_blk == bs * s_slot):
+        fail("kv_cache", f"needs a contiguous [2, blocks, block_size, Hkv, D] layout, got strides {kv_cache.stride()}")
+    if (s_slot * es) % 16 != 0 or (s_kv * es) % 16 != 0 or kv_cache.data_ptr() % 16 != 0:
+        fail("kv_cache", "rows must be 16-byte aligned")
+    return nb, bs, hkv
+
+
+def prefill_attention_gluon_paged(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    max_query_len: int,
+    scale: float,
+    out: torch.Tensor,
+    work: torch.Tensor,
+    block_m: int = 128,
+    block_n: int = 128,
+    num_buffers: int = 2,
+    num_warps: int = 8,
+    s_ahead: bool = False,
+    warp_specialize: bool = False,
+) -> torch.Tensor:
+    """Causal attention of chunks over a cached prefix into ``out`` ``[T, Hq, D]``: sequence b's query rows
+    ``query_start_loc[b] .. query_start_loc[b + 1]`` of ``q`` (its last tokens: positions ``seq_lens[b] - q_len``
+    on) attend to its first ``seq_lens[b]`` keys, all read from the paged cache ``[2, blocks, block_size, Hkv, D]``
+    through ``block_tables`` ``[B, max_blocks]`` (the chunk's own keys written there first, rotated). One copy a
+    cache block into the key tile's rows: blocks of 16 tokens, 8 copies a 128-key tile, and a block-table load
+    for each (``warp_specialize``: a producer warp issues them, off the softmax warps' path). ``work``: the
+    (sequence, query tile) pairs to attend for, `prefill_work(qsl, block_m, False, device, seq_lens, only=...)`;
+    the others' rows are not written."""
+    check_tensor("q", q, ndim=3, dtype=GLUON_DTYPES)
+    t, hq, d = q.shape
+    if d not in HEAD_DIMS:
+        fail("q", f"head dim {d} not in {HEAD_DIMS}")
+    _check_tma_rows("q", q)
+    if q.device.type != "cuda":
+        fail("q", f"on {q.device}: the Gluon kernel runs on a CUDA device only (no interpreter)")
+    check_tensor("kv_cache", kv_cache, ndim=5, dtype=q.dtype, device=q.device)
+    nb, bs, hkv = _check_cache(kv_cache, block_n)
+    if kv_cache.shape[4] != d or hq % hkv != 0:
+        fail("kv_cache", f"expected [2, blocks, block_size, Hkv, {d}] with Hkv dividing {hq}, got "
+                         f"{tuple(kv_cache.shape)}")
+    check_tensor("out", out, ndim=3, dtype=q.dtype, device=q.device)
+    if out.shape != q.shape:
+        fail("out", f"shape {tuple(out.shape)} != q {tuple(q.shape)}")
+    batch = query_start_loc.shape[0] - 1
+    check_tensor("query_start_loc", query_start_loc, ndim=1, dtype=torch.int32, device=q.device)
+    check_tensor("seq_lens", seq_lens, ndim=1, dtype=torch.int32, device=q.device)
+    check_tensor("block_tables", block_tables, ndim=2, dtype=torch.int32, device=q.device)
+    if seq_lens.shape[0] != batch or block_tables.shape[0] != batch or block_tables.stride(1) != 1:
+        fail("block_tables", f"expected [{batch}, max_blocks] rows (unit stride) and {batch} seq_lens, got "
+                             f"{tuple(block_tables.shape)} and {tuple(seq_lens.shape)}")
+    check_tile(block_m, block_n, num_buffers, num_warps, d, warp_specialize)
+    if t == 0 or batch == 0 or max_query_len == 0 or check_prefill_work(work, q.device) == 0:
+        return out
+    q_desc = TensorDescriptor(q, [t, hq * d], [q.stride(0), 1], [block_m, d], smem_layout(block_m, d, q.dtype))
+    page_layout = smem_layout(bs, d, q.dtype)
+    if page_layout != smem_layout(block_n, d, q.dtype):
+        fail("kv_cache", f"blocks of {bs} tokens take another shared-memory layout than {block_n}-key tiles")
+    k_desc, v_desc = (TensorDescriptor(kv_cache[i], [nb * bs, hkv * d], [kv_cache.stride(2), 1], [bs, d], page_layout)
+                      for i in (0, 1))
+    _prefill_gluon_kernel[(work.shape[0] * hq,)](
+        q_desc, k_desc, v_desc, query_start_loc, work, out, block_tables, seq_lens,
+        scale * LOG2E, batch, triton.cdiv(max_query_len, block_m), out.stride(0), out.stride(1),
+        block_tables.stride(0),
+        HQ=hq, G=hq // hkv, HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n, NUM_BUFFERS=num_buffers,
+        USE_WORK=True, S_AHEAD=s_ahead, WARP_SPEC=warp_specialize, PAGED=True,
         **kernel_layouts(block_m, block_n, d, num_warps),
         num_warps=num_warps,
     )
