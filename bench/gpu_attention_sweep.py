@@ -36,7 +36,9 @@ Implementations (`impl` in the results):
                            (Gluon kernels have no interpreter)
   gluon paged fa3[-ws] ... its paged form (`prefill_attention_gluon_paged`, what KVFLEET_PREFILL_KERNEL=gluon-chunks
                            runs on chunks over a cached prefix): every key from the paged cache, one TMA copy a
-                           block into the key tile; -ws: a producer warp issues them (the engine's); every case
+                           block into the key tile; -ws: a producer warp issues them (the engine's); every case;
+  gluon paged ahead-ws ... the same in the S-ahead schedule at 128 x 64 (ptxas keeps every exponential of its
+                           unmasked loop under an MMA there, `bench/gluon_attention_resources.py`)
   vLLM FA3 paged           vLLM's FlashAttention-3 (`vllm.vllm_flash_attn.flash_attn_varlen_func`, fa_version 3)
                            over the same paged cache and block tables, as vLLM's engine calls it on Hopper: the
                            target for our kernel (only where vLLM's wheels are installed, PYTHONPATH=/tmp/site)
@@ -91,6 +93,7 @@ V2_DEFAULT = default_tile_v2(8192, BF16)   # KVFLEET_PREFILL_KERNEL=v2 at long c
 V2_TMA_TILES = [(128, 64, 8, 3), (128, 64, 8, 2), (128, 128, 8, 2), (128, 128, 8, 3)]
 # the Gluon prototype's default: (BLOCK_M, BLOCK_N, num_warps, K/V buffers)
 GLUON_TILE = (128, 128, 8, 2)
+GLUON_AHEAD_TILE = (128, 64, 8, 2)   # the S-ahead schedule's tile (two score tiles live: 128 keys spill)
 
 
 def S(n: int) -> int:
@@ -242,7 +245,7 @@ def kernel_runner(c: dict[str, Any], impl: str, tile: tuple[int, int, int, int],
     common = (c["q"], c["cache"], md.block_tables, md.seq_lens, md.query_start_loc, max(q_lens), SCALE, out)
     qsl = md.query_start_loc_cpu
     if impl.startswith("gluon paged"):
-        return gluon_paged_runner(c, tile, out, warp_specialize=impl.endswith("-ws"))
+        return gluon_paged_runner(c, tile, out, warp_specialize=impl.endswith("-ws"), s_ahead="ahead" in impl)
     if impl.startswith("gluon"):
         return gluon_runner(c, tile, out)
     if impl == "v1":
@@ -285,7 +288,7 @@ def gluon_runner(c: dict[str, Any], tile: tuple[int, int, int, int], out: torch.
 
 
 def gluon_paged_runner(c: dict[str, Any], tile: tuple[int, int, int, int], out: torch.Tensor, warp_specialize: bool,
-                       ) -> tuple[Callable[[], Any], Callable[[], torch.Tensor]]:
+                       s_ahead: bool) -> tuple[Callable[[], Any], Callable[[], torch.Tensor]]:
     """The Gluon kernel's paged form: every key of each sequence from the cache (the new tokens' written there)."""
     from kvfleet.engine.kernels.prefill_attention_gluon import prefill_attention_gluon_paged
 
@@ -296,7 +299,8 @@ def gluon_paged_runner(c: dict[str, Any], tile: tuple[int, int, int, int], out: 
     def run() -> None:
         prefill_attention_gluon_paged(c["q"], c["cache"], md.block_tables, md.seq_lens, md.query_start_loc,
                                       max(q_lens), SCALE, out, work=work, block_m=bm, block_n=bn,
-                                      num_buffers=buffers, num_warps=warps, warp_specialize=warp_specialize)
+                                      num_buffers=buffers, num_warps=warps, warp_specialize=warp_specialize,
+                                      s_ahead=s_ahead)
     return run, lambda: out
 
 
@@ -306,7 +310,8 @@ def gluon_rows(fresh: bool) -> list[tuple[str, tuple[int, int, int, int] | None]
     if DRY:
         return []
     fresh_row = [("gluon fa3-style", GLUON_TILE)] if fresh else []
-    return fresh_row + [("gluon paged fa3-ws", GLUON_TILE), ("gluon paged fa3", GLUON_TILE)]
+    return fresh_row + [("gluon paged fa3-ws", GLUON_TILE), ("gluon paged ahead-ws", GLUON_AHEAD_TILE),
+                        ("gluon paged fa3", GLUON_TILE)]
 
 
 def configs(fresh: bool, fa3: bool = False) -> list[tuple[str, tuple[int, int, int, int] | None]]:
