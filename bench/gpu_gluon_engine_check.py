@@ -8,7 +8,9 @@
    Gluon choice and with v2, against the torch op in float32 on the same inputs: the relative error of each, whether
    the plan gave the Gluon kernel exactly the fresh prompts of `GLUON_MIN_QUERY_TOKENS` and more and its paged form
    exactly the chunks `long_prefix_chunks` picks, and the op's time per layer each way (the step's metadata and plan
-   made once, as the engine's first layer does; then rotary, cache write and the kernels).
+   made once, as the engine's first layer does; then rotary, cache write and the kernels). A hung kernel (a wrong
+   mbarrier phase waits for good) ends the check with status 3 after `GLUON_CHECK_ROW_TIMEOUT_S` (40 s) a row, the
+   rows that ran and the hung one written.
 2. The engine (reported, not required): MODEL_DIR (default bench/models/qwen3-0.6b, dummy weights, bf16) greedy on
    long prompts with each choice, in steps of at most 4,096 tokens (so that prompts are split into chunks over a
    cached prefix), one process each (the choice is read at import); how many of the sampled tokens agree with v2's
@@ -30,6 +32,8 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gpu_gluon_attention_check import Watchdog  # noqa: E402
+
 from kvfleet.engine.attention import build_attention_metadata, torch_paged_attention, triton_backend  # noqa: E402
 from kvfleet.engine.attention.fresh_prompts import fresh_long_prompts, long_prefix_chunks  # noqa: E402
 from kvfleet.engine.bench.decode_probe import median_cuda_ms  # noqa: E402
@@ -114,9 +118,10 @@ def _sequences(work: torch.Tensor | None) -> list[int]:
     return sorted(set(work[:, 0].tolist())) if work is not None else []
 
 
-def op_rows() -> tuple[list[dict[str, Any]], bool]:
+def op_rows(rows: list[dict[str, Any]], watchdog: Watchdog) -> bool:
+    """The op's rows into `rows` (as they run: a hang's handler writes those so far) -> whether all passed."""
     gen = torch.Generator().manual_seed(11)
-    rows, ok = [], True
+    ok = True
     for name, q_lens, seq_lens in STEPS:
         step = build_step(q_lens, seq_lens, gen)
         ref = reference(step)
@@ -127,7 +132,9 @@ def op_rows() -> tuple[list[dict[str, Any]], bool]:
         want_fresh = sorted(b for b, f in enumerate(fresh_long_prompts(qsl, seq_lens)) if f)
         want_chunks = sorted(b for b, f in enumerate(long_prefix_chunks(qsl, seq_lens)) if f)
         for choice in CHOICES:
+            watchdog.arm(f"{name} {choice}")
             got, plan, ms = run_op(step, choice)
+            watchdog.disarm()
             fresh, chunks = _sequences(plan.gluon_work), _sequences(plan.gluon_chunk_work)
             want = (want_fresh, want_chunks if choice == "gluon-chunks" else [])
             row = {"step": name, "choice": choice, "err": rel_err(got, ref), "err_v2": rel_err(got_v, ref),
@@ -139,7 +146,7 @@ def op_rows() -> tuple[list[dict[str, Any]], bool]:
             print(f"{name:44} {choice:13} err {row['err']:.2e} v2 {row['err_v2']:.2e} (vs v2 {row['vs_v2']:.2e})  "
                   f"fresh {fresh} chunks {chunks} (want {want[0]} {want[1]})  op {ms:.3f} ms vs v2 {ms_v:.3f} ms"
                   f"  {'ok' if row['ok'] else 'FAILED'}", flush=True)
-    return rows, ok
+    return ok
 
 
 ENGINE_CHILD = r"""
@@ -175,8 +182,14 @@ def main() -> int:
         print("needs a Hopper GPU (the Gluon kernel has no interpreter)", file=sys.stderr)
         return 2
     t0 = time.time()
-    result: dict[str, Any] = {"device": torch.cuda.get_device_name(), "source": git_describe()}
-    result["op"], ok = op_rows()
+    result: dict[str, Any] = {"device": torch.cuda.get_device_name(), "source": git_describe(), "op": []}
+
+    def on_hang(label: str) -> None:
+        result["hung"], result["ok"] = label, False
+        (out_dir / "gluon_engine_check.json").write_text(json.dumps(result, indent=1))
+        print(f"HUNG: {label} (no progress for the row's time limit): exit 3", flush=True)
+
+    ok = op_rows(result["op"], Watchdog(on_hang))
     result["engine"] = {"model": model, "prompts": ENGINE_PROMPTS, "step_tokens": ENGINE_STEP_TOKENS}
     try:
         v2 = engine_tokens(model, "v2")
