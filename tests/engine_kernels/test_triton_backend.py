@@ -8,6 +8,7 @@ import torch
 
 from kvfleet.engine.attention import build_attention_metadata, torch_paged_attention, triton_backend
 from kvfleet.engine.attention.fresh_prompts import fresh_long_prompts, long_prefix_chunks
+from kvfleet.engine.attention.metadata import AttentionMetadata
 from kvfleet.engine.attention.triton_backend import (
     prefill_cache_extra_stages,
     prefill_kernel_choice,
@@ -94,6 +95,21 @@ def _causal_attention_of(work: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v
         out[s:e] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), vv.float()).to(out.dtype)
 
 
+def _rotated_step_matches_torch(q_lens: list[int], seq_lens: list[int]) -> AttentionMetadata:
+    """A random step through the Triton op with rotary fused or not (as patched): its cache and output equal the
+    torch op's on the same inputs; -> its metadata (the plan the op made is in ``plans``)."""
+    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    q, k, v, cache, md = _step(gen, q_lens, seq_lens)
+    positions = torch.tensor([p for ql, s in zip(q_lens, seq_lens, strict=True) for p in range(s - ql, s)])
+    rope = Rotary(*RotaryEmbedding(16, 10000.0)(positions, torch.float32))
+    cache_ref, q_ref, k_ref = cache.clone(), q.clone(), k.clone()
+    out = triton_paged_attention(q, k, v, cache, md, 0.25, rotary=rope)
+    ref = torch_paged_attention(q_ref, k_ref, v, cache_ref, md, 0.25, rotary=rope)
+    assert rel_err(cache, cache_ref) < 1e-6
+    assert rel_err(out, ref) < 1e-5
+    return md
+
+
 @pytest.mark.parametrize("rotary", ["fused", "separate"])
 def test_gluon_choice_takes_fresh_long_prompts_and_v2_the_rest(rotary: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """KVFLEET_PREFILL_KERNEL=gluon: the fresh prompts over the threshold go to the Gluon kernel (a torch stand-in
@@ -116,16 +132,7 @@ def test_gluon_choice_takes_fresh_long_prompts_and_v2_the_rest(rotary: str, monk
     monkeypatch.setattr(triton_backend, "FUSED_ROTARY_CACHE", rotary == "fused")
     # v2 reads the fresh keys through the cache here, so only the Gluon kernel needs k rotated in place
     monkeypatch.setattr(triton_backend, "tma_applies", lambda k, v, block_n: False)
-    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
-    q_lens, seq_lens = [40, 1, 20, 33, 6], [40, 9, 50, 33, 6]
-    q, k, v, cache, md = _step(gen, q_lens, seq_lens)
-    positions = torch.tensor([p for ql, s in zip(q_lens, seq_lens, strict=True) for p in range(s - ql, s)])
-    rope = Rotary(*RotaryEmbedding(16, 10000.0)(positions, torch.float32))
-    cache_ref, q_ref, k_ref = cache.clone(), q.clone(), k.clone()
-    out = triton_paged_attention(q, k, v, cache, md, 0.25, rotary=rope)
-    ref = torch_paged_attention(q_ref, k_ref, v, cache_ref, md, 0.25, rotary=rope)
-    assert rel_err(cache, cache_ref) < 1e-6
-    assert rel_err(out, ref) < 1e-5
+    md = _rotated_step_matches_torch([40, 1, 20, 33, 6], [40, 9, 50, 33, 6])
     plan = md.plans["triton_prefill"]
     assert isinstance(plan, triton_backend.PrefillPlan) and plan.kernel == "v2" and plan.gluon_work is not None
     assert len(calls) == 1 and sorted(set(calls[0][:, 0].tolist())) == [0, 3]
@@ -181,17 +188,8 @@ def test_gluon_chunks_choice_takes_long_chunks_over_a_cached_prefix(monkeypatch:
                         functools.partial(long_prefix_chunks, min_query=16, min_keys=40))
     monkeypatch.setattr(triton_backend, "FUSED_ROTARY_CACHE", True)
     monkeypatch.setattr(triton_backend, "tma_applies", lambda k, v, block_n: False)
-    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
     # fresh long, decode, long chunk over 30 cached, short chunk, chunk in a short sequence, fresh short
-    q_lens, seq_lens = [40, 1, 20, 5, 17, 6], [40, 9, 50, 60, 30, 6]
-    q, k, v, cache, md = _step(gen, q_lens, seq_lens)
-    positions = torch.tensor([p for ql, s in zip(q_lens, seq_lens, strict=True) for p in range(s - ql, s)])
-    rope = Rotary(*RotaryEmbedding(16, 10000.0)(positions, torch.float32))
-    cache_ref, q_ref, k_ref = cache.clone(), q.clone(), k.clone()
-    out = triton_paged_attention(q, k, v, cache, md, 0.25, rotary=rope)
-    ref = torch_paged_attention(q_ref, k_ref, v, cache_ref, md, 0.25, rotary=rope)
-    assert rel_err(cache, cache_ref) < 1e-6
-    assert rel_err(out, ref) < 1e-5
+    md = _rotated_step_matches_torch([40, 1, 20, 5, 17, 6], [40, 9, 50, 60, 30, 6])
     plan = md.plans["triton_prefill"]
     assert isinstance(plan, triton_backend.PrefillPlan) and plan.gluon_chunk_work is not None
     assert len(fresh_calls) == 1 and sorted(set(fresh_calls[0][:, 0].tolist())) == [0]

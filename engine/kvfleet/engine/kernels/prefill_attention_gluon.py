@@ -72,7 +72,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from ._common import check_prefill_work, check_tensor, fail
+from ._common import check_paged_attention_args, check_prefill_work, check_tensor, fail
 
 LOG2E = 1.4426950408889634
 GLUON_DTYPES = (torch.bfloat16, torch.float16)
@@ -522,12 +522,27 @@ def _check_tma_rows(name: str, t: torch.Tensor) -> None:
         fail(name, f"rows must be 16-byte aligned (stride {t.stride(0)}, address {t.data_ptr():#x})")
 
 
-def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[int, int, int, int]:
-    """q/k/v as the kernel reads them, on a device it runs on -> (T, Hq, Hkv, D)."""
+def _check_q(q: torch.Tensor) -> tuple[int, int, int]:
+    """q as either form of the kernel reads it (16-bit, a head dim it has, rows a descriptor reads) -> (T, Hq, D)."""
     check_tensor("q", q, ndim=3, dtype=GLUON_DTYPES)
     t, hq, d = q.shape
     if d not in HEAD_DIMS:
         fail("q", f"head dim {d} not in {HEAD_DIMS}")
+    _check_tma_rows("q", q)
+    return t, hq, d
+
+
+def _check_device(q: torch.Tensor) -> None:
+    """A device the kernel runs on: a Hopper GPU (no interpreter, wgmma)."""
+    if q.device.type != "cuda":
+        fail("q", f"on {q.device}: the Gluon kernel runs on a CUDA device only (no interpreter)")
+    if not _hopper(q.device.index if q.device.index is not None else torch.cuda.current_device()):
+        fail("q", "the Gluon kernel needs a Hopper GPU (compute capability 9.x: wgmma)")
+
+
+def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[int, int, int, int]:
+    """q/k/v as the kernel reads them, on a device it runs on -> (T, Hq, Hkv, D)."""
+    t, hq, d = _check_q(q)
     for name, x in (("k", k), ("v", v)):
         check_tensor(name, x, ndim=3, dtype=q.dtype, device=q.device)
         if not (x.shape[0] == t and x.shape[2] == d and x.shape == k.shape):
@@ -535,12 +550,9 @@ def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[int, 
     hkv = k.shape[1]
     if hq % hkv != 0:
         fail("q", f"{hq} query heads not a multiple of {hkv} KV heads")
-    for name, x in (("q", q), ("k", k), ("v", v)):
+    for name, x in (("k", k), ("v", v)):
         _check_tma_rows(name, x)
-    if q.device.type != "cuda":
-        fail("q", f"on {q.device}: the Gluon kernel runs on a CUDA device only (no interpreter)")
-    if not _hopper(q.device.index if q.device.index is not None else torch.cuda.current_device()):
-        fail("q", "the Gluon kernel needs a Hopper GPU (compute capability 9.x: wgmma)")
+    _check_device(q)
     return t, hq, hkv, d
 
 
@@ -663,28 +675,13 @@ def prefill_attention_gluon_paged(
     for each (``warp_specialize``: a producer warp issues them, off the softmax warps' path). ``work``: the
     (sequence, query tile) pairs to attend for, `prefill_work(qsl, block_m, False, device, seq_lens, only=...)`;
     the others' rows are not written."""
-    check_tensor("q", q, ndim=3, dtype=GLUON_DTYPES)
-    t, hq, d = q.shape
-    if d not in HEAD_DIMS:
-        fail("q", f"head dim {d} not in {HEAD_DIMS}")
-    _check_tma_rows("q", q)
-    if q.device.type != "cuda":
-        fail("q", f"on {q.device}: the Gluon kernel runs on a CUDA device only (no interpreter)")
-    check_tensor("kv_cache", kv_cache, ndim=5, dtype=q.dtype, device=q.device)
-    nb, bs, hkv = _check_cache(kv_cache, block_n)
-    if kv_cache.shape[4] != d or hq % hkv != 0:
-        fail("kv_cache", f"expected [2, blocks, block_size, Hkv, {d}] with Hkv dividing {hq}, got "
-                         f"{tuple(kv_cache.shape)}")
-    check_tensor("out", out, ndim=3, dtype=q.dtype, device=q.device)
-    if out.shape != q.shape:
-        fail("out", f"shape {tuple(out.shape)} != q {tuple(q.shape)}")
-    batch = query_start_loc.shape[0] - 1
-    check_tensor("query_start_loc", query_start_loc, ndim=1, dtype=torch.int32, device=q.device)
-    check_tensor("seq_lens", seq_lens, ndim=1, dtype=torch.int32, device=q.device)
-    check_tensor("block_tables", block_tables, ndim=2, dtype=torch.int32, device=q.device)
-    if seq_lens.shape[0] != batch or block_tables.shape[0] != batch or block_tables.stride(1) != 1:
-        fail("block_tables", f"expected [{batch}, max_blocks] rows (unit stride) and {batch} seq_lens, got "
-                             f"{tuple(block_tables.shape)} and {tuple(seq_lens.shape)}")
+    bs, hkv, d, hq, batch = check_paged_attention_args(q, out, kv_cache, block_tables, seq_lens, query_start_loc)
+    t = _check_q(q)[0]
+    _check_device(q)
+    nb = _check_cache(kv_cache, block_n)[0]
+    if block_tables.shape[0] != batch or block_tables.stride(1) != 1:
+        fail("block_tables", f"expected [{batch}, max_blocks] rows of unit stride, got {tuple(block_tables.shape)} "
+                             f"strides {block_tables.stride()}")
     check_tile(block_m, block_n, num_buffers, num_warps, d, warp_specialize)
     if t == 0 or batch == 0 or max_query_len == 0 or check_prefill_work(work, q.device) == 0:
         return out
