@@ -130,9 +130,11 @@ def test_summary_table(tmp_path: Path) -> None:
         "d.json": _offline("vllm", "long-prompt", 1000.0),
         "e.json": _offline("kvfleet", "chat-mix", 12000.0, quant="fp8"),
         "f.json": {"engine": "kvfleet", "model_dir": "llama-3.1-8b", "quantization": None, "label": None,
-                   "load_point": "low", "ttft_ms": {"p50": 50.0, "p99": 100.0}, "tpot_ms": {"p50": 5.0}, "failed": 0},
+                   "load_point": "low", "ttft_ms": {"p50": 50.0, "p99": 100.0}, "tpot_ms": {"p50": 5.0},
+                   "e2el_ms": {"p50": 600.0}, "failed": 0},
         "g.json": {"engine": "vllm", "model_dir": "llama-3.1-8b", "quantization": None, "label": None,
-                   "load_point": "low", "ttft_ms": {"p50": 40.0, "p99": 120.0}, "tpot_ms": {"p50": 5.5}, "failed": 0},
+                   "load_point": "low", "ttft_ms": {"p50": 40.0, "p99": 120.0}, "tpot_ms": {"p50": 5.5},
+                   "e2el_ms": {"p50": 660.0}, "failed": 0},
         "h.json": {"engine": "kvfleet", "model": "llama-3.1-8b", "time_to_healthy_s": 21.5},
         "i.json": {"engine": "vllm", "model": "llama-3.1-8b", "time_to_healthy_s": None, "error": "not healthy"},
         "junk.json": [1, 2],
@@ -143,7 +145,8 @@ def test_summary_table(tmp_path: Path) -> None:
     assert "| llama-3.1-8b chat-mix, output tok/s | 9,000 | 8,000 | 1.12 |" in text
     assert "| llama-3.1-8b long-prompt [prefill-128-64-8-3], output tok/s | 800 | 1,000 | 0.80 |" in text
     assert "| llama-3.1-8b chat-mix fp8, output tok/s | 12,000 | - | - |" in text
-    assert "| llama-3.1-8b low | 50.0 / 40.0 | 100.0 / 120.0 | 5.0 / 5.5 | 0.80, 1.20, 1.10 | 0 / 0 |" in text
+    assert ("| llama-3.1-8b low | 50.0 / 40.0 | 100.0 / 120.0 | 5.0 / 5.5 | 600.0 / 660.0 | 0.80, 1.20, 1.10, 1.10 "
+            "| 0 / 0 |") in text
     assert "| kvfleet llama-3.1-8b | 21.5 |" in text and "| vllm llama-3.1-8b | not healthy |" in text
 
 

@@ -227,6 +227,9 @@ def load_results(folders: Sequence[Path]) -> tuple[list[dict[str, Any]], list[di
     return offline, online, startup
 
 
+ONLINE_CELLS = (("ttft_ms", "p50"), ("ttft_ms", "p99"), ("tpot_ms", "p50"), ("e2el_ms", "p50"))
+
+
 def _ratio(a: float | None, b: float | None) -> str:
     return f"{a / b:.2f}" if a and b else "-"
 
@@ -249,16 +252,17 @@ def summary_lines(offline: list[dict[str, Any]], online: list[dict[str, Any]],
         bad = "" if not kv.get("requests_with_wrong_length") else f" ({kv['requests_with_wrong_length']} short!)"
         lines.append(f"| {name}, output tok/s | {a:,.0f}{bad} | {b:,.0f} | {_ratio(a, b)} |" if b else
                      f"| {name}, output tok/s | {a:,.0f}{bad} | - | - |")
-    # online: vLLM's latency / ours (> 1: kvfleet faster)
+    # online: vLLM's latency / ours (> 1: kvfleet faster). E2E beside TPOT: when every request ends
+    # together (a burst), TPOT = (E2E - TTFT) / (tokens - 1), so an earlier first token alone raises it.
     on: dict[tuple[Any, ...], dict[str, dict[str, Any]]] = {}
     for r in online:
         on.setdefault((r.get("model_dir"), r.get("quantization"), r["load_point"], r.get("label")
                        if r["engine"] == "kvfleet" else None), {})[r["engine"]] = r
     vl_on = {(k[0], k[1], k[2]): v["vllm"] for k, v in on.items() if "vllm" in v}
     if on:
-        lines += ["", "| online load point | TTFT p50 ms (ours / vLLM) | TTFT p99 ms | TPOT p50 ms | "
-                      "vLLM's / ours: TTFT p50, TTFT p99, TPOT p50 | failed |",
-                  "| --- | --- | --- | --- | --- | --- |"]
+        lines += ["", "| online load point | TTFT p50 ms (ours / vLLM) | TTFT p99 ms | TPOT p50 ms | E2E p50 ms | "
+                      "vLLM's / ours: TTFT p50, TTFT p99, TPOT p50, E2E p50 | failed |",
+                  "| --- | --- | --- | --- | --- | --- | --- |"]
         for (model, quant, point, label), recs in sorted(on.items(), key=lambda kv: tuple(map(str, kv[0]))):
             kv = recs.get("kvfleet")
             if kv is None:
@@ -269,15 +273,14 @@ def summary_lines(offline: list[dict[str, Any]], online: list[dict[str, Any]],
                 return r[metric][q] if r and r.get(metric) else None
 
             cells = []
-            for metric, q in (("ttft_ms", "p50"), ("ttft_ms", "p99"), ("tpot_ms", "p50")):
+            for metric, q in ONLINE_CELLS:
                 a, b = f(kv, metric, q), f(vl, metric, q)
                 cells.append(f"{a:.1f} / {b:.1f}" if a is not None and b is not None else
                              (f"{a:.1f} / -" if a is not None else "-"))
-            ratios = ", ".join(_ratio(f(vl, m, q), f(kv, m, q))
-                               for m, q in (("ttft_ms", "p50"), ("ttft_ms", "p99"), ("tpot_ms", "p50")))
+            ratios = ", ".join(_ratio(f(vl, m, q), f(kv, m, q)) for m, q in ONLINE_CELLS)
             name = f"{model} {point}" + (f" {quant}" if quant else "") + (f" [{label}]" if label else "")
             failed = f"{kv.get('failed', 0)} / {vl.get('failed', 0) if vl else '-'}"
-            lines.append(f"| {name} | {cells[0]} | {cells[1]} | {cells[2]} | {ratios} | {failed} |")
+            lines.append(f"| {name} | {' | '.join(cells)} | {ratios} | {failed} |")
     if online:
         lines += ["", "| load point | engine | client TTFT mean ms | server TTFT mean | server queue time mean | "
                       "client TPOT mean | server ITL mean |", "| --- | --- | --- | --- | --- | --- | --- |"]
