@@ -50,6 +50,11 @@
 #   sweeps            kernel sweeps: bench/gpu_attention_sweep.py (prefill attention kernels and tiles) and
 #                     bench/gpu_fp8_sweep.py (FP8 matmul paths at small M), bench/gpu_decode_step.py (the
 #                     decode step's kernel-count knobs, graph step at batch 1/4/16) (~6)
+#   extras            bench/carry_extras.sh install: a carried .whl-srv into /tmp/srv (kvfleet serve's HTTP stack and
+#                     gguf, before vLLM's wheels are in), carried SmolLM2 GGUF pieces into /tmp/gguf; never fails
+#   real-check        bench/gpu_real_weights_check.py on the joined SmolLM2 GGUF (real weights): greedy tokens
+#                     against transformers on the GPU, float32 identical or status 1, bfloat16 agreement (~1.5;
+#                     into real-check/, its JSON into $OUT); SKIP while GGUF pieces are missing
 #   summary           the comparison table of everything in $RUNS (also printed after every call)
 #
 # Knobs: BUDGET_S (default 570: stop starting stages that would not end inside it), KV_ENV (extra environment
@@ -63,7 +68,8 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/kvfleet-out}
 RUNS=${RUNS:-/tmp/kvfleet-compare}
 mkdir -p "$OUT" "$RUNS"
-export PYTHONPATH="$PWD/engine:$PWD/operator:/tmp/site${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+# /tmp/site: vLLM's wheels (bench/vllm_wheels.sh); /tmp/srv: .whl-srv (bench/carry_extras.sh), after vLLM's pins
+export PYTHONPATH="$PWD/engine:$PWD/operator:/tmp/site:/tmp/srv${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false VLLM_USE_FLASHINFER_SAMPLER=0
 export VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1
 PY=${PY:-python3}
@@ -96,7 +102,7 @@ step() {  # step NAME MAX_SECONDS CMD...: run if it can finish inside the budget
   timeout -k 10 "$max" "$@" >>"$LOG" 2>&1
   local rc=$?
   echo "=== $name rc=$rc t+$(( $(date +%s) - START ))s" | tee -a "$LOG"
-  tail -n +"$((from + 1))" "$LOG" | grep -E "out tok/s|healthy|TTFT|error|Error|Traceback|KV cache:|captured|warm-up" \
+  tail -n +"$((from + 1))" "$LOG" | grep -E "out tok/s|healthy|TTFT|error|Error|Traceback|KV cache:|captured|warm-up|greedy check" \
     | tail -n 8
   return $rc
 }
@@ -201,6 +207,16 @@ sweeps)
 shared-check)
   step shared-check 180 env $KV_ENV $PY bench/gpu_shared_prefix.py "$RUNS/shared-check" "$QWEN"
   cp "$RUNS/shared-check/"*.json "$OUT/" 2>/dev/null ;;
+extras)
+  bash bench/carry_extras.sh install 2>&1 | tee -a "$LOG" ;;
+real-check)
+  gguf=$(bash bench/carry_extras.sh install 2>&1 | tee -a "$LOG" | tail -n 1)
+  if [[ -f $gguf ]]; then
+    step real-check 240 env $KV_ENV $PY bench/gpu_real_weights_check.py "$RUNS/real-check" "$gguf"
+    cp "$RUNS/real-check/real_weights_check.json" "$OUT/" 2>/dev/null
+  else
+    echo "SKIP real-check: the SmolLM2 GGUF is not here yet ($gguf)" | tee -a "$LOG"
+  fi ;;
 summary) ;;
 *) echo "unknown stage $s" | tee -a "$LOG" ;;
 esac; done
