@@ -72,6 +72,32 @@ def test_answers_through_the_gateway_equal_the_engines_own(fleet: tuple[GatewayP
     assert gw.metric("kvfleet_gateway_completion_tokens_total", tenant="team-a", model="tiny") >= 29
 
 
+def test_tokenize_and_detokenize_reach_the_models_replicas(fleet: tuple[GatewayProcess, list[Engine]]) -> None:
+    gw, engines = fleet
+    auth = {"Authorization": f"Bearer {KEY_A}"}
+    ok = gw.metric("kvfleet_gateway_requests_total", tenant="team-a", model="tiny", code="200")
+    for path, body in (("/tokenize", {"model": "tiny", "prompt": "hello world"}),
+                       ("/tokenize", {"model": "tiny", "messages": MSG}),
+                       ("/detokenize", {"model": "tiny", "tokens": [5, 6, 7]})):
+        mine = httpx.post(gw.url + path, json=body, headers=auth)
+        theirs = httpx.post(engines[0].url + path, json=body)
+        assert (mine.status_code, mine.json()) == (200, theirs.json()), body
+        assert mine.headers["x-kvfleet-replica"] in {e.url for e in engines}
+    assert gw.metric("kvfleet_gateway_requests_total", tenant="team-a", model="tiny", code="200") == ok + 3
+    # the gateway's checks (key, model, body) and the engine's (the vocabulary), in the engine's shapes
+    assert httpx.post(gw.url + "/tokenize", json={"model": "tiny", "prompt": "x"}).status_code == 401
+    missing = httpx.post(gw.url + "/tokenize", json={"model": "nope", "prompt": "x"}, headers=auth)
+    assert (missing.status_code, missing.json()["error"]["code"]) == (404, "model_not_found")
+    both = {"model": "tiny", "prompt": "x", "messages": MSG}
+    mine = httpx.post(gw.url + "/tokenize", json=both, headers=auth)
+    assert (mine.status_code, mine.json()) == (400, httpx.post(engines[0].url + "/tokenize", json=both).json())
+    out_of_vocab = {"model": "tiny", "tokens": [10**9]}
+    mine = httpx.post(gw.url + "/detokenize", json=out_of_vocab, headers=auth)
+    theirs = httpx.post(engines[0].url + "/detokenize", json=out_of_vocab)
+    assert (mine.status_code, mine.json()) == (400, theirs.json())
+    assert httpx.get(gw.url + "/tokenize", headers=auth).status_code == 405
+
+
 def test_tenants_see_and_reach_only_their_own_models(fleet: tuple[GatewayProcess, list[Engine]]) -> None:
     gw, _ = fleet
     assert [m.id for m in client(gw, KEY_A).models.list().data] == ["tiny"]

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from kvfleet.engine.server.error_shapes import APIError
-from kvfleet.gateway.requests import parse_request, upstream_body
+from kvfleet.gateway.requests import parse_request, token_estimate, upstream_body
 
 CHAT = "/v1/chat/completions"
 
@@ -54,3 +54,16 @@ def test_upstream_body_is_the_clients_when_nothing_changes() -> None:
     assert req.wants_usage and upstream_body(req, "m", raw) is raw
     raw = b'{"model": "m", "prompt": "x"}'
     assert upstream_body(parse_request("/v1/completions", raw), "m", raw) is raw
+
+
+def test_tokenize_and_detokenize_bodies() -> None:
+    raw = b'{"model": "team-a/chat", "messages": [{"role": "user", "content": "x"}]}'
+    req = parse_request("/tokenize", raw)
+    assert req.generation is None and not req.stream and not req.wants_usage
+    assert token_estimate(req) == (0.0, 0.0)   # no model runs: no tokens charged
+    assert json.loads(upstream_body(req, "smollm2", raw))["model"] == "smollm2"
+    assert parse_request("/detokenize", b'{"model": "m", "tokens": [1, 2]}').model == "m"
+    assert refused("/tokenize", b'{"prompt": "x"}').param == "model"
+    assert refused("/tokenize", b'{"model": "m", "prompt": "x", "messages": []}').param == "prompt"
+    assert refused("/detokenize", b'{"model": "m", "tokens": [-1]}').param == "tokens"
+    assert refused("/detokenize", b'{"model": "m", "tokens": "12"}').param == "tokens"

@@ -6,6 +6,8 @@
 4. the tenant's limits (429), then dispatch: a replica now, or a wait in the model's queue (scaling from
    zero, or every replica saturated), and proxy.
 Unknown routes are 404 and known routes with another method 405, in OpenAI's error shape too.
+`/tokenize` and `/detokenize` (vLLM's) take the same path with the model's replicas' tokenizer: they count as
+requests against the tenant's limits and cost no tokens.
 """
 
 from __future__ import annotations
@@ -158,7 +160,8 @@ class GatewayApp:
             series.answered(404)
             raise APIError(404, found.message, "model", "model_not_found")
         model = found.model
-        hashes = request_hashes(req.parsed, self.state.prefix) if self.state.use_prefix else ()
+        gen = req.generation
+        hashes = request_hashes(gen, self.state.prefix) if self.state.use_prefix and gen is not None else ()
         body = upstream_body(req, model.served_name, raw)
         cost = token_cost(*token_estimate(req))
         return await self.state.proxy.forward(request, snapshot, tenant, model, req, body, hashes, cost)

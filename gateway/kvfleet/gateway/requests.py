@@ -15,12 +15,16 @@ from typing import Any, Union
 from pydantic import ValidationError
 
 from kvfleet.engine.server.error_shapes import APIError, describe_validation_errors
-from kvfleet.engine.server.protocol import ChatCompletionRequest, CompletionRequest
+from kvfleet.engine.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 
-Parsed = Union[ChatCompletionRequest, CompletionRequest]
-ROUTES: dict[str, type[ChatCompletionRequest] | type[CompletionRequest]] = {
+Generation = Union[ChatCompletionRequest, CompletionRequest]
+Parsed = Union[ChatCompletionRequest, CompletionRequest, TokenizeRequest, DetokenizeRequest]
+ROUTES: dict[str, type[Parsed]] = {
     "/v1/chat/completions": ChatCompletionRequest,
     "/v1/completions": CompletionRequest,
+    # vLLM's (unversioned) routes: the model's own tokenizer, on one of its replicas; nothing is generated
+    "/tokenize": TokenizeRequest,
+    "/detokenize": DetokenizeRequest,
 }
 
 
@@ -32,13 +36,21 @@ class ClientRequest:
     model: str
 
     @property
+    def generation(self) -> Generation | None:
+        """The chat or completion request; None for /tokenize and /detokenize."""
+        parsed = self.parsed
+        return parsed if isinstance(parsed, (ChatCompletionRequest, CompletionRequest)) else None
+
+    @property
     def stream(self) -> bool:
-        return self.parsed.stream
+        gen = self.generation
+        return gen is not None and gen.stream
 
     @property
     def wants_usage(self) -> bool:
         """Whether the client asked for the final usage chunk of a stream."""
-        opts = self.parsed.stream_options
+        gen = self.generation
+        opts = gen.stream_options if gen is not None else None
         return bool(opts and opts.include_usage)
 
 
@@ -71,8 +83,11 @@ MAX_COMPLETION_ESTIMATE = 4096
 
 def token_estimate(req: ClientRequest) -> tuple[float, float]:
     """(prompt, completion) tokens a request is expected to use, before the engine says (fair queuing's charge;
-    corrected by the usage when it ends). Text counts a token per 4 characters; token ids count as they are."""
-    parsed = req.parsed
+    corrected by the usage when it ends). Text counts a token per 4 characters; token ids count as they are.
+    (De)tokenizing runs no model: it costs nothing."""
+    parsed = req.generation
+    if parsed is None:
+        return 0.0, 0.0
     n = max(1, parsed.n)
     if isinstance(parsed, ChatCompletionRequest):
         prompt = sum(len(m.text()) for m in parsed.messages) / CHARS_PER_TOKEN + 4 * len(parsed.messages)
