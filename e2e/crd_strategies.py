@@ -81,7 +81,10 @@ def engines() -> st.SearchStrategy[Any]:
             st.floats(-0.5, 1.5, allow_nan=False), st.sampled_from([0, 1, 0.0, 1.0, 1e-9, 1.0000001]),
             st.sampled_from(["0.9", True]))),
         "maxNumSeqs": _opt(int_or_wrong),
-        "extraArgs": _opt(st.one_of(st.lists(free_text, max_size=3), st.just("--flag"), st.just([1, 2]))),
+        "extraArgs": _opt(st.one_of(
+            st.lists(st.one_of(free_text, st.sampled_from(["--enforce-eager", "--port", "--port=9000", "-tp",
+                                                           "--max-num-seqs=8", "--portal"])), max_size=3),
+            st.just("--flag"), st.just([1, 2]))),
         "env": _opt(st.one_of(st.lists(env_items, max_size=3), st.just({"A": "b"}))),
     }))
 

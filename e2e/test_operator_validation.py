@@ -30,9 +30,11 @@ BASE = {"model": {"source": "org/model"}}
     ({**BASE, "resources": {"memory": "0"}}, "spec.resources.memory"),
     ({**BASE, "_name": "1chat"}, "metadata.name"),
     ({**BASE, "_name": "m" * 64}, "metadata.name"),
+    ({**BASE, "engine": {"extraArgs": ["--enforce-eager", "--port", "9000"]}}, "spec.engine.extraArgs"),
+    ({**BASE, "engine": {"extraArgs": ["--tensor-parallel-size=8"]}}, "spec.engine.extraArgs"),
 ], ids=["negative-replicas", "min-gt-max", "gmu-zero", "gmu-above-one", "engine-kind", "flavor-name", "tp-zero",
         "source-scheme", "source-missing", "source-not-hub-id", "negative-cpu", "zero-memory", "name-not-dns1035",
-        "name-too-long"])
+        "name-too-long", "owned-flag-port", "owned-flag-tp"])
 def test_invalid_model_deployment_rejected(crds: None, kubectl: Callable[..., Any], spec: dict, field: str) -> None:
     spec = dict(spec)
     name = spec.pop("_name", "bad")  # the name becomes the Service's name
@@ -41,6 +43,9 @@ def test_invalid_model_deployment_rejected(crds: None, kubectl: Callable[..., An
     proc = kubectl("apply", "--dry-run=server", "-f", "-", stdin=json.dumps(body), check=False)
     assert proc.returncode != 0, proc.stdout
     assert field in proc.stderr, proc.stderr
+    if field == "spec.engine.extraArgs":   # the message names the flag (messageExpression)
+        flag = "--port" if "--port" in spec["engine"]["extraArgs"] else "--tensor-parallel-size=8"
+        assert f"{flag} is set by kvfleet from the spec" in proc.stderr, proc.stderr
 
 
 @pytest.mark.parametrize("spec, field", [

@@ -5,6 +5,8 @@ from pathlib import Path
 
 import yaml
 
+from kvfleet.operator.spec import OWNED_FLAGS
+
 ROOT = Path(__file__).resolve().parents[2]
 CRDS = ROOT / "crds"
 
@@ -30,6 +32,10 @@ def test_model_deployment_crd() -> None:
     assert spec["engine"]["properties"]["kind"]["enum"] == ["kvfleet", "vllm"]
     assert spec["engine"]["properties"]["gpuMemoryUtilization"]["x-kubernetes-validations"]
     assert "minReplicas <= " in spec["autoscaling"]["x-kubernetes-validations"][0]["rule"]
+    # the flags the operator sets: the CRD's rule refuses the list the operator's parse refuses
+    (extra_rule,) = spec["engine"]["properties"]["extraArgs"]["x-kubernetes-validations"]
+    listed = extra_rule["rule"].split("a in [", 1)[1].split("]", 1)[0]
+    assert [f.strip(" '") for f in listed.split(",")] == list(OWNED_FLAGS)
     root_rules = [r["rule"] for r in v["schema"]["openAPIV3Schema"]["x-kubernetes-validations"]]
     assert any("self.metadata.name.size() <= 63" in r for r in root_rules)  # the Service's name
     for res in ("cpu", "memory", "shmSize"):

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from kvfleet.operator.errors import SpecError
-from kvfleet.operator.spec import parse_model_deployment, parse_model_source, parse_tenant
+from kvfleet.operator.spec import OWNED_FLAGS, owned_flag, parse_model_deployment, parse_model_source, parse_tenant
 
 
 def test_defaults_match_the_crd() -> None:
@@ -51,6 +51,9 @@ def test_bad_sources_name_the_field(uri: str, field: str) -> None:
     ({"resources": {"cpu": -1}}, "spec.resources.cpu"),
     ({"resources": {"memory": "0Gi"}}, "spec.resources.memory"),
     ({"resources": {"shmSize": "-1Gi"}}, "spec.resources.shmSize"),
+    ({"engine": {"extraArgs": ["--enforce-eager", "--port", "9000"]}}, "spec.engine.extraArgs"),
+    ({"engine": {"extraArgs": ["--tensor-parallel-size=4"]}}, "spec.engine.extraArgs"),
+    ({"engine": {"extraArgs": ["-tp", "2"]}}, "spec.engine.extraArgs"),
 ])
 def test_invalid_model_deployment(patch: dict, field: str) -> None:
     with pytest.raises(SpecError) as err:
@@ -87,3 +90,18 @@ def test_served_name_and_tenant_key_secrets_shared_with_the_gateway() -> None:
     assert served_name({"source": "pvc://models/llama/3b/"}) == "3b"
     assert tenant_key_secrets({"gateway": {"apiKeySecrets": [{"name": "a"}, {"name": "b"}]}}) == ("a", "b")
     assert tenant_key_secrets({"namespaces": ["x"]}) == ()
+
+
+@pytest.mark.parametrize("flag", sorted(OWNED_FLAGS))
+def test_flags_the_operator_sets_are_refused_in_extra_args(flag: str) -> None:
+    for args in ([flag, "1"], [f"{flag}=1"]):
+        with pytest.raises(SpecError) as err:
+            parse_model_deployment({"model": {"source": "a/b"}, "engine": {"extraArgs": ["--enforce-eager", *args]}})
+        assert err.value.field == "spec.engine.extraArgs" and flag in str(err.value)
+
+
+def test_other_flags_pass_through_extra_args() -> None:
+    args = ["--enforce-eager", "--shutdown-grace-period=30", "--port-range", "--max-num-batched-tokens", "4096"]
+    assert owned_flag(args) is None
+    spec = parse_model_deployment({"model": {"source": "a/b"}, "engine": {"extraArgs": args}})
+    assert spec.extra_args == tuple(args)

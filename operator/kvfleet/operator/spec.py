@@ -14,6 +14,23 @@ from typing import Any, Mapping, Sequence
 from .errors import SpecError
 
 ENGINE_KINDS = ("kvfleet", "vllm")
+# Engine flags the operator sets itself, and what to use instead: given again in engine.extraArgs they would
+# override its value where the rest of kvfleet still trusts it (probes, Service, autoscaler and gateway on the
+# serving port; the gateway's routing name and replica capacity; the GPUs Kueue admitted; the engine's keys).
+# The CRD refuses the same list (crds/: spec.engine.extraArgs).
+OWNED_FLAGS: dict[str, str] = {
+    "--host": "kvfleet listens on every interface of the pod",
+    "--port": "kvfleet serves on port 8000",
+    "--metrics-port": "the autoscaler and the gateway read /metrics on the serving port",
+    "--served-model-name": "use spec.model.servedName",
+    "--tensor-parallel-size": "use spec.engine.tensorParallelSize",
+    "-tp": "use spec.engine.tensorParallelSize",
+    "--gpu-memory-utilization": "use spec.engine.gpuMemoryUtilization",
+    "--max-model-len": "use spec.engine.maxModelLen",
+    "--max-num-seqs": "use spec.engine.maxNumSeqs",
+    "--api-keys-file": "use spec.apiKeySecretRef",
+    "--api-key": "use spec.apiKeySecretRef",
+}
 _DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 _HUB_ID = re.compile(r"^[A-Za-z0-9][-A-Za-z0-9_.]*(/[-A-Za-z0-9_.]+)?$")  # the CRD's rule for hub ids
 
@@ -122,6 +139,15 @@ def served_name(model: Mapping[str, Any]) -> str:
     return str(model.get("servedName") or str(model.get("source", "")).rstrip("/").rsplit("/", 1)[-1])
 
 
+def owned_flag(args: Sequence[str]) -> str | None:
+    """The first of `args` that sets a flag of OWNED_FLAGS (`--port 1`, `--port=1`), or None."""
+    for arg in args:
+        name = arg.split("=", 1)[0]
+        if name in OWNED_FLAGS:
+            return name
+    return None
+
+
 def parse_model_deployment(spec: Mapping[str, Any]) -> ModelDeploymentSpec:
     """Parse `ModelDeployment.spec` (a plain dict) into a typed spec; raises SpecError."""
     model = spec.get("model") or {}
@@ -149,6 +175,10 @@ def parse_model_deployment(spec: Mapping[str, Any]) -> ModelDeploymentSpec:
     flavor = resources.get("gpuFlavor")
     if flavor is not None and not _DNS_LABEL.match(str(flavor)):
         raise SpecError("spec.resources.gpuFlavor", f"{flavor!r} is not a valid ResourceFlavor name")
+    extra_args = tuple(str(a) for a in engine.get("extraArgs") or ())
+    flag = owned_flag(extra_args)
+    if flag is not None:
+        raise SpecError("spec.engine.extraArgs", f"{flag} is set by kvfleet ({OWNED_FLAGS[flag]})")
     key_ref = spec.get("apiKeySecretRef") or {}
     served = served_name(model)
     max_len = engine.get("maxModelLen")
@@ -162,7 +192,7 @@ def parse_model_deployment(spec: Mapping[str, Any]) -> ModelDeploymentSpec:
         max_model_len=None if max_len is None else _int(max_len, "spec.engine.maxModelLen", 1),
         gpu_memory_utilization=float(gmu),
         max_num_seqs=None if max_seqs is None else _int(max_seqs, "spec.engine.maxNumSeqs", 1),
-        extra_args=tuple(str(a) for a in engine.get("extraArgs") or ()),
+        extra_args=extra_args,
         env=tuple(dict(e) for e in engine.get("env") or ()),
         gpu_flavor=flavor,
         cpu=_quantity(resources.get("cpu", "4"), "spec.resources.cpu", positive=True),
