@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import time
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -12,7 +13,7 @@ from pydantic import ValidationError
 from kvfleet.engine.bench.serve import RequestResult, load_jsonl, load_workload, percentiles, summarize, tiny_workload
 from kvfleet.engine.outputs import Logprob, RequestMetrics
 from kvfleet.engine.server.args import SERVE_FLAGS, Flag, add_serve_args, check_serve_args, engine_kwargs, env_name
-from kvfleet.engine.server.auth import KeyFileError, bearer_token, load_keys, parse_keys, tenant_for
+from kvfleet.engine.server.auth import ApiKeys, KeyFileError, bearer_token, load_keys, parse_keys, tenant_for
 from kvfleet.engine.server.errors import describe_validation_errors, value_error_param
 from kvfleet.engine.server.limits import Admission, RequestError, admit, resolve_max_tokens, retry_after_seconds
 from kvfleet.engine.server.logprobs import chat_logprobs, completion_logprobs
@@ -125,10 +126,41 @@ def test_keys_yaml_json_and_lookup(tmp_path) -> None:
     path = tmp_path / "keys.yaml"
     path.write_text("sk-1: alpha\n")
     keys = load_keys(None, str(path))
-    assert tenant_for(bearer_token("Bearer sk-1"), keys) == "alpha"
-    assert tenant_for(bearer_token("Bearer sk-2"), keys) is None
-    assert tenant_for(bearer_token("Basic sk-1"), keys) is None
-    assert load_keys("solo", None) == {"solo": "default"} and load_keys(None, None) is None
+    assert keys is not None and keys.tenant_for(bearer_token("Bearer sk-1")) == "alpha"
+    assert keys.tenant_for(bearer_token("Bearer sk-2")) is None
+    assert keys.tenant_for(bearer_token("Basic sk-1")) is None
+    solo = load_keys("solo", None)
+    assert solo is not None and solo.keys == {"solo": "default"} and load_keys(None, None) is None
+    assert tenant_for("sk-1", {"sk-1": "alpha"}) == "alpha"
+
+
+def test_a_key_file_is_read_again_when_it_changes(tmp_path, caplog) -> None:
+    """As a Secret volume rotates: the file swapped for a new one; a broken file keeps the last good table."""
+    path = tmp_path / "keys.yaml"
+    path.write_text("sk-old-1: alpha\n")
+    keys = ApiKeys.from_file(path, check_interval_s=1.0)
+    t = time.monotonic() + 1000.0
+    assert keys.tenant_for("sk-old-1", now=t) == "alpha"
+    new = tmp_path / "keys.new"
+    new.write_text("sk-new-22: beta\n")
+    new.replace(path)                                               # a new inode, as the kubelet's swap
+    assert keys.tenant_for("sk-old-1", now=t + 0.5) == "alpha"      # not looked at again within the interval
+    assert keys.tenant_for("sk-new-22", now=t + 1.0) == "beta"
+    assert keys.tenant_for("sk-old-1", now=t + 1.0) is None
+    path.write_text("- not a mapping\n")
+    with caplog.at_level("WARNING", logger="kvfleet.server"):
+        assert keys.tenant_for("sk-new-22", now=t + 2.0) == "beta"  # the last good table stays
+    assert "not reloaded" in caplog.text and "sk-new-22" not in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="kvfleet.server"):
+        assert keys.tenant_for("sk-new-22", now=t + 2.5) == "beta"   # within the interval: not looked at
+        path.unlink()
+        assert keys.tenant_for("sk-new-22", now=t + 3.0) == "beta"
+        assert keys.tenant_for("sk-new-22", now=t + 3.5) == "beta"
+        assert keys.tenant_for("sk-new-22", now=t + 4.5) == "beta"
+    assert caplog.text.count("not reloaded") == 1                      # a new problem, logged once
+    path.write_text("sk-3: gamma\n")
+    assert keys.tenant_for("sk-3", now=t + 5.5) == "gamma"
 
 
 def test_context_limits_and_admission() -> None:

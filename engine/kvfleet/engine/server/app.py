@@ -15,7 +15,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kvfleet.engine.async_llm import AsyncLLM
 from kvfleet.engine.server import protocol as P
-from kvfleet.engine.server.auth import DEFAULT_TENANT, bearer_token, tenant_for
+from kvfleet.engine.server.auth import DEFAULT_TENANT, bearer_token
 from kvfleet.engine.server.bodies import BoundedJSONRoute
 from kvfleet.engine.server.chat import chat_prompt_ids, create_chat_completion
 from kvfleet.engine.server.completions import create_completion
@@ -51,7 +51,7 @@ class Gate:
         headers = dict(scope.get("headers") or [])
         if st.keys is not None:
             raw = headers.get(b"authorization")
-            found = tenant_for(bearer_token(raw.decode("latin-1") if raw else None), st.keys)
+            found = st.keys.tenant_for(bearer_token(raw.decode("latin-1") if raw else None))
             if found is None:
                 await self._reject(scope, receive, send, 401, "Missing or invalid API key "
                                    "(send `Authorization: Bearer <key>`).", "invalid_api_key",

@@ -151,7 +151,8 @@ def run_server(args: argparse.Namespace) -> int:
                             timeout_graceful_shutdown=1, lifespan="on", http=bounded_protocol(limits), ws="none")
     server = DrainingServer(config, state, args.shutdown_grace_period)
     logger.info("serving", extra={"model": model, "served_model_name": name, "host": args.host, "port": args.port,
-                                  "auth": "on" if keys else "off", "tenants": len(set(keys.values())) if keys else 0})
+                                  "auth": "on" if keys else "off",
+                                  "tenants": len(set(keys.keys.values())) if keys else 0})
     if args.metrics_port is None:
         server.run()
     else:   # one server, two listening sockets; the app tells them apart by the local port

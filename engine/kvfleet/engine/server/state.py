@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, TypeVar
 
 from kvfleet.engine.async_llm import AsyncLLM
+from kvfleet.engine.server.auth import ApiKeys
 from kvfleet.engine.server.errors import APIError
 from kvfleet.engine.server.limits import Admission
 from kvfleet.engine.server.metrics import ServerMetrics
@@ -34,7 +35,7 @@ FALLBACK_CHAT_TEMPLATE = (
 class ServerState:
     model_name: str
     model_path: str
-    keys: Mapping[str, str] | None
+    keys: ApiKeys | None
     max_queue_len: int | None = None
     chat_template: str | None = None
     log_requests: bool = True
