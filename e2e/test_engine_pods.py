@@ -5,6 +5,7 @@ stops; a crashed engine kubelet leaves no engine behind. Clients are the real `o
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -26,7 +27,13 @@ from operator_fixtures import API, deployments, engine_pods, mdep_status, model_
 pytestmark = pytest.mark.timeout(420)
 
 KEY = "sk-e2e-team"
+NEW_KEY = "sk-e2e-team-rotated"
 ENGINE_START_S = 180  # a cold tiny engine on two busy shared cores: import torch, load, warm up
+
+
+def models_status(pod: dict[str, Any], key: str) -> int:
+    return httpx.get(f"{base_url(pod)}/v1/models", headers={"Authorization": f"Bearer {key}"}, timeout=10,
+                     trust_env=False).status_code
 
 
 def one_pod(kube: Kube, ns: str, name: str, ready: bool | None = None) -> dict[str, Any] | None:
@@ -124,6 +131,14 @@ def test_a_pod_serves_chat_at_its_ip_and_is_ready_only_once_its_engine_is_health
     assert 0 < reply.usage.completion_tokens <= 8
     with pytest.raises(openai.AuthenticationError):
         chat(pod, "chat", "sk-wrong")
+
+    # The Secret rotated: the kubelet swaps the volume's files, the engine reads them again, no restart.
+    kubectl("patch", "secret", "chat-keys", "-p", json.dumps({"stringData": {"keys.yaml": f"{NEW_KEY}: team-e2e"}}),
+            namespace=ns)
+    wait_for("the rotated key to work", lambda: models_status(pod, NEW_KEY) == 200, timeout=60)
+    assert models_status(pod, KEY) == 401
+    assert chat(pod, "chat", NEW_KEY).usage.completion_tokens > 0
+    assert engine_row(cluster, ns, pod["metadata"]["name"])["pid"] == row["pid"]   # the same engine process
 
 
 def test_a_killed_engine_unreadies_its_pod_and_restarts_and_a_deleted_pod_takes_its_engine_along(

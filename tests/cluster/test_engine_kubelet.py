@@ -18,7 +18,7 @@ from kvfleet.operator.constants import LABEL_NAME
 from kvfleet.operator.spec import parse_model_deployment
 
 from localcluster import manifests  # noqa: E402
-from localcluster.enginekubelet import models  # noqa: E402
+from localcluster.enginekubelet import models, secret_volumes  # noqa: E402
 from localcluster.enginekubelet.pods import (  # noqa: E402
     ENGINE_LABEL,
     ENGINE_LABEL_VALUE,
@@ -224,3 +224,20 @@ def test_kwok_leaves_engine_pods_to_the_engine_kubelet() -> None:
             "values": ["kvfleet-engine"]} in engine["spec"]["selector"]["matchExpressions"]
     template = engine["spec"]["next"]["statusTemplate"]
     assert "phase: Pending" in template and "PodIPsWith" in template and "\\" not in template
+
+
+def test_a_secret_volume_version_is_swapped_in_by_one_rename(tmp_path: Path) -> None:
+    folder = tmp_path / "keys"
+    secret_volumes.write_version(folder, {"keys.yaml": b"sk-1: a\n", "extra": b"x", "sub/inner": b"y"})
+    assert (folder / "keys.yaml").read_bytes() == b"sk-1: a\n" and (folder / "sub" / "inner").read_bytes() == b"y"
+    assert (folder / "keys.yaml").is_symlink() and (folder / "..data").is_symlink()
+    first = (folder / "..data").resolve()
+    with (folder / "keys.yaml").open("rb") as held:   # a reader in the middle keeps its version
+        secret_volumes.write_version(folder, {"keys.yaml": b"sk-2: a\n"})
+        assert held.read() == b"sk-1: a\n"
+    assert (folder / "keys.yaml").read_bytes() == b"sk-2: a\n"
+    assert not first.exists() and not (folder / "extra").exists() and not (folder / "sub").exists()
+    versions = {p.name for p in folder.iterdir() if p.name.startswith("..")}
+    assert versions == {"..data", (folder / "..data").resolve().name}   # the old version's folder is gone
+    one = secret_volumes.digest({"a": b"1", "b": b"2"})
+    assert one == secret_volumes.digest({"b": b"2", "a": b"1"}) != secret_volumes.digest({"a": b"1", "b": b"3"})

@@ -8,6 +8,7 @@ stops the engine (SIGTERM, then SIGKILL after a bound) before it removes the pod
 
 Modules: `pods` (what a pod asks for, and the engine command that serves it; pure), `status` (pod status patches
 and restart back-off; pure), `probes` (startup/readiness/liveness over `/health`), `models` (which local model
-serves a pod), `processes` (spawning, stopping and recording engine processes), `api` (the apiserver client),
+serves a pod), `processes` (spawning, stopping and recording engine processes), `secret_volumes` (Secret volumes
+in the kubelet's layout, updated by one rename when their Secret changes), `api` (the apiserver client),
 `supervisor` (the loop that ties them), `__main__` (the process).
 """

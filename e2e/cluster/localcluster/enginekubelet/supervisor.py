@@ -24,7 +24,7 @@ from typing import Any
 
 import httpx
 
-from . import models, processes
+from . import models, processes, secret_volumes
 from .api import ApiError, ApiServer, Gone
 from .pods import (
     ENGINE_SELECTOR,
@@ -57,6 +57,9 @@ log = logging.getLogger("engine-kubelet")
 KWOK_NODE_ANNOTATION = "kwok.x-k8s.io/node"
 COMPONENT = "kvfleet-engine-kubelet"
 RETRY_S = 5.0  # a container that cannot be created yet (model failed, Secret missing) is tried again after this
+# How often a running engine's Secret volumes are compared with their Secrets (a real kubelet: its sync period,
+# about a minute, plus its cache's; short here so that tests of a rotation wait seconds, not minutes).
+SECRET_SYNC_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -118,10 +121,16 @@ class Engine:
     dirty: bool = True
     next_flush: float = 0.0
     notes: tuple[str, ...] = field(default_factory=tuple)
+    secret_digests: dict[str, str] = field(default_factory=dict)  # volume name -> the version written
+    next_secret_sync: float = 0.0
 
     @property
     def log_path_name(self) -> str:
         return f"{self.pod.namespace}.{self.pod.name}.log"
+
+
+def _secret_data(secret: dict[str, Any] | None) -> dict[str, bytes]:
+    return {k: base64.b64decode(v) for k, v in ((secret or {}).get("data") or {}).items()}
 
 
 def carried_restart_count(pod: EnginePod) -> int:
@@ -206,6 +215,9 @@ class Supervisor:
             engine.killed = True
         if self.wants_start(engine, now):
             self.start(engine, now)
+        if engine.proc is not None and engine.pod.secret_volumes and now >= engine.next_secret_sync:
+            engine.next_secret_sync = now + SECRET_SYNC_S
+            self.sync_secret_volumes(engine)
         if engine.finished and engine.delete_when_stopped and not engine.deleted and not engine.gone \
                 and now >= engine.next_flush:
             # The engine is gone: the pod may go (a kubelet's final delete, grace 0, this pod's uid only).
@@ -368,21 +380,33 @@ class Supervisor:
         """Writes the pod's Secret volumes into local folders (as the kubelet mounts them); mount path -> folder."""
         pod = engine.pod
         mounts = {}
+        engine.secret_digests = {}
         for volume in pod.secret_volumes:
             secret = self.api.secret(pod.namespace, volume.secret)
             if secret is None and not volume.optional:
                 raise MissingSecret(f"secret {volume.secret!r} (volume {volume.volume}) not found")
-            data = {k: base64.b64decode(v) for k, v in ((secret or {}).get("data") or {}).items()}
+            files = secret_files(volume, _secret_data(secret))
             folder = self.settings.volumes / pod.uid / volume.volume
             shutil.rmtree(folder, ignore_errors=True)
-            folder.mkdir(parents=True, mode=0o700)
-            for rel, content in secret_files(volume, data).items():
-                path = folder / rel
-                path.parent.mkdir(parents=True, exist_ok=True)
-                path.write_bytes(content)
-                path.chmod(0o600)
+            secret_volumes.write_version(folder, files)
+            engine.secret_digests[volume.volume] = secret_volumes.digest(files)
             mounts[volume.mount_path] = str(folder)
         return mounts
+
+    def sync_secret_volumes(self, engine: Engine) -> None:
+        """A running engine's Secret volumes follow their Secrets (a new version swapped in atomically); a Secret
+        gone since the start leaves the files as they were, as a kubelet does."""
+        pod = engine.pod
+        for volume in pod.secret_volumes:
+            secret = self.api.secret(pod.namespace, volume.secret)
+            if secret is None:
+                continue
+            files = secret_files(volume, _secret_data(secret))
+            version = secret_volumes.digest(files)
+            if version != engine.secret_digests.get(volume.volume):
+                secret_volumes.write_version(self.settings.volumes / pod.uid / volume.volume, files)
+                engine.secret_digests[volume.volume] = version
+                log.info("pod %s: volume %s updated from Secret %s", pod.ref, volume.volume, volume.secret)
 
     # --- probes and exits -------------------------------------------------------------------------------------
     def on_probe(self, report: ProbeReport) -> None:
