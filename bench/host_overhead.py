@@ -89,7 +89,7 @@ class StepParts:
 
         gen = torch.Generator().manual_seed(0)
 
-        def fake_forward(input_ids: torch.Tensor, *rest: Any) -> torch.Tensor:
+        def fake_forward(input_ids: torch.Tensor, *rest: Any, **options: Any) -> torch.Tensor:
             # Random hidden states: varied tokens (so detokenization does real work), repeatable.
             return torch.randn(input_ids.shape[0], hidden, generator=gen, dtype=runner.dtype)
 
