@@ -8,15 +8,14 @@ applies what the scheduler cannot see (stop strings, beam choices), and builds t
 from __future__ import annotations
 
 import dataclasses
-import gc
 import logging
-import os
 import time
 from collections.abc import Collection
 from typing import TYPE_CHECKING, Any, NoReturn, Optional
 
 import torch
 
+from kvfleet.engine import gc_policy
 from kvfleet.engine.async_step import LAUNCH_AHEAD, InFlight
 from kvfleet.engine.config import EngineConfig
 from kvfleet.engine.core.beam_search import Beam, BeamSearchState, Hypothesis
@@ -65,26 +64,6 @@ def public_stop_reason(reason: Optional[object], params: SamplingParams, eos_tok
     if isinstance(reason, int) and not params.ignore_eos and reason in eos_token_ids:
         return None
     return reason
-
-
-_heap_frozen = False
-
-
-def freeze_startup_heap() -> bool:
-    """Once per process, after the first engine is built: collect, then move every object alive
-    now (the modules and classes of torch/transformers, the model, the tokenizer: ~200k objects)
-    out of the cyclic GC's reach (`gc.freeze`, as vLLM's engine core does). Otherwise every full
-    collection re-scans them: ~100 ms pauses between steps, measured on CPU (bench/NOTES.md).
-    Objects frozen here are still freed by reference counting; only cycles among them are not.
-    KVFLEET_GC_FREEZE=0 turns it off. True if it froze now."""
-    global _heap_frozen
-    if _heap_frozen or os.environ.get("KVFLEET_GC_FREEZE", "1") == "0":
-        return False
-    _heap_frozen = True
-    gc.collect()
-    gc.freeze()
-    logger.debug("froze %d startup objects out of the cyclic GC", gc.get_freeze_count())
-    return True
 
 
 def resolve_device(device: str) -> torch.device:
@@ -148,7 +127,7 @@ class LLMEngine:
         self._inflight: Optional[tuple[SchedulerOutput, InFlight]] = None
         self.num_overlapped_steps = 0   # steps scheduled and prepared while the previous one ran
         self.num_launched_ahead = 0     # of those, steps launched before the previous one's tokens were collected
-        freeze_startup_heap()
+        gc_policy.apply_once()
 
     # --- requests ------------------------------------------------------------------
     def tokenize(self, prompt: PromptType) -> tuple[Optional[str], list[int]]:
