@@ -322,6 +322,7 @@ def test_throughput_bench_with_async_scheduling(tiny_model_dir, tmp_path) -> Non
     assert res["output_tokens"] == sum(r.max_tokens for r in reqs)
     decode = res["step_breakdown_ms"]["decode"]
     assert decode["steps"] > 0 and decode["prepare_ms"] >= 0 and decode["wait_ms"] >= 0
+    assert decode["prepare_async_ms"] > 0 and decode["outputs_ms"] >= 0   # the async path's inputs, apart
 
 
 @pytest.mark.parametrize("broken", ["launch", "collect"])

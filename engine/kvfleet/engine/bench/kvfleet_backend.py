@@ -58,7 +58,8 @@ class StepTimers:
         orig_schedule = sched.schedule
         self._originals = [(sched, "schedule", sched.schedule), (sched, "update_from_output", sched.update_from_output),
                            (runner, "execute", runner.execute), (runner, "launch", runner.launch),
-                           (runner, "collect", runner.collect), (executor, "forward", executor.forward),
+                           (runner, "collect", runner.collect), (runner, "prepare", runner.prepare),
+                           (executor, "forward", executor.forward),
                            (executor, "compute_logits", executor.compute_logits), (runner, "sampler", runner.sampler),
                            (runner, "_sampling_batch", runner._sampling_batch)]
         self._slowest: dict[str, list[tuple[float, int, int, dict[str, float]]]] = defaultdict(list)
@@ -77,7 +78,8 @@ class StepTimers:
         sched.schedule = schedule
         if sync_forward:
             runner.execute = timed("execute", runner.execute)
-        else:   # the async engine calls launch, then collect (its wait for the device) one step later
+        else:   # the async engine prepares and launches a step, then collects it (its wait) one step later
+            runner.prepare = timed("prepare_async", runner.prepare)
             runner.launch = timed("execute", runner.launch)
             runner.collect = timed("wait", runner.collect)
         executor.forward = timed("forward", executor.forward, synced=sync_forward)
@@ -129,11 +131,13 @@ class StepTimers:
             fwd, smp, lgt = tot.get("forward", 0.0), tot.get("sample", 0.0), tot.get("logits", 0.0)
             bat = tot.get("sampling_batch", 0.0)
             prep = tot.get("execute", 0.0) - fwd - smp - lgt - bat
+            prep_async = tot.get("prepare_async", 0.0)   # async: the step's inputs, built before its launch
             rest = (tot["step"] - tot.get("schedule", 0.0) - tot.get("execute", 0.0) - tot.get("wait", 0.0)
-                    - tot.get("update", 0.0))
+                    - tot.get("update", 0.0) - prep_async)
             out[kind] = {"steps": int(tot["steps"]), "mean_batch": tot["batch_sum"] / n,
                          "step_ms": 1e3 * tot["step"] / n, "schedule_ms": 1e3 * tot.get("schedule", 0.0) / n,
-                         "prepare_ms": 1e3 * prep / n, "forward_ms": 1e3 * fwd / n, "logits_ms": 1e3 * lgt / n,
+                         "prepare_ms": 1e3 * prep / n, "prepare_async_ms": 1e3 * prep_async / n,
+                         "forward_ms": 1e3 * fwd / n, "logits_ms": 1e3 * lgt / n,
                          "sample_ms": 1e3 * smp / n, "sampling_batch_ms": 1e3 * bat / n,
                          "gc_ms": 1e3 * tot.get("gc", 0.0) / n,
                          "update_ms": 1e3 * tot.get("update", 0.0) / n, "outputs_ms": 1e3 * rest / n,
