@@ -72,10 +72,21 @@ def run_kvfleet(gguf: Path, dtype: str, prompts: list[list[int]], enforce_eager:
     return [list(o.outputs[0].token_ids) for o in outs], graphs
 
 
+def dense_gguf() -> dict[str, Any]:
+    """transformers' own dequantization into a plain dense model: recent versions keep GGUF weights packed unless
+    asked (and would round bfloat16 their own way); older ones, without `GgufConfig`, always dequantize at load."""
+    try:
+        from transformers import GgufConfig
+    except ImportError:
+        return {}
+    return {"quantization_config": GgufConfig(dequantize=True)}
+
+
 def run_transformers(gguf: Path, dtype: torch.dtype, prompts: list[list[int]]) -> list[list[int]]:
     from transformers import AutoModelForCausalLM
 
-    m = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=dtype).to(DEVICE).eval()
+    m = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=dtype,
+                                             **dense_gguf()).to(DEVICE).eval()
     m.generation_config.eos_token_id = None
     res = []
     with torch.inference_mode():
