@@ -6,6 +6,8 @@ import json
 import sys
 from pathlib import Path
 
+import torch
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -14,11 +16,13 @@ def test_host_overhead_harness_measures_every_part(tmp_path: Path) -> None:
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     sys.modules["host_overhead"] = module
+    threads = torch.get_num_threads()   # the harness runs torch on one thread: not the rest of the session
     try:
         spec.loader.exec_module(module)
         assert module.main(["--label", "tiny", "--batches", "8", "--steps", "3", "--out-dir", str(tmp_path)]) == 0
     finally:
         sys.modules.pop("host_overhead", None)
+        torch.set_num_threads(threads)
     (run,) = json.loads((tmp_path / "tiny.json").read_text())["runs"]
     assert run["decode_stream"]["steps"] == run["decode_final"]["steps"] == 3
     assert run["mixed_stream"]["steps"] >= 1 and run["mixed_stream"]["mean_batch"] > 8   # new prompts joined
