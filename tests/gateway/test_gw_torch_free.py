@@ -41,10 +41,26 @@ def test_gateway_serves_with_torch_unimportable(tmp_path: Path, fast_upstream: s
     assert "is not importable here" not in gw.log_tail(200)
 
 
-def test_an_engine_wanting_its_own_key_is_a_502_not_the_clients_401(tmp_path: Path, locked_upstream: str) -> None:
-    config = write_config(tmp_path / "gw.yaml", {"team-a": {"keys": [KEY_A], "models": {
-        "locked": {"replicas": [locked_upstream]}}}})
+def test_an_engine_wanting_its_own_key_gets_the_configured_one_and_never_the_clients(
+        tmp_path: Path, locked_upstream: str) -> None:  # fmt: skip
+    engine_key = "engine-own-key-0123456789"  # the one `locked_upstream` takes
+    models = {"locked": {"replicas": [locked_upstream], "apiKey": engine_key},
+              "wrong": {"replicas": [locked_upstream], "apiKey": "not-the-engines-key-0123"},
+              "none": {"replicas": [locked_upstream]}}
+    config = write_config(tmp_path / "gw.yaml", {"team-a": {"keys": [KEY_A], "models": models}})
+    auth = {"Authorization": f"Bearer {KEY_A}"}
     with GatewayProcess(tmp_path / "gw.log", config=config) as gw:
-        resp = httpx.post(gw.url + "/v1/completions", headers={"Authorization": f"Bearer {KEY_A}"},
-                          json={"model": "locked", "prompt": "x"})
-    assert resp.status_code == 502 and resp.json()["error"]["code"] == "upstream_auth_required"
+        ok = httpx.post(gw.url + "/v1/completions", headers=auth, json={"model": "locked", "prompt": "x"})
+        assert ok.status_code == 200 and ok.json()["choices"][0]["text"] == "x"
+        with httpx.stream("POST", gw.url + "/v1/completions", headers=auth,
+                          json={"model": "locked", "prompt": "x", "stream": True}) as resp:
+            assert resp.status_code == 200 and list(resp.iter_lines())[-2] == "data: [DONE]"
+        for model in ("wrong", "none"):  # the engine's 401 is the gateway's setup: a 502, never the client's 401
+            resp = httpx.post(gw.url + "/v1/completions", headers=auth, json={"model": model, "prompt": "x"})
+            error = resp.json()["error"]
+            assert resp.status_code == 502 and error["code"] == "upstream_auth_required", resp.text
+            assert KEY_A not in resp.text and engine_key not in resp.text
+        assert gw.metric("kvfleet_gateway_request_errors_total", model="wrong", reason="upstream_auth") == 1
+        assert gw.metric("kvfleet_gateway_requests_total", model="locked", code="200") == 2
+        log = gw.log_tail(500)
+    assert engine_key not in log and KEY_A not in log

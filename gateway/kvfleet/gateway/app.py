@@ -21,6 +21,7 @@ from aiohttp import web
 from kvfleet.engine.server.auth import bearer_token
 from kvfleet.engine.server.error_shapes import APIError
 from kvfleet.gateway.catalog import ModelRef
+from kvfleet.gateway.engine_key_store import EngineKeyStore
 from kvfleet.gateway.fairness import token_cost
 from kvfleet.gateway.metrics import GatewayMetrics
 from kvfleet.gateway.prefix import PrefixConfig, request_hashes
@@ -42,6 +43,9 @@ class Source(Protocol):
 
     @property
     def synced(self) -> bool: ...
+
+    @property
+    def engine_keys(self) -> EngineKeyStore: ...
 
     async def run(self) -> None: ...
 

@@ -14,6 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping
 
+from kvfleet.gateway.engine_keys import EngineKeyRef
+
 
 @dataclass(frozen=True)
 class ModelRef:
@@ -27,6 +29,7 @@ class ModelRef:
     created: int = 0  # unix seconds
     source: str | None = None
     shared_with: tuple[str, ...] = ()  # other tenants that may use it (their keys reach it too)
+    engine_key: EngineKeyRef | None = None  # where its engines' own key is (spec.apiKeySecretRef), if they want one
 
     @property
     def key(self) -> str:

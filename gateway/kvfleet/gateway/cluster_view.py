@@ -8,6 +8,7 @@
 - Keys come from the Secrets each Tenant names in `spec.gateway.apiKeySecrets`, in `keys_namespace`;
   limits and weight from the rest of its `spec.gateway` (`tenancy`).
 - A ModelDeployment's `spec.gateway.sharedWith` names other Tenants whose keys may use it too.
+- Its `spec.apiKeySecretRef` says where its engines' own key is (read per request, `engine_key_store`).
 - Its autoscaling, status counts, quota condition and `engine.maxNumSeqs` are what holding requests at
   zero and saturation need (`waking.ModelScale`).
 - Peers (the other gateway replicas, for shared limits) are the Ready pods the peer watch lists, but this one.
@@ -20,12 +21,13 @@ import time
 from typing import Any, Iterable, Mapping
 
 from kvfleet.gateway.catalog import ModelRef, build_catalog
+from kvfleet.gateway.engine_keys import EngineKeyRef
 from kvfleet.gateway.keys import SecretRef, build_key_table
 from kvfleet.gateway.replicas import replicas_by_model, url_for
 from kvfleet.gateway.snapshot import Snapshot
 from kvfleet.gateway.tenancy import tenant_policy
 from kvfleet.gateway.waking import model_scale
-from kvfleet.operator.spec import served_name, tenant_key_secrets
+from kvfleet.operator.spec import engine_key_secret, served_name, tenant_key_secrets
 
 Obj = Mapping[str, Any]
 
@@ -68,10 +70,12 @@ def model_refs(tenants: Iterable[Obj], mdeps: Iterable[Obj]) -> list[ModelRef]:
             continue
         spec = mdep.get("spec") or {}
         model = spec.get("model") or {}
+        kind = str((spec.get("engine") or {}).get("kind", "kvfleet"))
+        secret = engine_key_secret(spec)
         out.append(ModelRef(tenant=owner[ns], namespace=ns, deployment=meta["name"], served_name=served_name(model),
-                            engine_kind=str((spec.get("engine") or {}).get("kind", "kvfleet")),
-                            created=_created(meta), source=model.get("source"),
-                            shared_with=shared_with(mdep, owner[ns], known)))
+                            engine_kind=kind, created=_created(meta), source=model.get("source"),
+                            shared_with=shared_with(mdep, owner[ns], known),
+                            engine_key=EngineKeyRef(ns, secret.name, secret.key, kind) if secret else None))
     return out
 
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from kvfleet.gateway.cluster_view import build_snapshot, peer_urls
+from kvfleet.gateway.engine_key_store import EngineKeyStore, secret_reader
 from kvfleet.gateway.kube import Informer, KubeClient
 from kvfleet.gateway.replicas import LABEL_MDEP
 from kvfleet.gateway.snapshot import Snapshot
@@ -41,6 +42,7 @@ class KubeSource:
         self.on_snapshot = on_snapshot
         self.debounce_s = debounce_s
         self.snapshot = Snapshot()
+        self.engine_keys = EngineKeyStore(secret_reader(client))  # engines' own keys: read by name, not watched
         self._dirty = asyncio.Event()
         self._problems: tuple[str, ...] = ()
         mark = self._dirty.set

@@ -152,6 +152,14 @@ class KubeClient:
                 raise KubeError(resp.status, (await resp.text())[:300])
             return await resp.json()
 
+    async def get(self, path: str) -> dict[str, Any]:
+        """One object; KubeError carries the status (403: RBAC, 404: none)."""
+        async with self.session().get(self.auth.server + path, headers=self._headers(),
+                                      timeout=aiohttp.ClientTimeout(total=10)) as resp:
+            if resp.status >= 400:
+                raise KubeError(resp.status, (await resp.text())[:300])
+            return await resp.json()
+
     async def merge_patch(self, path: str, body: Mapping[str, Any]) -> dict[str, Any]:
         headers = {**self._headers(), "Content-Type": "application/merge-patch+json"}
         async with self.session().patch(self.auth.server + path, json=dict(body), headers=headers,

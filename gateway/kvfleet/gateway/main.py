@@ -47,8 +47,9 @@ class Gateway:
         self.dispatcher = GatewayDispatcher(self.board, cfg.routing, cfg.prefix_index_blocks, self.allow_host,
                                             cfg.dispatch, self.metrics, self.ledger, self.peer_view,
                                             on_demand=self._demand)
-        self.proxy = Proxy(self.dispatcher, self.board, self.metrics, cfg.proxy, self.allow_host)
         self.source = self._source()
+        self.proxy = Proxy(self.dispatcher, self.board, self.metrics, cfg.proxy, self.allow_host,
+                           self.source.engine_keys)
         self.state = GatewayState(self.source, self.proxy, self.metrics, cfg.prefix, cfg.max_request_bytes,
                                   use_prefix=cfg.routing.policy == "prefix")
         self.scraper = Scraper(self.board, lambda: self.source.snapshot, self.allow_host, cfg.scrape_interval,

@@ -28,7 +28,8 @@ Error reasons: `invalid_request` (400), `model_not_found` (404), `request_too_la
 `no_replica` (503), `upstream_unavailable` (no replica answered), `upstream_error` (a replica's 5xx),
 `upstream_disconnected` (a replica died mid-stream), `client_disconnected`, `stream_error` (an engine's
 in-band error event), `rate_limited` (429, a tenant limit), `queue_full` (429), `quota_exceeded` (429,
-Kueue keeps a model at zero), `not_admitted` (503), `wake_timeout` (504), `queue_timeout` (503).
+Kueue keeps a model at zero), `not_admitted` (503), `wake_timeout` (504), `queue_timeout` (503),
+`upstream_auth` (502: no key for an engine that wants its own, or every key refused).
 Limits: `requests_per_minute`, `tokens_per_minute`, `concurrent_requests`. Queue outcomes:
 `dispatched`, `quota_exceeded`, `not_admitted`, `wake_timeout`, `queue_timeout`, `client_disconnected`.
 """

@@ -8,7 +8,9 @@
   request and frees its KV blocks.
 - A replica dying mid-stream ends the client's stream with an error event and `[DONE]`, not a hang; a
   replica silent for `read_timeout` counts as dead.
-- The client's API key never goes upstream; the answer says which replica served it (`X-Kvfleet-Replica`).
+- The client's API key never goes upstream; an engine that wants its own key (`spec.apiKeySecretRef`) gets it
+  (`engine_key_store`), the next one of the Secret if it refuses one. The answer says which replica served it
+  (`X-Kvfleet-Replica`).
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ from aiohttp import web
 from kvfleet.engine.server.error_shapes import error_body
 from kvfleet.gateway.catalog import ModelRef
 from kvfleet.gateway.dispatch import Dispatcher, Lease, NoReplica, Refused, RouteRequest
+from kvfleet.gateway.engine_key_store import EngineKeyStore
+from kvfleet.gateway.engine_keys import EngineKeyRef
 from kvfleet.gateway.load import LoadBoard
 from kvfleet.gateway.metrics import GatewayMetrics, ModelSeries
 from kvfleet.gateway.requests import ClientRequest
@@ -35,6 +39,8 @@ from kvfleet.gateway.sse import StreamTap, Usage
 log = logging.getLogger("kvfleet.gateway")
 
 RETRY_STATUSES = (500, 502, 503, 504)
+KEY_REFUSED = "upstream_key_refused"  # an engine's 401/403 to the key sent (or to none): try the next key
+MAX_KEY_TRIES = 3  # keys tried on one request: the Secret's old and new one during a rotation, and one more
 UPSTREAM_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError, OSError)
 PASS_HEADERS = ("Content-Type", "Retry-After", "X-Request-Id")
 REPLICA_HEADER = "X-Kvfleet-Replica"  # which replica answered (`namespace/pod`): the tenant's own pod, for debugging
@@ -69,10 +75,15 @@ class _Failed:
     headers: dict[str, str] | None = None
 
 
+def _keys_refused(ref: EngineKeyRef) -> _Failed:
+    return _Failed(502, f"This model's engines refused the gateway's keys ({ref.where}).", "upstream_auth_required")
+
+
 class Proxy:
     def __init__(self, dispatcher: Dispatcher, board: LoadBoard, metrics: GatewayMetrics, cfg: ProxyConfig,
-                 allow_host: Callable[[str], bool]) -> None:
+                 allow_host: Callable[[str], bool], engine_keys: EngineKeyStore) -> None:
         self.dispatcher = dispatcher
+        self.engine_keys = engine_keys
         self.board = board
         self.metrics = metrics
         self.cfg = cfg
@@ -108,9 +119,18 @@ class Proxy:
     async def _forward(self, request: web.Request, snapshot: Snapshot, tenant: str, model: ModelRef,
                        req: ClientRequest, body: bytes, hashes: tuple[int, ...], cost: float, series: ModelSeries,
                        usage: "_UsageBox") -> web.StreamResponse:
-        tried: set[str] = set()
+        tried: set[str] = set()  # replicas that failed
+        keys_tried: set[str] = set()  # engine keys a replica refused
         failed: _Failed | None = None
-        for attempt in range(1 + self.cfg.retries):
+        ref = model.engine_key
+        key: str | None = None
+        if ref is not None:
+            got = await self._engine_key(ref, keys_tried)
+            if isinstance(got, _Failed):
+                return self._failed_here(series, got)
+            key = got
+        attempts = 0
+        while attempts <= self.cfg.retries:
             try:
                 lease = await self.dispatcher.acquire(snapshot, RouteRequest(tenant, model, hashes, frozenset(tried),
                                                                              cost))
@@ -122,23 +142,61 @@ class Proxy:
                 break
             except Refused as exc:
                 return self._refused_here(series, exc, exc.code)
-            if attempt:
-                series.retried(failed.code if failed else "")
+            if failed is not None:
+                series.retried(failed.code)
             series.routed(lease.choice.rule)
             series.inflight.inc()
             usage.value = None
             try:
-                outcome = await self._attempt(request, lease, req, body, series, usage)
+                outcome = await self._attempt(request, lease, req, body, series, usage, key)
             finally:
                 series.inflight.dec()
                 lease.release(usage.value)
+            if isinstance(outcome, _Failed) and outcome.code == KEY_REFUSED:
+                if ref is None or key is None:
+                    failed = outcome
+                    break
+                # a rotated Secret: the engine may still take the old key, or already only the new one
+                self.engine_keys.refused(ref, key)
+                keys_tried.add(key)
+                got = await self._engine_key(ref, keys_tried) if len(keys_tried) < MAX_KEY_TRIES \
+                    else _keys_refused(ref)
+                if isinstance(got, _Failed):
+                    failed = got
+                    break
+                key, failed = got, outcome
+                continue  # the same replica may take the next key
             if isinstance(outcome, _Failed):
                 tried.add(lease.replica.name)
                 failed = outcome
+                attempts += 1
                 continue
+            if ref is not None and key is not None:
+                self.engine_keys.worked(ref, key)
             return outcome
         assert failed is not None
+        return self._failed_here(series, failed)
+
+    async def _engine_key(self, ref: EngineKeyRef, tried: set[str]) -> str | _Failed:
+        """The next key to send the model's engines, or why there is none."""
+        keys = await self.engine_keys.keys(ref)
+        order = self.engine_keys.order(ref, keys, frozenset(tried))
+        if order:
+            return order[0]
+        if not keys.keys:
+            return _Failed(502, f"The gateway has no key for this model's engines: {keys.problem}.",
+                           "upstream_auth_unavailable")
+        return _keys_refused(ref)
+
+    @staticmethod
+    def _failed_here(series: ModelSeries, failed: _Failed) -> web.Response:
         series.answered(failed.status)
+        if failed.code == KEY_REFUSED:  # refused without a key of ours to try: the gateway's setup, not the client
+            series.failed("upstream_auth")
+            return json_error(502, failed.message, "upstream_auth_required")
+        if failed.code.startswith("upstream_auth"):
+            series.failed("upstream_auth")
+            return json_error(failed.status, failed.message, failed.code)
         series.failed("upstream_unavailable" if failed.body is None else "upstream_error")
         if failed.body is not None:
             return web.Response(status=failed.status, body=failed.body, headers=failed.headers)
@@ -152,7 +210,7 @@ class Proxy:
         return json_error(exc.status, exc.message, exc.code, None, {"Retry-After": str(max(1, exc.retry_after))})
 
     async def _attempt(self, request: web.Request, lease: Lease, req: ClientRequest, body: bytes,
-                       series: ModelSeries, usage: "_UsageBox") -> web.StreamResponse | _Failed:
+                       series: ModelSeries, usage: "_UsageBox", key: str | None) -> web.StreamResponse | _Failed:
         replica = lease.replica
         assert self.session is not None
         if not self.allow_host(replica.host):  # the dispatcher filters these; never send one anyway
@@ -160,6 +218,8 @@ class Proxy:
         headers = {"Content-Type": "application/json"}
         if "X-Request-Id" in request.headers:
             headers["X-Request-Id"] = request.headers["X-Request-Id"]
+        if key is not None:  # the engine's own key (spec.apiKeySecretRef), never the client's
+            headers["Authorization"] = f"Bearer {key}"
         start = time.perf_counter()
         resp: aiohttp.ClientResponse | None = None
         try:
@@ -167,6 +227,11 @@ class Proxy:
                 resp = await self.session.post(replica.url + req.path, data=body, headers=headers)
                 if resp.status in RETRY_STATUSES:
                     return await self._refused(replica.name, resp)
+                if resp.status in (401, 403):  # the engine wants its own key, or another one: not the client's fault
+                    await resp.read()
+                    return _Failed(502, f"The replica {replica.name} refused the gateway: it wants an API key, and "
+                                        "none is set for its model (spec.apiKeySecretRef; apiKey in a static "
+                                        "config).", KEY_REFUSED)
                 streaming = req.stream and resp.status == 200
                 data = await (resp.content.readany() if streaming else resp.read())
                 if streaming and not data:
@@ -210,12 +275,6 @@ class Proxy:
         headers = {k: resp.headers[k] for k in PASS_HEADERS if k in resp.headers}
         headers[REPLICA_HEADER] = replica
         status = resp.status
-        if status in (401, 403):  # the engine wants its own key (apiKeySecretRef): not the client's fault
-            series.answered(502)
-            series.failed("upstream_error")
-            return json_error(502, f"The replica {replica} refused the gateway: its ModelDeployment sets "
-                                   "spec.apiKeySecretRef, and the gateway does not send engines' keys.",
-                              "upstream_auth_required")
         series.answered(status)
         box.value = Usage()
         if status == 200:

@@ -11,6 +11,7 @@ laptop, tests, benchmarks). Same decisions, same routing; nothing is watched.
             engineKind: kvfleet          # or vllm (metric names)
             maxNumSeqs: 4                # requests one replica runs at once (saturation); optional
             sharedWith: [team-b]         # other tenants whose keys reach this model too; optional
+            apiKey: the-engines-own-key  # the key its engines want (`--api-key`); optional
             replicas: [http://127.0.0.1:8001, http://127.0.0.1:8002]
 """
 
@@ -24,6 +25,8 @@ from urllib.parse import urlsplit
 import yaml
 
 from kvfleet.gateway.catalog import ModelRef, build_catalog
+from kvfleet.gateway.engine_key_store import EngineKeyStore, fixed_reader
+from kvfleet.gateway.engine_keys import EngineKeyRef
 from kvfleet.gateway.keys import SecretRef, build_key_table
 from kvfleet.gateway.replicas import Replica
 from kvfleet.gateway.snapshot import Snapshot
@@ -39,6 +42,20 @@ def _mapping(value: Any, where: str) -> Mapping[str, Any]:
     if not isinstance(value, Mapping):
         raise StaticConfigError(f"{where}: expected a mapping")
     return value
+
+
+def _api_key(spec: Mapping[str, Any], where: str) -> str | None:
+    key = spec.get("apiKey")
+    if key is not None and (not isinstance(key, str) or not key.strip()):
+        raise StaticConfigError(f"{where}.apiKey: expected a non-empty string")
+    return key.strip() if key else None
+
+
+def static_engine_keys(config: Mapping[str, Any]) -> dict[EngineKeyRef, str]:
+    """The models' `apiKey`s (of a config `static_snapshot` accepted), by the ref their ModelRef carries."""
+    return {EngineKeyRef(str(tenant), str(model_id), "apiKey", str(spec.get("engineKind", "kvfleet"))): spec["apiKey"]
+            for tenant, body in config["tenants"].items() for model_id, spec in (body.get("models") or {}).items()
+            if spec.get("apiKey")}
 
 
 def static_snapshot(config: Mapping[str, Any], source: str = "config") -> Snapshot:
@@ -72,9 +89,12 @@ def static_snapshot(config: Mapping[str, Any], source: str = "config") -> Snapsh
             if seqs is not None and (isinstance(seqs, bool) or not isinstance(seqs, int) or seqs < 1):
                 raise StaticConfigError(f"{source}: tenants.{tenant}.models.{model_id}.maxNumSeqs: expected an "
                                         "integer >= 1")
+            kind = str(spec.get("engineKind", "kvfleet"))
+            key_ref = EngineKeyRef(str(tenant), str(model_id), "apiKey", kind) \
+                if _api_key(spec, f"{source}: tenants.{tenant}.models.{model_id}") is not None else None
             ref_model = ModelRef(tenant=tenant, namespace=tenant, deployment=str(model_id), served_name=str(model_id),
-                                 engine_kind=str(spec.get("engineKind", "kvfleet")),
-                                 shared_with=tuple(sorted(set(shared) - {tenant})))
+                                 engine_kind=kind, shared_with=tuple(sorted(set(shared) - {tenant})),
+                                 engine_key=key_ref)
             urls = spec.get("replicas") or []
             if not isinstance(urls, list) or not all(isinstance(u, str) and u.startswith("http://") for u in urls):
                 raise StaticConfigError(f"{source}: tenants.{tenant}.models.{model_id}.replicas: expected http:// URLs")
@@ -95,6 +115,8 @@ class StaticSource:
         except (OSError, yaml.YAMLError) as exc:
             raise StaticConfigError(f"{path}: cannot read ({exc.__class__.__name__}: {exc})") from None
         self.snapshot = static_snapshot(_mapping(config, path), path)
+        self.engine_keys = EngineKeyStore(fixed_reader({ref: key.strip() for ref, key in
+                                                        static_engine_keys(config).items()}))
         self.synced = True
 
     async def run(self) -> None:

@@ -14,6 +14,7 @@ from typing import Any, Mapping, Sequence
 from .errors import SpecError
 
 ENGINE_KINDS = ("kvfleet", "vllm")
+API_KEY_ENTRY = "api-key"  # spec.apiKeySecretRef.key when unset: the Secret entry the engines read
 # Engine flags the operator sets itself, and what to use instead: given again in engine.extraArgs they would
 # override its value where the rest of kvfleet still trusts it (probes, Service, autoscaler and gateway on the
 # serving port; the gateway's routing name and replica capacity; the GPUs Kueue admitted; the engine's keys).
@@ -73,7 +74,7 @@ class ModelDeploymentSpec:
     queue_name: str | None = None
     priority_class_name: str | None = None
     api_key_secret: str | None = None
-    api_key_secret_key: str = "api-key"
+    api_key_secret_key: str = API_KEY_ENTRY
 
 
 def parse_model_source(uri: str) -> ModelSource:
@@ -134,6 +135,22 @@ def _quantity(value: Any, field_name: str, positive: bool = False) -> str:
     return text
 
 
+@dataclass(frozen=True)
+class EngineKeySecret:
+    """`spec.apiKeySecretRef`: the Secret (in the ModelDeployment's namespace) and the entry the engines read."""
+
+    name: str
+    key: str = API_KEY_ENTRY
+
+
+def engine_key_secret(spec: Mapping[str, Any]) -> EngineKeySecret | None:
+    """The engines' own key Secret, or None when they take no key (shared with the gateway)."""
+    ref = spec.get("apiKeySecretRef") or {}
+    if not isinstance(ref, Mapping) or not ref.get("name"):
+        return None
+    return EngineKeySecret(str(ref["name"]), str(ref.get("key") or API_KEY_ENTRY))
+
+
 def served_name(model: Mapping[str, Any]) -> str:
     """The `model` clients send: `spec.model.servedName`, else the source's base name (shared with the gateway)."""
     return str(model.get("servedName") or str(model.get("source", "")).rstrip("/").rsplit("/", 1)[-1])
@@ -179,7 +196,7 @@ def parse_model_deployment(spec: Mapping[str, Any]) -> ModelDeploymentSpec:
     flag = owned_flag(extra_args)
     if flag is not None:
         raise SpecError("spec.engine.extraArgs", f"{flag} is set by kvfleet ({OWNED_FLAGS[flag]})")
-    key_ref = spec.get("apiKeySecretRef") or {}
+    key_ref = engine_key_secret(spec)
     served = served_name(model)
     max_len = engine.get("maxModelLen")
     max_seqs = engine.get("maxNumSeqs")
@@ -202,8 +219,8 @@ def parse_model_deployment(spec: Mapping[str, Any]) -> ModelDeploymentSpec:
         autoscaling=autoscaling,
         queue_name=spec.get("queueName") or None,
         priority_class_name=spec.get("priorityClassName") or None,
-        api_key_secret=key_ref.get("name") or None,
-        api_key_secret_key=key_ref.get("key", "api-key"),
+        api_key_secret=key_ref.name if key_ref else None,
+        api_key_secret_key=key_ref.key if key_ref else API_KEY_ENTRY,
     )
 
 

@@ -1,0 +1,122 @@
+"""Scenario: a ModelDeployment whose engines want their own key (`spec.apiKeySecretRef`), through the gateway.
+
+The gateway runs as the chart's ServiceAccount (installed by Helm, the operator part off), whose RBAC reads
+Secrets of its key namespace only. The model's engine pod runs a real `kvfleet serve` with the Secret's keys
+file. Checked: before the namespace grants the gateway `get` on that one Secret, a request is a 502 that says
+what to grant (not the client's 401, and no engine is asked); after `kubectl create role/rolebinding`, the
+`openai` client is served; when the Secret is rotated to a new key (the engine reads it a kubelet sync later,
+the gateway a request later), every request is still answered; no key is ever logged.
+"""
+from __future__ import annotations
+
+import base64
+import json
+import time
+import uuid
+from pathlib import Path
+from typing import Any, Callable
+
+import httpx
+import openai
+import pytest
+import yaml
+from openai import OpenAI
+
+from kvfleet.gateway.testing import GatewayProcess
+from kvfleet.operator.kube import Kube
+from kvfleet.operator.testing import REPO, wait_for
+
+from local_engines import base_url
+from operator_fixtures import API, engine_pods, helm, model_deployment, service_account_kubeconfig
+
+pytestmark = pytest.mark.timeout(600)
+
+CHART = REPO / "charts" / "kvfleet"
+MSG = [{"role": "user", "content": "Say something."}]
+
+
+def engine_status(pod: dict[str, Any], key: str) -> int:
+    """What the engine itself answers `key` (its pod IP, no gateway)."""
+    return httpx.get(f"{base_url(pod)}/v1/models", trust_env=False, timeout=10,
+                     headers={"Authorization": f"Bearer {key}"}).status_code
+
+
+def test_engines_with_their_own_key_are_reached_once_their_secret_is_granted_to_the_gateway(
+        cluster: Any, kube: Kube, kubectl: Callable[..., Any], crds: None, tenants: Any, flavors: dict[str, str],
+        tmp_path: Path) -> None:  # fmt: skip
+    sfx = uuid.uuid4().hex[:5]
+    release, gw_ns = f"gwk-{sfx}", f"gwk-system-{sfx}"
+    tenant_key, old, new = (f"{who}-{uuid.uuid4().hex}" for who in ("tenant", "engine-old", "engine-new"))
+    vals = tmp_path / "values.yaml"
+    vals.write_text(yaml.safe_dump({"operator": {"enabled": False, "peeringName": f"kvfleet-gwk-{sfx}"},
+                                    "resourceFlavors": []}))
+    try:
+        helm(cluster, "install", release, str(CHART), "--namespace", gw_ns, "--create-namespace", "-f", str(vals),
+             "--wait", "--timeout", "90s")
+        kubectl("apply", "-f", "-", stdin=json.dumps({
+            "apiVersion": "v1", "kind": "Secret", "metadata": {"name": "team-keys", "namespace": gw_ns},
+            "data": {"k1": base64.b64encode(tenant_key.encode()).decode()}}))
+        _, ns = tenants.create("gwk", [{"flavor": flavors["h200"], "nominal": 1}],
+                               gateway={"apiKeySecrets": [{"name": "team-keys"}]})
+        kubectl("create", "secret", "generic", "chat-engine-keys", f"--from-literal=keys.yaml={old}: gateway",
+                namespace=ns)
+        kube.apply(model_deployment("chat", ns, flavors["h200"],
+                                    apiKeySecretRef={"name": "chat-engine-keys", "key": "keys.yaml"}))
+        wait_for("chat ready", lambda: ((kube.get(API, "modeldeployments", "chat", ns) or {}).get("status") or {})
+                 .get("readyReplicas") == 1, timeout=300)
+        sa = f"{release}-kvfleet-gateway"
+        config = service_account_kubeconfig(cluster, kubectl, sa, gw_ns, tmp_path / "gw.kubeconfig")
+        with GatewayProcess(Path(cluster.logs) / f"gateway-engine-keys-{sfx}.log", kubeconfig=config,
+                            args=["--keys-namespace", gw_ns]) as gw:
+            wait_for("the gateway sees the replica",
+                     lambda: gw.metric("kvfleet_gateway_ready_replicas", namespace=ns) == 1, timeout=60)
+            client = OpenAI(base_url=gw.url + "/v1", api_key=tenant_key, max_retries=0, timeout=60,
+                            http_client=httpx.Client(trust_env=False))
+
+            def chat() -> Any:
+                return client.chat.completions.create(model="chat", messages=MSG, max_tokens=4)
+
+            # Not granted: the gateway's RBAC does not reach the Secret. A 502 saying what to grant.
+            with pytest.raises(openai.APIStatusError) as err:
+                chat()
+            body = err.value.body
+            assert err.value.status_code == 502 and body["code"] == "upstream_auth_unavailable", body
+            assert "forbidden" in body["message"] and "resourceNames [chat-engine-keys]" in body["message"], body
+
+            # The namespace's admin grants `get` on that one Secret, and nothing else.
+            kubectl("create", "role", "kvfleet-gateway-engine-key", "--verb=get", "--resource=secrets",
+                    "--resource-name=chat-engine-keys", namespace=ns)
+            kubectl("create", "rolebinding", "kvfleet-gateway-engine-key", "--role=kvfleet-gateway-engine-key",
+                    f"--serviceaccount={gw_ns}:{sa}", namespace=ns)
+            assert kubectl("auth", "can-i", "list", "secrets", "-n", ns, "--as", f"system:serviceaccount:{gw_ns}:{sa}",
+                           check=False).stdout.strip() == "no"
+
+            def served() -> Any:
+                try:
+                    return chat()
+                except openai.APIStatusError as exc:  # the failed read is kept a few seconds
+                    assert exc.body["code"] == "upstream_auth_unavailable", exc.body
+                    return None
+
+            reply = wait_for("served once granted", served, timeout=30)
+            assert reply.usage.completion_tokens > 0
+
+            # Rotation: the Secret now holds a new key only. The engine takes it a kubelet sync later; the
+            # gateway, whose read still holds the old one, reads the Secret again on the engine's 401.
+            (pod,) = engine_pods(kube, ns, "chat")
+            kubectl("patch", "secret", "chat-engine-keys", "-p",
+                    json.dumps({"stringData": {"keys.yaml": f"{new}: gateway"}}), namespace=ns)
+            answered = []
+            deadline = time.monotonic() + 60
+            while engine_status(pod, old) != 401:  # the engine still takes the old key: so must the gateway
+                assert time.monotonic() < deadline, "the engine never read the rotated Secret"
+                answered.append(chat().usage.completion_tokens)
+            for _ in range(3):  # the engine takes the new key only now
+                answered.append(chat().usage.completion_tokens)
+            assert engine_status(pod, new) == 200 and all(n > 0 for n in answered), answered
+            log = gw.log_tail(2000)
+        assert tenant_key not in log and old not in log and new not in log
+        assert "engine key unavailable" in log and "forbidden" in log
+    finally:
+        helm(cluster, "uninstall", release, "--namespace", gw_ns, "--wait", "--timeout", "60s", check=False)
+        kube.delete("v1", "namespaces", gw_ns)
