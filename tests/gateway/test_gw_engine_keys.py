@@ -104,6 +104,25 @@ def test_a_failed_read_is_tried_again_sooner_and_concurrent_requests_read_once()
     asyncio.run(run())
 
 
+def test_a_failed_read_after_a_good_one_keeps_the_keys_and_is_logged_once(caplog: pytest.LogCaptureFixture) -> None:
+    reads = Reads(EngineKeys((OLD,)))
+    store = EngineKeyStore(reads.read, ttl_s=30, retry_s=5, clock=lambda: reads.now)
+
+    async def run() -> None:
+        await store.keys(REF)
+        reads.now, reads.value = 31, EngineKeys(problem="Secret team-a/chat-keys: the API server answered 500")
+        assert (await store.keys(REF)).keys == (OLD,) and reads.count == 2
+        reads.now = 37
+        assert (await store.keys(REF)).keys == (OLD,) and reads.count == 3  # read again after retry_s
+        reads.now, reads.value = 43, EngineKeys((NEW,))
+        assert (await store.keys(REF)).keys == (NEW,)
+
+    with caplog.at_level("INFO", logger="kvfleet.gateway.engine_keys"):
+        asyncio.run(run())
+    assert [r.getMessage() for r in caplog.records] == ["engine key unavailable", "engine key available again"]
+    assert OLD not in caplog.text and NEW not in caplog.text
+
+
 def test_a_model_deployments_api_key_secret_ref_reaches_its_model_ref() -> None:
     tenant = {"metadata": {"name": "team-a"}, "spec": {"namespaces": ["team-a"]}, "status": {"namespaces": ["team-a"]}}
 

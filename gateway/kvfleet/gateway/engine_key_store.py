@@ -2,9 +2,10 @@
 
 In a cluster the gateway reads the one Secret a ModelDeployment's `spec.apiKeySecretRef` names, with a GET:
 its RBAC lists and watches Secrets of its key namespace only, so each engine key Secret is granted to it by
-name (`get` on that Secret, a Role in the model's namespace; docs/gateway.md). A read is kept `ttl_s`, a
-failed one `retry_s`; an engine's 401 ends it early, so the next request reads the Secret again (at most once
-every `min_interval_s`). A problem is logged when it starts and when it ends, never with a key.
+name (`get` on that Secret, a Role in the model's namespace; docs/gateway.md). A read is kept `ttl_s`; a failed
+one `retry_s`, keeping the keys of the last good read if there was one. An engine's 401 ends a read early, so
+the next request reads the Secret again (at most once every `min_interval_s`). A problem is logged when it
+starts and when it ends, never with a key.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ class EngineKeyStore:
         self._reads: dict[EngineKeyRef, _Read] = {}
         self._locks: dict[EngineKeyRef, asyncio.Lock] = {}
         self._worked: dict[EngineKeyRef, str] = {}
+        self._problems: dict[EngineKeyRef, str] = {}  # the last read's problem, logged once
 
     async def keys(self, ref: EngineKeyRef) -> EngineKeys:
         """The engine's candidate keys (or the problem), read again once the last read has expired."""
@@ -51,14 +53,20 @@ class EngineKeyStore:
             cached = self._reads.get(ref)
             if cached is not None and self._clock() < cached.expires_at:
                 return cached.keys
-            keys = await self._read(ref)
+            read = await self._read(ref)
             now = self._clock()
-            self._reads[ref] = _Read(keys, now, now + (self.ttl_s if keys.keys else self.retry_s))
-            before = cached.keys.problem if cached is not None else ""
-            if keys.problem and keys.problem != before:
-                log.warning("engine key unavailable", extra={"problem": keys.problem})
-            elif before and not keys.problem:
+            if read.problem and read.problem != self._problems.get(ref):
+                log.warning("engine key unavailable", extra={"problem": read.problem})
+            elif not read.problem and ref in self._problems:
                 log.info("engine key available again", extra={"secret": ref.where})
+            if read.problem:
+                self._problems[ref] = read.problem
+            else:
+                self._problems.pop(ref, None)
+            # The engine decides whether a key is good: a failed read (the API server away, the grant or the
+            # Secret gone) keeps the last keys read, and is tried again sooner.
+            keys = cached.keys if read.problem and cached is not None and cached.keys.keys else read
+            self._reads[ref] = _Read(keys, now, now + (self.retry_s if read.problem else self.ttl_s))
             return keys
 
     def order(self, ref: EngineKeyRef, keys: EngineKeys, tried: frozenset[str] = frozenset()) -> tuple[str, ...]:
