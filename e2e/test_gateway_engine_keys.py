@@ -98,12 +98,11 @@ def test_engines_with_their_own_key_are_reached_once_their_secret_is_granted_to_
                     assert exc.body["code"] == "upstream_auth_unavailable", exc.body
                     return None
 
-            read_by = time.monotonic()  # the read that served (next line) starts after this
             reply = wait_for("served once granted", served, timeout=30)
             assert reply.usage.completion_tokens > 0
 
             # Rotation: the Secret now holds a new key only. The engine takes it a kubelet sync later; the
-            # gateway, whose read still holds the old one, reads the Secret again on the engine's 401.
+            # gateway sends the old key while it works, and on the engine's 401 reads the Secret again.
             (pod,) = engine_pods(kube, ns, "chat")
             kubectl("patch", "secret", "chat-engine-keys", "-p",
                     json.dumps({"stringData": {"keys.yaml": f"{new}: gateway"}}), namespace=ns)
@@ -112,11 +111,10 @@ def test_engines_with_their_own_key_are_reached_once_their_secret_is_granted_to_
             while engine_status(pod, old) != 401:  # the engine still takes the old key: so must the gateway
                 assert time.monotonic() < deadline, "the engine never read the rotated Secret"
                 answered.append(chat().usage.completion_tokens)
-            refused_at = time.monotonic()
             for _ in range(3):  # the engine takes the new key only now
                 answered.append(chat().usage.completion_tokens)
-            if refused_at < read_by + 25:  # the gateway's read (kept 30 s) still held the old key: it was refused
-                assert gw.metric("kvfleet_gateway_upstream_retries_total", reason="upstream_key_refused") >= 1
+            # the gateway sent the key that worked until the engine refused it, then the Secret's new one
+            assert gw.metric("kvfleet_gateway_upstream_retries_total", reason="upstream_key_refused") >= 1
             assert engine_status(pod, new) == 200 and all(n > 0 for n in answered), answered
             log = gw.log_tail(2000)
         assert tenant_key not in log and old not in log and new not in log

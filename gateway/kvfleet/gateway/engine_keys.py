@@ -2,9 +2,10 @@
 
 The Secret entry holds what the engine reads: a kvfleet engine's keys file (`key: tenant`, YAML or JSON, its
 `--api-keys-file`), a vLLM engine's one key (`VLLM_API_KEY`). Every key of a kvfleet file is a candidate. The
-gateway sends the key that last worked, else the entry's first, and the next one when the engine answers 401:
-an engine reads a rotated Secret a kubelet sync after the gateway does, so for a while either may be the one
-it takes. Problems name the Secret and the entry, never a key.
+gateway sends the key that last worked (as long as the engine takes it, in the Secret or not), else the entry's
+first, and the next one when the engine answers 401: an engine reads a rotated Secret a kubelet sync after the
+gateway does (a vLLM engine only when it restarts), so for a while either may be the one it takes. Problems name
+the Secret and the entry, never a key.
 """
 
 from __future__ import annotations
@@ -58,10 +59,9 @@ def engine_keys(ref: EngineKeyRef, data: Mapping[str, str] | None) -> EngineKeys
 
 
 def key_order(keys: Iterable[str], preferred: str | None, tried: Iterable[str] = ()) -> tuple[str, ...]:
-    """The keys to try, untried ones only: the one that last worked first, then the Secret's order."""
+    """The keys to try, untried ones only: the one that last worked first, even when the Secret no longer holds it
+    (a vLLM engine reads its key at start, so its pods take the old key until they restart; the engine decides),
+    then the Secret's, in its order."""
+    order = ([preferred] if preferred is not None else []) + [k for k in keys if k != preferred]
     skip = set(tried)
-    keys = [k for k in keys if k not in skip]
-    if preferred is not None and preferred in keys:
-        keys.remove(preferred)
-        keys.insert(0, preferred)
-    return tuple(keys)
+    return tuple(k for k in order if k not in skip)
