@@ -48,10 +48,13 @@ def test_what_is_wrong_with_a_secret_is_said_without_the_key(data: Any, says: st
 def test_the_key_that_worked_goes_first_and_tried_keys_not_again() -> None:
     assert key_order((OLD, NEW), None) == (OLD, NEW)
     assert key_order((OLD, NEW), NEW) == (NEW, OLD)
-    # a key rotated out of the Secret that an engine still takes (vLLM reads its key at start) goes on working
-    assert key_order((NEW,), OLD) == (OLD, NEW) and key_order((NEW,), OLD, {OLD}) == (NEW,)
-    assert key_order((OLD, NEW), NEW, {NEW}) == (OLD,)
-    assert key_order((OLD,), None, {OLD}) == ()
+    assert key_order((OLD, NEW), NEW, (NEW, OLD)) == (NEW, OLD)
+    assert key_order((OLD, NEW), NEW, (), {NEW}) == (OLD,)
+    assert key_order((OLD,), None, (), {OLD}) == ()
+    # a key rotated out of the Secret that engines still take (vLLM reads its key at start) goes on working,
+    # where it worked first, elsewhere after the Secret's
+    assert key_order((NEW,), OLD) == (OLD, NEW) and key_order((NEW,), OLD, (), {OLD}) == (NEW,)
+    assert key_order((NEW,), None, (OLD,)) == (NEW, OLD)
 
 
 class Reads:
@@ -75,19 +78,39 @@ def test_the_store_keeps_a_read_and_reads_again_after_a_refusal_or_its_ttl() -> 
         await store.keys(REF)
         assert reads.count == 1  # within the ttl
         reads.value = EngineKeys((OLD, NEW))  # rotated: the new key added
-        store.refused(REF, OLD)  # the read was 10 s old: the next request reads again
+        store.refused(REF, "pod-1", OLD)  # the read was 10 s old: the next request reads again
         keys = await store.keys(REF)
-        assert reads.count == 2 and store.order(REF, keys, frozenset({OLD})) == (NEW,)
-        store.worked(REF, NEW)
-        assert store.order(REF, keys) == (NEW, OLD)
-        store.refused(REF, NEW)  # a refusal right after a read: not read again within min_interval_s
-        assert store.order(REF, await store.keys(REF)) == (OLD, NEW) and reads.count == 2
+        assert reads.count == 2 and store.order(REF, keys, "pod-1", frozenset({OLD})) == (NEW,)
+        store.worked(REF, "pod-1", NEW)
+        assert store.order(REF, keys, "pod-1") == (NEW, OLD) and store.order(REF, keys, "pod-2") == (OLD, NEW)
+        store.refused(REF, "pod-1", NEW)  # a refusal right after a read: not read again within min_interval_s
+        assert store.order(REF, await store.keys(REF), "pod-1") == (OLD, NEW) and reads.count == 2
         reads.now = 11.5
         await store.keys(REF)
         assert reads.count == 3
         reads.now = 50
         await store.keys(REF)
         assert reads.count == 4  # the ttl ran out
+
+    asyncio.run(run())
+
+
+def test_replicas_that_take_different_keys_each_get_theirs() -> None:
+    """After a rotation a vLLM pod started before it takes the old key only, one started after the new only."""
+    reads = Reads(EngineKeys((OLD,)))
+    store = EngineKeyStore(reads.read, clock=lambda: reads.now)
+
+    async def run() -> None:
+        store.worked(REF, "old-pod", OLD)
+        reads.now, reads.value = 100, EngineKeys((NEW,))  # the Secret rotated; the old key is gone from it
+        keys = await store.keys(REF)
+        assert store.order(REF, keys, "old-pod") == (OLD, NEW)
+        assert store.order(REF, keys, "new-pod") == (NEW, OLD)  # the Secret's first, then what works elsewhere
+        store.worked(REF, "new-pod", NEW)
+        assert store.order(REF, keys, "old-pod")[0] == OLD and store.order(REF, keys, "new-pod")[0] == NEW
+        store.refused(REF, "old-pod", OLD)  # that pod restarted under the same name with the new key
+        assert store.order(REF, keys, "old-pod") == (NEW,)
+        assert store.has_candidates(REF, EngineKeys(problem="gone"))  # a key that works needs no read
 
     asyncio.run(run())
 

@@ -24,6 +24,7 @@ from kvfleet.gateway.kube import KubeClient, KubeError
 log = logging.getLogger("kvfleet.gateway.engine_keys")
 
 Reader = Callable[[EngineKeyRef], Awaitable[EngineKeys]]
+MAX_REPLICAS_KEPT = 256  # per model: which key worked where (pods come and go under new names)
 
 
 @dataclass
@@ -41,7 +42,7 @@ class EngineKeyStore:
         self._clock = clock
         self._reads: dict[EngineKeyRef, _Read] = {}
         self._locks: dict[EngineKeyRef, asyncio.Lock] = {}
-        self._worked: dict[EngineKeyRef, str] = {}
+        self._worked: dict[EngineKeyRef, dict[str, str]] = {}  # replica -> the key that last worked there
         self._problems: dict[EngineKeyRef, str] = {}  # the last read's problem, logged once
 
     async def keys(self, ref: EngineKeyRef) -> EngineKeys:
@@ -69,16 +70,28 @@ class EngineKeyStore:
             self._reads[ref] = _Read(keys, now, now + (self.retry_s if read.problem else self.ttl_s))
             return keys
 
-    def order(self, ref: EngineKeyRef, keys: EngineKeys, tried: frozenset[str] = frozenset()) -> tuple[str, ...]:
-        return key_order(keys.keys, self._worked.get(ref), tried)
+    def order(self, ref: EngineKeyRef, keys: EngineKeys, replica: str,
+              tried: frozenset[str] = frozenset()) -> tuple[str, ...]:
+        """The keys to send `replica`, untried ones: the one that worked there, the Secret's, others' that work."""
+        worked = self._worked.get(ref, {})
+        return key_order(keys.keys, worked.get(replica), reversed(worked.values()), tried)
 
-    def worked(self, ref: EngineKeyRef, key: str) -> None:
-        self._worked[ref] = key
+    def has_candidates(self, ref: EngineKeyRef, keys: EngineKeys) -> bool:
+        """Any key at all to send (the Secret's, or one that works on a replica)."""
+        return bool(keys.keys or self._worked.get(ref))
 
-    def refused(self, ref: EngineKeyRef, key: str) -> None:
-        """The engine answered 401 to `key`: prefer it no longer, and read the Secret again soon."""
-        if self._worked.get(ref) == key:
-            del self._worked[ref]
+    def worked(self, ref: EngineKeyRef, replica: str, key: str) -> None:
+        worked = self._worked.setdefault(ref, {})
+        worked.pop(replica, None)
+        worked[replica] = key  # the latest last: replicas long gone fall out first
+        while len(worked) > MAX_REPLICAS_KEPT:
+            del worked[next(iter(worked))]
+
+    def refused(self, ref: EngineKeyRef, replica: str, key: str) -> None:
+        """`replica` answered 401 to `key`: prefer it there no longer, and read the Secret again soon."""
+        worked = self._worked.get(ref, {})
+        if worked.get(replica) == key:
+            del worked[replica]
         cached = self._reads.get(ref)
         if cached is not None:
             cached.expires_at = min(cached.expires_at, cached.read_at + self.min_interval_s)

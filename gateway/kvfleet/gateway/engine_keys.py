@@ -2,10 +2,10 @@
 
 The Secret entry holds what the engine reads: a kvfleet engine's keys file (`key: tenant`, YAML or JSON, its
 `--api-keys-file`), a vLLM engine's one key (`VLLM_API_KEY`). Every key of a kvfleet file is a candidate. The
-gateway sends the key that last worked (as long as the engine takes it, in the Secret or not), else the entry's
-first, and the next one when the engine answers 401: an engine reads a rotated Secret a kubelet sync after the
-gateway does (a vLLM engine only when it restarts), so for a while either may be the one it takes. Problems name
-the Secret and the entry, never a key.
+gateway sends each replica the key that last worked there (as long as it takes it, in the Secret or not), else
+the entry's first, and the next one when the engine answers 401: an engine reads a rotated Secret a kubelet sync
+after the gateway does (a vLLM engine only when it restarts), so for a while either may be the one it takes.
+Problems name the Secret and the entry, never a key.
 """
 
 from __future__ import annotations
@@ -58,10 +58,11 @@ def engine_keys(ref: EngineKeyRef, data: Mapping[str, str] | None) -> EngineKeys
         return EngineKeys(problem=str(exc))
 
 
-def key_order(keys: Iterable[str], preferred: str | None, tried: Iterable[str] = ()) -> tuple[str, ...]:
-    """The keys to try, untried ones only: the one that last worked first, even when the Secret no longer holds it
-    (a vLLM engine reads its key at start, so its pods take the old key until they restart; the engine decides),
-    then the Secret's, in its order."""
-    order = ([preferred] if preferred is not None else []) + [k for k in keys if k != preferred]
+def key_order(keys: Iterable[str], preferred: str | None, fallbacks: Iterable[str] = (),
+              tried: Iterable[str] = ()) -> tuple[str, ...]:
+    """The keys to try on one replica, untried ones only: the one that last worked there first, then the Secret's
+    in its order, then keys that work on other replicas though the Secret no longer holds them (a vLLM engine
+    reads its key at start: pods started before a rotation keep the old key; the engine decides)."""
+    order = ([preferred] if preferred is not None else []) + list(keys) + list(fallbacks)
     skip = set(tried)
-    return tuple(k for k in order if k not in skip)
+    return tuple(dict.fromkeys(k for k in order if k not in skip))

@@ -29,7 +29,7 @@ from kvfleet.engine.server.error_shapes import error_body
 from kvfleet.gateway.catalog import ModelRef
 from kvfleet.gateway.dispatch import Dispatcher, Lease, NoReplica, Refused, RouteRequest
 from kvfleet.gateway.engine_key_store import EngineKeyStore
-from kvfleet.gateway.engine_keys import EngineKeyRef
+from kvfleet.gateway.engine_keys import EngineKeyRef, EngineKeys
 from kvfleet.gateway.load import LoadBoard
 from kvfleet.gateway.metrics import GatewayMetrics, ModelSeries
 from kvfleet.gateway.requests import ClientRequest
@@ -40,7 +40,8 @@ log = logging.getLogger("kvfleet.gateway")
 
 RETRY_STATUSES = (500, 502, 503, 504)
 KEY_REFUSED = "upstream_key_refused"  # an engine's 401/403 to the key sent (or to none): try the next key
-MAX_KEY_TRIES = 3  # keys tried on one request: the Secret's old and new one during a rotation, and one more
+AUTH_CODES = (KEY_REFUSED, "upstream_auth_required", "upstream_auth_unavailable")
+MAX_KEY_TRIES = 3  # keys tried on one replica for one request: old and new during a rotation, and one more
 UPSTREAM_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError, OSError)
 PASS_HEADERS = ("Content-Type", "Retry-After", "X-Request-Id")
 REPLICA_HEADER = "X-Kvfleet-Replica"  # which replica answered (`namespace/pod`): the tenant's own pod, for debugging
@@ -77,6 +78,11 @@ class _Failed:
 
 def _keys_refused(ref: EngineKeyRef) -> _Failed:
     return _Failed(502, f"This model's engines refused the gateway's keys ({ref.where}).", "upstream_auth_required")
+
+
+def _no_key(keys: EngineKeys) -> _Failed:
+    return _Failed(502, f"The gateway has no key for this model's engines: {keys.problem}.",
+                   "upstream_auth_unavailable")
 
 
 class Proxy:
@@ -119,18 +125,14 @@ class Proxy:
     async def _forward(self, request: web.Request, snapshot: Snapshot, tenant: str, model: ModelRef,
                        req: ClientRequest, body: bytes, hashes: tuple[int, ...], cost: float, series: ModelSeries,
                        usage: "_UsageBox") -> web.StreamResponse:
-        tried: set[str] = set()  # replicas that failed
-        keys_tried: set[str] = set()  # engine keys a replica refused
+        tried: set[str] = set()
         failed: _Failed | None = None
         ref = model.engine_key
-        key: str | None = None
-        if ref is not None:
-            got = await self._engine_key(ref, keys_tried)
-            if isinstance(got, _Failed):
-                return self._failed_here(series, got)
-            key = got
-        attempts = 0
-        while attempts <= self.cfg.retries:
+        if ref is not None:  # no key at all for engines that want one: said before a replica is taken, or woken
+            keys = await self.engine_keys.keys(ref)
+            if not self.engine_keys.has_candidates(ref, keys):
+                return self._failed_here(series, _no_key(keys))
+        for attempt in range(1 + self.cfg.retries):
             try:
                 lease = await self.dispatcher.acquire(snapshot, RouteRequest(tenant, model, hashes, frozenset(tried),
                                                                              cost))
@@ -142,50 +144,49 @@ class Proxy:
                 break
             except Refused as exc:
                 return self._refused_here(series, exc, exc.code)
-            if failed is not None:
-                series.retried(failed.code)
+            if attempt:
+                series.retried(failed.code if failed else "")
             series.routed(lease.choice.rule)
             series.inflight.inc()
             usage.value = None
             try:
-                outcome = await self._attempt(request, lease, req, body, series, usage, key)
+                outcome = await self._attempt_with_key(request, lease, req, body, series, usage, ref)
             finally:
                 series.inflight.dec()
                 lease.release(usage.value)
-            if isinstance(outcome, _Failed) and outcome.code == KEY_REFUSED:
-                if ref is None or key is None:
-                    failed = outcome
-                    break
-                # a rotated Secret: the engine may still take the old key, or already only the new one
-                self.engine_keys.refused(ref, key)
-                keys_tried.add(key)
-                got = await self._engine_key(ref, keys_tried) if len(keys_tried) < MAX_KEY_TRIES \
-                    else _keys_refused(ref)
-                if isinstance(got, _Failed):
-                    failed = got
-                    break
-                key, failed = got, outcome
-                continue  # the same replica may take the next key
+            if isinstance(outcome, _Failed) and outcome.code in AUTH_CODES:
+                failed = outcome  # the model's keys, not this replica: another one would answer the same
+                break
             if isinstance(outcome, _Failed):
                 tried.add(lease.replica.name)
                 failed = outcome
-                attempts += 1
                 continue
-            if ref is not None and key is not None:
-                self.engine_keys.worked(ref, key)
             return outcome
         assert failed is not None
         return self._failed_here(series, failed)
 
-    async def _engine_key(self, ref: EngineKeyRef, tried: set[str]) -> str | _Failed:
-        """The next key to send the model's engines, or why there is none."""
-        keys = await self.engine_keys.keys(ref)
-        order = self.engine_keys.order(ref, keys, frozenset(tried))
-        if order:
-            return order[0]
-        if not keys.keys:
-            return _Failed(502, f"The gateway has no key for this model's engines: {keys.problem}.",
-                           "upstream_auth_unavailable")
+    async def _attempt_with_key(self, request: web.Request, lease: Lease, req: ClientRequest, body: bytes,
+                                series: ModelSeries, usage: "_UsageBox",
+                                ref: EngineKeyRef | None) -> web.StreamResponse | _Failed:
+        """One replica, sent the model's engine key if its engines want one; on a 401 the next key (a rotated
+        Secret: the engine may take the old key still, or already only the new one)."""
+        if ref is None:
+            return await self._attempt(request, lease, req, body, series, usage, None)
+        replica = lease.replica.name
+        refused: set[str] = set()
+        while len(refused) < MAX_KEY_TRIES:
+            keys = await self.engine_keys.keys(ref)
+            order = self.engine_keys.order(ref, keys, replica, frozenset(refused))
+            if not order:
+                return _no_key(keys) if not refused and not keys.keys else _keys_refused(ref)
+            outcome = await self._attempt(request, lease, req, body, series, usage, order[0])
+            if not isinstance(outcome, _Failed):
+                self.engine_keys.worked(ref, replica, order[0])
+            if not isinstance(outcome, _Failed) or outcome.code != KEY_REFUSED:
+                return outcome
+            self.engine_keys.refused(ref, replica, order[0])
+            refused.add(order[0])
+            series.retried(KEY_REFUSED)
         return _keys_refused(ref)
 
     @staticmethod
@@ -194,7 +195,7 @@ class Proxy:
         if failed.code == KEY_REFUSED:  # refused without a key of ours to try: the gateway's setup, not the client
             series.failed("upstream_auth")
             return json_error(502, failed.message, "upstream_auth_required")
-        if failed.code.startswith("upstream_auth"):
+        if failed.code in AUTH_CODES:
             series.failed("upstream_auth")
             return json_error(failed.status, failed.message, failed.code)
         series.failed("upstream_unavailable" if failed.body is None else "upstream_error")
