@@ -1,11 +1,13 @@
 """Scenario: a ModelDeployment whose engines want their own key (`spec.apiKeySecretRef`), through the gateway.
 
-The gateway runs as the chart's ServiceAccount (installed by Helm, the operator part off), whose RBAC reads
-Secrets of its key namespace only. The model's engine pod runs a real `kvfleet serve` with the Secret's keys
-file. Checked: before the namespace grants the gateway `get` on that one Secret, a request is a 502 that says
-what to grant (not the client's 401, and no engine is asked); after `kubectl create role/rolebinding`, the
-`openai` client is served; when the Secret is rotated to a new key (the engine reads it a kubelet sync later,
-the gateway a request later), every request is still answered; no key is ever logged.
+The gateway runs as the chart's ServiceAccount (installed by Helm, the operator part off; the operator runs
+locally, told that ServiceAccount as the chart tells it), whose RBAC reads Secrets of its key namespace only. The
+model's engine pod runs a real `kvfleet serve` with the Secret's keys file. Checked: before the namespace grants
+the gateway `get` on that one Secret, the ModelDeployment's GatewayKeyAccess condition is False with the grant to
+run, and a request is a 502 that says what to grant (not the client's 401, and no engine is asked); after `kubectl
+create role/rolebinding` the condition turns True and the `openai` client is served; when the Secret is rotated to
+a new key (the engine reads it a kubelet sync later, the gateway a request later), every request is still answered;
+no key is ever logged.
 """
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ import json
 import time
 import uuid
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import httpx
 import openai
@@ -24,15 +26,41 @@ from openai import OpenAI
 
 from kvfleet.gateway.testing import GatewayProcess
 from kvfleet.operator.kube import Kube
-from kvfleet.operator.testing import REPO, wait_for
+from kvfleet.operator.testing import REPO, OperatorProcess, wait_for
 
 from local_engines import base_url
-from operator_fixtures import API, engine_pods, helm, model_deployment, service_account_kubeconfig
+from operator_fixtures import (
+    API,
+    SYSTEM_NAMESPACE,
+    engine_pods,
+    helm,
+    model_deployment,
+    operator_log,
+    service_account_kubeconfig,
+)
 
 pytestmark = pytest.mark.timeout(600)
 
 CHART = REPO / "charts" / "kvfleet"
 MSG = [{"role": "user", "content": "Say something."}]
+SFX = uuid.uuid4().hex[:5]
+RELEASE, GW_NS = f"gwk-{SFX}", f"gwk-system-{SFX}"
+GW_SA = f"{RELEASE}-kvfleet-gateway"  # the chart's gateway ServiceAccount
+
+
+@pytest.fixture(scope="module")
+def operator(crds: None, kubeconfig: str, cluster: Any) -> Iterator[OperatorProcess]:
+    """The operator as the chart runs it beside its gateway: it reports whether that gateway may read a model's
+    engine key (GatewayKeyAccess)."""
+    proc = OperatorProcess(kubeconfig, operator_log(cluster, "test_gateway_engine_keys"), env={
+        "KVFLEET_SYSTEM_NAMESPACES": SYSTEM_NAMESPACE, "KVFLEET_GATEWAY_SERVICE_ACCOUNT": f"{GW_NS}/{GW_SA}"}).start()
+    yield proc
+    proc.stop()
+
+
+def key_condition(kube: Kube, ns: str) -> dict[str, Any]:
+    status = (kube.get(API, "modeldeployments", "chat", ns) or {}).get("status") or {}
+    return next((c for c in status.get("conditions") or () if c["type"] == "GatewayKeyAccess"), {})
 
 
 def engine_status(pod: dict[str, Any], key: str) -> int:
@@ -44,8 +72,7 @@ def engine_status(pod: dict[str, Any], key: str) -> int:
 def test_engines_with_their_own_key_are_reached_once_their_secret_is_granted_to_the_gateway(
         cluster: Any, kube: Kube, kubectl: Callable[..., Any], crds: None, tenants: Any, flavors: dict[str, str],
         tmp_path: Path) -> None:  # fmt: skip
-    sfx = uuid.uuid4().hex[:5]
-    release, gw_ns = f"gwk-{sfx}", f"gwk-system-{sfx}"
+    sfx, release, gw_ns, sa = SFX, RELEASE, GW_NS, GW_SA
     tenant_key, old, new = (f"{who}-{uuid.uuid4().hex}" for who in ("tenant", "engine-old", "engine-new"))
     vals = tmp_path / "values.yaml"
     vals.write_text(yaml.safe_dump({"operator": {"enabled": False, "peeringName": f"kvfleet-gwk-{sfx}"},
@@ -64,7 +91,11 @@ def test_engines_with_their_own_key_are_reached_once_their_secret_is_granted_to_
                                     apiKeySecretRef={"name": "chat-engine-keys", "key": "keys.yaml"}))
         wait_for("chat ready", lambda: ((kube.get(API, "modeldeployments", "chat", ns) or {}).get("status") or {})
                  .get("readyReplicas") == 1, timeout=300)
-        sa = f"{release}-kvfleet-gateway"
+        # The operator tells the model's owner before any client meets the gateway's 502, with the grant to run.
+        cond = wait_for("GatewayKeyAccess False",
+                        lambda: (c := key_condition(kube, ns)).get("reason") == "KeyNotGranted" and c, timeout=60)
+        assert cond["status"] == "False" and "--resource-name=chat-engine-keys" in cond["message"], cond
+        assert f"--serviceaccount={gw_ns}:{sa}" in cond["message"], cond
         config = service_account_kubeconfig(cluster, kubectl, sa, gw_ns, tmp_path / "gw.kubeconfig")
         with GatewayProcess(Path(cluster.logs) / f"gateway-engine-keys-{sfx}.log", kubeconfig=config,
                             args=["--keys-namespace", gw_ns]) as gw:
@@ -100,6 +131,8 @@ def test_engines_with_their_own_key_are_reached_once_their_secret_is_granted_to_
 
             reply = wait_for("served once granted", served, timeout=30)
             assert reply.usage.completion_tokens > 0
+            # the RoleBinding's event gave the model a pass: the condition follows the grant
+            wait_for("GatewayKeyAccess True", lambda: key_condition(kube, ns).get("status") == "True", timeout=60)
 
             # Rotation: the Secret now holds a new key only. The engine takes it a kubelet sync later; the
             # gateway sends the old key while it works, and on the engine's 401 reads the Secret again.

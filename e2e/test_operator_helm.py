@@ -56,6 +56,11 @@ def test_helm_template_renders(cluster: Any, tmp_path: Path) -> None:
     # Tenant NetworkPolicies admit the operator's namespace: its autoscaler scrapes the engines.
     assert env["KVFLEET_SYSTEM_NAMESPACES"] == "kvfleet-system"
     assert env["KVFLEET_NODE_CACHE_ROOTS"] == "/var/cache/kvfleet"
+    # models whose engines want their own key: whether the chart's gateway may read it (GatewayKeyAccess)
+    assert env["KVFLEET_GATEWAY_SERVICE_ACCOUNT"] == "kvfleet-system/rel-kvfleet-gateway"
+    role = next(d for d in docs if d["kind"] == "ClusterRole" and d["metadata"]["name"] == "rel-kvfleet-operator")
+    assert {"apiGroups": ["authorization.k8s.io"], "resources": ["subjectaccessreviews"], "verbs": ["create"]} \
+        in role["rules"]
     tenant = next(d for d in docs if d["kind"] == "Tenant")
     assert tenant["spec"]["quotas"][0]["nominal"] == 4 and tenant["spec"]["cohort"] == "c"
     for d in docs:

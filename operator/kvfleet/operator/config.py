@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Mapping
 
 from .constants import POD_SECURITY_LEVELS
+from .gateway_access import GatewayIdentity
 
 
 def _csv(text: str) -> tuple[str, ...]:
@@ -34,6 +35,9 @@ class OperatorConfig:
     # The Pod Security Standard tenant namespaces enforce (their pods: the engines). restricted admits every pod
     # the operator makes, except file:// sources (a hostPath volume), which only `privileged` admits.
     tenant_pod_security: str = "restricted"
+    # The gateway's ServiceAccount (the chart's, when its gateway is enabled): models whose engines want their own
+    # key get a GatewayKeyAccess condition saying whether it may read that key. None: no such condition.
+    gateway: GatewayIdentity | None = None
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> "OperatorConfig":
@@ -52,6 +56,8 @@ class OperatorConfig:
             node_cache_roots=_csv(env["KVFLEET_NODE_CACHE_ROOTS"]) if "KVFLEET_NODE_CACHE_ROOTS" in env
             else base.node_cache_roots,
             tenant_pod_security=_pod_security(env.get("KVFLEET_TENANT_POD_SECURITY", base.tenant_pod_security)),
+            gateway=GatewayIdentity.parse(env["KVFLEET_GATEWAY_SERVICE_ACCOUNT"])
+            if env.get("KVFLEET_GATEWAY_SERVICE_ACCOUNT", "").strip() else None,
         )
 
 

@@ -1,7 +1,8 @@
 """kopf handlers: thin edges that call the reconcilers, one pass per object at a time (coalesce.py).
 
-ModelDeployments are reconciled on create/update/resume and on the events of a Workload or Deployment they own
-that change what the reconcile reads (triggers.py). Tenants on create/update/resume, when one of their queues is
+ModelDeployments are reconciled on create/update/resume, on the events of a Workload or Deployment they own
+that change what the reconcile reads (triggers.py), and those with their own engine key on a Role or RoleBinding
+change in their namespace (what the gateway may read). Tenants on create/update/resume, when one of their queues is
 deleted, and (status only) when a workload in their namespaces changes admission. Triggers that arrive while a
 pass runs fold into one more pass; a pass the apiserver could not serve runs again after a delay. No timers, so
 no finalizers: deleting a ModelDeployment or a Tenant never waits for the operator.
@@ -21,6 +22,7 @@ from .builders import build_service
 from .coalesce import Coalescer
 from .config import OperatorConfig
 from .constants import (
+    API_VERSION,
     GROUP,
     KUEUE_GROUP,
     KUEUE_VERSION,
@@ -265,6 +267,27 @@ def local_queue_event(type: str | None, namespace: str | None, name: str, **_: A
         refs().gone(WatchedRefs.QUEUE, f"{namespace}/{name}")
     else:
         refs().seen(WatchedRefs.QUEUE, f"{namespace}/{name}", True)
+
+
+@kopf.on.event("rbac.authorization.k8s.io", "v1", "rolebindings")
+@kopf.on.event("rbac.authorization.k8s.io", "v1", "roles")
+def namespace_rbac_event(type: str | None, namespace: str | None, **_: Any) -> None:  # noqa: A002 (kopf's name)
+    """A Role or RoleBinding changed: what the gateway may read there may have too. Its models whose engines want
+    their own key get a pass (their GatewayKeyAccess condition). Grants by ClusterRoleBindings show at their
+    next pass."""
+    if type is None or config().gateway is None:
+        return  # the initial listing (every model gets a pass on resume), or no gateway to ask about
+    namespace = namespaced(namespace)
+    try:
+        mdeps = kube().list(API_VERSION, MDEP_PLURAL, namespace)
+    except (KubeError, httpx.TransportError) as exc:
+        log.warning("models of %s not listed after an RBAC change: %s", namespace, exc)
+        return
+    keyed = [m["metadata"]["name"] for m in mdeps if (m.get("spec") or {}).get("apiKeySecretRef")]
+    if keyed:
+        log.info("rbac changed ns=%s: checking the gateway's key access of %s", namespace, keyed)
+    for name in keyed:
+        _mdep_pass(namespace, name, wait=False)
 
 
 @kopf.on.create(GROUP, VERSION, TENANT_PLURAL)

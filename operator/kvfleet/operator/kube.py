@@ -23,6 +23,7 @@ PLURALS = {
     "Workload": "workloads", "ClusterQueue": "clusterqueues", "LocalQueue": "localqueues",
     "ResourceFlavor": "resourceflavors", "WorkloadPriorityClass": "workloadpriorityclasses",
     "ModelDeployment": "modeldeployments", "Tenant": "tenants", "ClusterKopfPeering": "clusterkopfpeerings",
+    "SubjectAccessReview": "subjectaccessreviews",
 }
 
 

@@ -27,6 +27,7 @@ from .constants import (
 )
 from .errors import SpecError
 from .events import build_event
+from .gateway_access import KeyAccess, access_check_failed, access_review, key_access
 from .kube import Kube, KubeError
 from .kueue_state import observe_workload
 from .plan import WorkloadPlan, frozen_plan, plan_deployment_replicas, plan_workloads
@@ -146,8 +147,10 @@ def reconcile_model_deployment(kube: Kube, config: OperatorConfig, namespace: st
     problem: SpecError | None = None
     desired = 0
     plan: WorkloadPlan
+    gateway_key: KeyAccess | None = None
     try:
         spec = parse_model_deployment(mdep.get("spec") or {})
+        gateway_key = gateway_key_access(kube, config, namespace, spec)
         check_node_path(spec.source, config.node_cache_roots, config.tenant_pod_security)
         desired = desired_replicas_for(spec, old_status.get("autoscaler"))
         resolved = resolve(refs or ApiRefs(kube), namespace, spec, {w.flavor for w in observed if w.flavor})
@@ -183,6 +186,7 @@ def reconcile_model_deployment(kube: Kube, config: OperatorConfig, namespace: st
         endpoint=endpoint_url(name, namespace, config.cluster_domain),
         selector=selector,
         problem=problem,
+        gateway_key=gateway_key,
     )
     now = utcnow()
     new_status = compute_status(obs, old_status, now)
@@ -192,6 +196,18 @@ def reconcile_model_deployment(kube: Kube, config: OperatorConfig, namespace: st
         if event is not None:
             post_event(kube, build_event(mdep, *event, now))
     return new_status
+
+
+def gateway_key_access(kube: Kube, config: OperatorConfig, namespace: str,
+                       spec: ModelDeploymentSpec) -> KeyAccess | None:
+    """Whether the gateway may read the engines' own key (None: they want none, or there is no gateway)."""
+    if config.gateway is None or not spec.api_key_secret:
+        return None
+    try:
+        review = kube.create(access_review(config.gateway, namespace, spec.api_key_secret))
+    except KubeError as exc:
+        return access_check_failed(spec.api_key_secret, str(exc)[:200])
+    return key_access(review, config.gateway, namespace, spec.api_key_secret)
 
 
 def post_event(kube: Kube, event: dict[str, Any]) -> None:

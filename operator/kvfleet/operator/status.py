@@ -6,9 +6,11 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 from .errors import SpecError
+from .gateway_access import CONDITION as GATEWAY_KEY_CONDITION
+from .gateway_access import KeyAccess
 from .plan import WorkloadPlan
 
-CONDITION_TYPES = ("Admitted", "Available", "Progressing", "QuotaExceeded")
+CONDITION_TYPES = ("Admitted", "Available", "Progressing", "QuotaExceeded", GATEWAY_KEY_CONDITION)
 # Keys of status the operator owns (status.autoscaler belongs to the autoscaler).
 OWNED_KEYS = ("conditions", "replicas", "desiredReplicas", "admittedReplicas", "pendingReplicas",
               "readyReplicas", "endpoint", "observedGeneration", "selector", "flavors")
@@ -24,12 +26,13 @@ class Observation:
     endpoint: str
     selector: str
     problem: SpecError | None = None
+    gateway_key: KeyAccess | None = None  # engines with their own key, and a gateway to reach them
 
 
-def set_condition(old: Sequence[Mapping[str, Any]], cond_type: str, status: bool, reason: str,
+def set_condition(old: Sequence[Mapping[str, Any]], cond_type: str, status: bool | None, reason: str,
                   message: str, generation: int, now: str) -> dict[str, Any]:
-    """A condition; lastTransitionTime moves only when the status flips."""
-    text = "True" if status else "False"
+    """A condition (status None: Unknown); lastTransitionTime moves only when the status flips."""
+    text = "Unknown" if status is None else "True" if status else "False"
     prev = next((c for c in old if c.get("type") == cond_type), None)
     since = prev.get("lastTransitionTime") if prev and prev.get("status") == text else now
     return {"type": cond_type, "status": text, "reason": reason, "message": message,
@@ -82,6 +85,9 @@ def compute_conditions(obs: Observation, old: Sequence[Mapping[str, Any]], now: 
     else:
         conds.append(set_condition(old, "QuotaExceeded", False, "WithinQuota",
                                    "every replica fits the tenant's quota", g, now))
+    if obs.gateway_key is not None:
+        key = obs.gateway_key
+        conds.append(set_condition(old, GATEWAY_KEY_CONDITION, key.status, key.reason, key.message, g, now))
     return conds
 
 
@@ -107,7 +113,8 @@ def status_changed(old_status: Mapping[str, Any], new_status: Mapping[str, Any])
 
 
 _WARNING_REASONS = {"InsufficientQuota", "FlavorNotFound", "QueueNotFound", "PriorityClassNotFound",
-                    "InvalidSpec", "NotATenantNamespace", "HostPathNotAllowed"}
+                    "InvalidSpec", "NotATenantNamespace", "HostPathNotAllowed", "KeyNotGranted",
+                    "AccessCheckFailed"}
 
 
 def transition_events(old: Sequence[Mapping[str, Any]], new: Sequence[Mapping[str, Any]]) -> list[tuple[str, str, str]]:
