@@ -100,16 +100,9 @@ class LLMEngine:
             from kvfleet.engine.models.fp8 import check_fp8_supported
 
             check_fp8_supported(self.device)   # before loading: a clear error, not a failing matmul later
-            if config.tensor_parallel_size > 1:
-                raise ValueError("quantization: fp8 runs with tensor_parallel_size 1 only (for now)")
+        # The executor loads the weights in their serving form (FP8 quantized by each rank, if asked) before the
+        # KV cache is sized and graphs captured: the memory bf16 weights free goes to the cache.
         self.runner = ModelRunner(self.model_config, config, self.device, budget)
-        if config.quantization == "fp8":
-            # After the weights are loaded, before the KV cache is sized and graphs captured: the memory the
-            # bf16 weights free goes to the KV cache, and the graphs capture the FP8 matmuls.
-            from kvfleet.engine.models.fp8 import quantize_model_fp8
-
-            n = quantize_model_fp8(self.runner.executor.model)
-            logger.info("fp8: %d linear layers quantized (per-channel weight scales, dynamic per-token activations)", n)
         num_blocks = self.runner.determine_num_blocks()
         self.runner.init_kv_cache(num_blocks)
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)

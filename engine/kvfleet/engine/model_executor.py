@@ -23,7 +23,7 @@ from kvfleet.engine.cuda_graphs import CudaGraphRunner, build_graph_runner
 from kvfleet.engine.distributed.executor import start_tensor_parallel
 from kvfleet.engine.kv_cache import block_pairs, copy_blocks
 from kvfleet.engine.model_config import ModelConfig
-from kvfleet.engine.model_loader import load_model
+from kvfleet.engine.model_loader import load_model, quantize_loaded
 from kvfleet.engine.models.base import CausalLM
 
 logger = logging.getLogger(__name__)
@@ -108,12 +108,15 @@ class LocalExecutor:
 
 
 def build_executor(model_config: ModelConfig, engine_config: EngineConfig, device: torch.device) -> ModelExecutor:
-    """The executor `engine_config` asks for, its model loaded: at tensor_parallel_size N > 1 this process
-    becomes rank 0 and N-1 worker processes start (see kvfleet.engine.distributed.executor)."""
+    """The executor `engine_config` asks for, its model loaded (and quantized, if asked: each rank its own shards):
+    at tensor_parallel_size N > 1 this process becomes rank 0 and N-1 worker processes start (see
+    kvfleet.engine.distributed.executor)."""
     tp_size = engine_config.tensor_parallel_size
     if tp_size > 1:
         return start_tensor_parallel(model_config.model, tp_size, device.type, model_config.dtype,
                                      max_model_len=model_config.max_model_len,
-                                     load_format=engine_config.load_format, seed=engine_config.seed)
+                                     load_format=engine_config.load_format, seed=engine_config.seed,
+                                     quantization=engine_config.quantization)
     model = load_model(model_config, device, load_format=engine_config.load_format, seed=engine_config.seed)
+    quantize_loaded(model, engine_config.quantization)
     return LocalExecutor(model, device)

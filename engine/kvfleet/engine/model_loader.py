@@ -120,3 +120,16 @@ def load_model(
             raise ValueError(f"weights: the checkpoint lacks {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
     logger.info("loaded %s (%s) on %s as %s", model_config.architecture, fmt, device, model_config.dtype)
     return model.eval().requires_grad_(False)
+
+
+def quantize_loaded(model: CausalLM, quantization: str | None) -> None:
+    """Put a loaded model's weights in their serving form: `"fp8"` quantizes every decoder linear layer (of this
+    rank's shards, under tensor parallelism: each rank its own; kvfleet.engine.models.fp8), None leaves them."""
+    if quantization is None:
+        return
+    if quantization != "fp8":
+        raise ValueError(f"quantization: {quantization!r} is not supported (fp8 or none)")
+    from kvfleet.engine.models.fp8 import quantize_model_fp8
+
+    n = quantize_model_fp8(model)
+    logger.info("fp8: %d linear layers quantized (per-channel weight scales, dynamic per-token activations)", n)

@@ -202,6 +202,7 @@ def start_tensor_parallel(
     max_model_len: int | None = None,
     load_format: str = "auto",
     seed: int = 0,
+    quantization: str | None = None,
     timeout_s: float = 300.0,
     on_worker_death: Callable[[str], None] = _die,
 ) -> TensorParallelExecutor:
@@ -212,7 +213,8 @@ def start_tensor_parallel(
         raise ValueError(f"tensor_parallel_size: {tp_size} > {torch.cuda.device_count()} visible GPUs")
     spec = WorkerSpec(model=str(model), max_model_len=max_model_len, dtype=dtype, load_format=load_format,
                       seed=seed, device_type=device_type, tp_size=tp_size,
-                      init_method=f"tcp://127.0.0.1:{free_loopback_port()}", timeout_s=timeout_s)
+                      init_method=f"tcp://127.0.0.1:{free_loopback_port()}", timeout_s=timeout_s,
+                      quantization=quantization)
     arm_hang_dump()
     ctx = mp.get_context("spawn")
     pipes = [ctx.Pipe(duplex=False) for _ in range(1, tp_size)]   # (worker's read end, driver's write end)

@@ -39,7 +39,7 @@ from kvfleet.engine.distributed.control import (
 from kvfleet.engine.distributed.parallel_state import arm_hang_dump, destroy_tensor_parallel, init_tensor_parallel
 from kvfleet.engine.kv_cache import allocate_kv_cache, copy_blocks
 from kvfleet.engine.model_config import ModelConfig
-from kvfleet.engine.model_loader import load_model
+from kvfleet.engine.model_loader import load_model, quantize_loaded
 from kvfleet.engine.models.base import CausalLM
 
 logger = logging.getLogger(__name__)
@@ -58,6 +58,7 @@ class WorkerSpec:
     tp_size: int
     init_method: str          # tcp://127.0.0.1:PORT
     timeout_s: float = 300.0
+    quantization: str | None = None   # "fp8": each rank quantizes its own shards at load
 
 
 def pack_step(input_ids: torch.Tensor, positions: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
@@ -89,6 +90,7 @@ def build_shard(spec: WorkerSpec, rank: int) -> tuple[CausalLM, torch.device]:
     init_tensor_parallel(rank, spec.tp_size, spec.init_method, device=device, timeout_s=spec.timeout_s)
     cfg = ModelConfig.from_pretrained(spec.model, spec.max_model_len, spec.dtype, device)
     model = load_model(cfg, device, load_format=spec.load_format, seed=spec.seed, quiet=True)
+    quantize_loaded(model, spec.quantization)
     return model, device
 
 
