@@ -22,7 +22,7 @@ import torch  # noqa: E402
 
 from kvfleet.engine.llm import LLM  # noqa: E402
 from kvfleet.engine.sampling_params import SamplingParams  # noqa: E402
-from kvfleet.engine.testing import make_tiny_model  # noqa: E402
+from kvfleet.engine.testing import hf_greedy_tokens, make_tiny_model  # noqa: E402
 
 GPU = "cpu" if DRY else "cuda"
 
@@ -49,16 +49,7 @@ def run_kvfleet(model: str, device: str, dtype: str, ps: list[list[int]], max_to
 def run_hf(model: str, dtype: torch.dtype, ps: list[list[int]], max_tokens: int) -> list[list[int]]:
     from transformers import AutoModelForCausalLM
 
-    m = AutoModelForCausalLM.from_pretrained(model, dtype=dtype).to(GPU).eval()
-    m.generation_config.eos_token_id = None
-    res = []
-    with torch.inference_mode():
-        for p in ps:
-            ids = torch.tensor([p], device=GPU)
-            out = m.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens,
-                             min_new_tokens=max_tokens, do_sample=False, pad_token_id=0)
-            res.append(out[0, len(p):].tolist())
-    return res
+    return hf_greedy_tokens(AutoModelForCausalLM.from_pretrained(model, dtype=dtype).to(GPU).eval(), ps, max_tokens)
 
 
 def agreement(a: list[list[int]], b: list[list[int]]) -> dict[str, Any]:

@@ -28,6 +28,7 @@ import torch
 
 from kvfleet.engine.llm import LLM
 from kvfleet.engine.sampling_params import SamplingParams
+from kvfleet.engine.testing import hf_greedy_tokens
 
 DRY = os.environ.get("KVFLEET_GPU_DRYRUN") == "1"
 DEVICE = "cpu" if DRY else "cuda"
@@ -87,14 +88,7 @@ def run_transformers(gguf: Path, dtype: torch.dtype, prompts: list[list[int]]) -
 
     m = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=dtype,
                                              **dense_gguf()).to(DEVICE).eval()
-    m.generation_config.eos_token_id = None
-    res = []
-    with torch.inference_mode():
-        for p in prompts:
-            ids = torch.tensor([p], device=DEVICE)
-            out = m.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_NEW,
-                             min_new_tokens=MAX_NEW, do_sample=False, pad_token_id=0)
-            res.append(out[0, len(p):].tolist())
+    res = hf_greedy_tokens(m, prompts, MAX_NEW)
     del m
     return res
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import subprocess
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -30,6 +31,23 @@ def render(cluster: Any, release: str, namespace: str, values: Path, *extra: str
     out = helm(cluster, "template", release, str(CHART), "--namespace", namespace, "--kube-version", "v1.34.0",
                "-f", str(values), *extra).stdout
     return [d for d in yaml.safe_load_all(out) if d]
+
+
+@contextmanager
+def gateway_release(cluster: Any, kube: Any, tmp_path: Path, release: str, namespace: str) -> Iterator[str]:
+    """The chart installed as `release` in `namespace` with its gateway only (the operator part off, no flavors):
+    yields the gateway's ServiceAccount name; uninstalled and the namespace deleted on the way out."""
+    values = tmp_path / f"{release}-values.yaml"
+    # (the peering object is cluster-scoped: its own name, beside another release such as `make demo`'s)
+    values.write_text(yaml.safe_dump({"operator": {"enabled": False, "peeringName": f"kvfleet-{release}"},
+                                      "resourceFlavors": []}))
+    try:
+        helm(cluster, "install", release, str(CHART), "--namespace", namespace, "--create-namespace", "-f",
+             str(values), "--wait", "--timeout", "90s")
+        yield f"{release}-kvfleet-gateway"
+    finally:
+        helm(cluster, "uninstall", release, "--namespace", namespace, "--wait", "--timeout", "60s", check=False)
+        kube.delete("v1", "namespaces", namespace)
 
 
 def pod_templates(docs: list[dict[str, Any]]) -> Iterator[tuple[str, dict[str, Any]]]:

@@ -13,6 +13,7 @@ from kvfleet.gateway.testing import GatewayProcess
 from kvfleet.operator.kube import Kube
 from kvfleet.operator.testing import REPO, wait_for
 
+from chart_fixtures import gateway_release
 from operator_fixtures import helm, service_account_kubeconfig
 
 CHART = REPO / "charts" / "kvfleet"
@@ -66,14 +67,8 @@ def test_the_gateway_runs_as_the_charts_service_account(cluster: Any, kube: Kube
                                                          kubectl: Callable[..., Any], tmp_path: Path) -> None:
     sfx = uuid.uuid4().hex[:5]
     release, ns = f"gw-{sfx}", f"gw-system-{sfx}"
-    vals = tmp_path / "values.yaml"
-    # (the peering object is cluster-scoped: its own name, beside another release such as `make demo`'s)
-    vals.write_text(yaml.safe_dump({"operator": {"enabled": False, "peeringName": f"kvfleet-gw-{sfx}"},
-                                    "resourceFlavors": []}))
-    try:
-        helm(cluster, "install", release, str(CHART), "--namespace", ns, "--create-namespace", "-f", str(vals),
-             "--wait", "--timeout", "90s")
-        sa = f"system:serviceaccount:{ns}:{release}-kvfleet-gateway"
+    with gateway_release(cluster, kube, tmp_path, release, ns) as gateway_sa:
+        sa = f"system:serviceaccount:{ns}:{gateway_sa}"
         can = {(verb, res, where): kubectl("auth", "can-i", verb, res, "--as", sa, *where, check=False).stdout.strip()
                for verb, res, where in (("list", "secrets", ("-n", ns)), ("list", "secrets", ("-n", "default")),
                                         ("get", "secrets", ("-n", "default")), ("list", "pods", ("-A",)),
@@ -84,7 +79,7 @@ def test_the_gateway_runs_as_the_charts_service_account(cluster: Any, kube: Kube
                                         ("update", "modeldeployments.serving.kvfleet.dev", ("-A",)),
                                         ("delete", "modeldeployments.serving.kvfleet.dev", ("-A",)))}
         assert [v for v in can.values()] == ["yes", "no", "no", "yes", "yes", "no", "no", "yes", "no", "no"], can
-        config = service_account_kubeconfig(cluster, kubectl, f"{release}-kvfleet-gateway", ns,
+        config = service_account_kubeconfig(cluster, kubectl, gateway_sa, ns,
                                             tmp_path / "gw.kubeconfig")
         with GatewayProcess(Path(cluster.logs) / f"gateway-chart-{sfx}.log", kubeconfig=config,
                             args=["--keys-namespace", ns]) as gw:  # ready = every watch listed under its RBAC
@@ -92,9 +87,6 @@ def test_the_gateway_runs_as_the_charts_service_account(cluster: Any, kube: Kube
         log = gw.log_path.read_text()
         # a 403 as a status of its own (the log also holds port numbers such as 58403)
         assert not re.search(r"(?<!\d)403(?!\d)", log) and "forbidden" not in log.lower(), log[-2000:]
-    finally:
-        helm(cluster, "uninstall", release, "--namespace", ns, "--wait", "--timeout", "60s", check=False)
-        kube.delete("v1", "namespaces", ns)
 
 
 def test_kubectl_explain_describes_the_tenants_gateway_keys(crds: None, kubectl: Callable[..., Any]) -> None:

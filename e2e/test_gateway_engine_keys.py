@@ -21,19 +21,18 @@ from typing import Any, Callable, Iterator
 import httpx
 import openai
 import pytest
-import yaml
 from openai import OpenAI
 
 from kvfleet.gateway.testing import GatewayProcess
 from kvfleet.operator.kube import Kube
-from kvfleet.operator.testing import REPO, OperatorProcess, wait_for
+from kvfleet.operator.testing import OperatorProcess, wait_for
 
+from chart_fixtures import gateway_release
 from local_engines import base_url
 from operator_fixtures import (
     API,
     SYSTEM_NAMESPACE,
     engine_pods,
-    helm,
     model_deployment,
     operator_log,
     service_account_kubeconfig,
@@ -41,7 +40,6 @@ from operator_fixtures import (
 
 pytestmark = pytest.mark.timeout(600)
 
-CHART = REPO / "charts" / "kvfleet"
 MSG = [{"role": "user", "content": "Say something."}]
 SFX = uuid.uuid4().hex[:5]
 RELEASE, GW_NS = f"gwk-{SFX}", f"gwk-system-{SFX}"
@@ -72,14 +70,10 @@ def engine_status(pod: dict[str, Any], key: str) -> int:
 def test_engines_with_their_own_key_are_reached_once_their_secret_is_granted_to_the_gateway(
         cluster: Any, kube: Kube, kubectl: Callable[..., Any], crds: None, tenants: Any, flavors: dict[str, str],
         tmp_path: Path) -> None:  # fmt: skip
-    sfx, release, gw_ns, sa = SFX, RELEASE, GW_NS, GW_SA
+    sfx, gw_ns = SFX, GW_NS
     tenant_key, old, new = (f"{who}-{uuid.uuid4().hex}" for who in ("tenant", "engine-old", "engine-new"))
-    vals = tmp_path / "values.yaml"
-    vals.write_text(yaml.safe_dump({"operator": {"enabled": False, "peeringName": f"kvfleet-gwk-{sfx}"},
-                                    "resourceFlavors": []}))
-    try:
-        helm(cluster, "install", release, str(CHART), "--namespace", gw_ns, "--create-namespace", "-f", str(vals),
-             "--wait", "--timeout", "90s")
+    with gateway_release(cluster, kube, tmp_path, RELEASE, gw_ns) as sa:
+        assert sa == GW_SA  # the ServiceAccount the operator was told
         kubectl("apply", "-f", "-", stdin=json.dumps({
             "apiVersion": "v1", "kind": "Secret", "metadata": {"name": "team-keys", "namespace": gw_ns},
             "data": {"k1": base64.b64encode(tenant_key.encode()).decode()}}))
@@ -152,6 +146,3 @@ def test_engines_with_their_own_key_are_reached_once_their_secret_is_granted_to_
             log = gw.log_tail(2000)
         assert tenant_key not in log and old not in log and new not in log
         assert "engine key unavailable" in log and "forbidden" in log
-    finally:
-        helm(cluster, "uninstall", release, "--namespace", gw_ns, "--wait", "--timeout", "60s", check=False)
-        kube.delete("v1", "namespaces", gw_ns)

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import json
 import os
 import socket
+import sys
 import urllib.parse
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import pytest
@@ -77,3 +80,23 @@ def held_post() -> Callable[..., contextlib.AbstractContextManager[socket.socket
     """held_post(base_url, path, body, headers=None): a request whose client closes the connection on leaving
     the `with` block, without reading the answer."""
     return _held_post
+
+
+@pytest.fixture
+def bench_module() -> Iterator[Callable[[str], ModuleType]]:
+    """Imports `bench/<name>.py` (a script, not a package) as module `name`; gone from sys.modules after the test."""
+    loaded: list[str] = []
+
+    def load(name: str) -> ModuleType:
+        path = Path(__file__).resolve().parents[1] / "bench" / f"{name}.py"
+        spec = importlib.util.spec_from_file_location(name, path)
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module   # dataclasses in the script look their module up there
+        loaded.append(name)
+        spec.loader.exec_module(module)
+        return module
+
+    yield load
+    for name in loaded:
+        sys.modules.pop(name, None)

@@ -14,6 +14,7 @@ import hashlib
 import json
 import logging
 import os
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -179,3 +180,20 @@ def make_tiny_model(
             raise
     logger.info("built tiny %s model at %s", arch, folder)
     return folder
+
+
+def hf_greedy_tokens(model: Any, prompts: Sequence[Sequence[int]], max_new: int) -> list[list[int]]:
+    """A transformers model's greedy continuation of each prompt, exactly `max_new` tokens (EOS ignored), one prompt
+    at a time on the model's device: the reference the engine's greedy tokens are held to."""
+    import torch
+
+    model.generation_config.eos_token_id = None
+    device = next(model.parameters()).device
+    out = []
+    with torch.inference_mode():
+        for prompt in prompts:
+            ids = torch.tensor([list(prompt)], device=device)
+            seq = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new,
+                                 min_new_tokens=max_new, do_sample=False, pad_token_id=0)
+            out.append(seq[0, len(prompt):].tolist())
+    return out

@@ -51,11 +51,20 @@ def _api_key(spec: Mapping[str, Any], where: str) -> str | None:
     return key.strip() if key else None
 
 
+def _key_ref(tenant: Any, model_id: Any, spec: Mapping[str, Any]) -> EngineKeyRef:
+    """Where a static model's engine key is, as its ModelRef carries it."""
+    return EngineKeyRef(str(tenant), str(model_id), "apiKey", str(spec.get("engineKind", "kvfleet")))
+
+
 def static_engine_keys(config: Mapping[str, Any]) -> dict[EngineKeyRef, str]:
     """The models' `apiKey`s (of a config `static_snapshot` accepted), by the ref their ModelRef carries."""
-    return {EngineKeyRef(str(tenant), str(model_id), "apiKey", str(spec.get("engineKind", "kvfleet"))): spec["apiKey"]
-            for tenant, body in config["tenants"].items() for model_id, spec in (body.get("models") or {}).items()
-            if spec.get("apiKey")}
+    keys = {}
+    for tenant, body in config["tenants"].items():
+        for model_id, spec in (body.get("models") or {}).items():
+            key = _api_key(spec, f"tenants.{tenant}.models.{model_id}")
+            if key is not None:
+                keys[_key_ref(tenant, model_id, spec)] = key
+    return keys
 
 
 def static_snapshot(config: Mapping[str, Any], source: str = "config") -> Snapshot:
@@ -90,7 +99,7 @@ def static_snapshot(config: Mapping[str, Any], source: str = "config") -> Snapsh
                 raise StaticConfigError(f"{source}: tenants.{tenant}.models.{model_id}.maxNumSeqs: expected an "
                                         "integer >= 1")
             kind = str(spec.get("engineKind", "kvfleet"))
-            key_ref = EngineKeyRef(str(tenant), str(model_id), "apiKey", kind) \
+            key_ref = _key_ref(tenant, model_id, spec) \
                 if _api_key(spec, f"{source}: tenants.{tenant}.models.{model_id}") is not None else None
             ref_model = ModelRef(tenant=tenant, namespace=tenant, deployment=str(model_id), served_name=str(model_id),
                                  engine_kind=kind, shared_with=tuple(sorted(set(shared) - {tenant})),
@@ -115,8 +124,7 @@ class StaticSource:
         except (OSError, yaml.YAMLError) as exc:
             raise StaticConfigError(f"{path}: cannot read ({exc.__class__.__name__}: {exc})") from None
         self.snapshot = static_snapshot(_mapping(config, path), path)
-        self.engine_keys = EngineKeyStore(fixed_reader({ref: key.strip() for ref, key in
-                                                        static_engine_keys(config).items()}))
+        self.engine_keys = EngineKeyStore(fixed_reader(static_engine_keys(config)))
         self.synced = True
 
     async def run(self) -> None:
