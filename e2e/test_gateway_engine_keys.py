@@ -7,7 +7,8 @@ the gateway `get` on that one Secret, the ModelDeployment's GatewayKeyAccess con
 run, and a request is a 502 that says what to grant (not the client's 401, and no engine is asked); after `kubectl
 create role/rolebinding` the condition turns True and the `openai` client is served; when the Secret is rotated to
 a new key (the engine reads it a kubelet sync later, the gateway a request later), every request is still answered;
-no key is ever logged.
+no key is ever logged; revoking the RoleBinding turns the condition False again, and a ClusterRoleBinding's grant
+True (cluster-wide RBAC changes give such models a pass too).
 """
 from __future__ import annotations
 
@@ -69,7 +70,7 @@ def engine_status(pod: dict[str, Any], key: str) -> int:
 
 def test_engines_with_their_own_key_are_reached_once_their_secret_is_granted_to_the_gateway(
         cluster: Any, kube: Kube, kubectl: Callable[..., Any], crds: None, tenants: Any, flavors: dict[str, str],
-        tmp_path: Path) -> None:  # fmt: skip
+        operator: OperatorProcess, tmp_path: Path) -> None:  # fmt: skip
     sfx, gw_ns = SFX, GW_NS
     tenant_key, old, new = (f"{who}-{uuid.uuid4().hex}" for who in ("tenant", "engine-old", "engine-new"))
     with gateway_release(cluster, kube, tmp_path, RELEASE, gw_ns) as sa:
@@ -146,3 +147,20 @@ def test_engines_with_their_own_key_are_reached_once_their_secret_is_granted_to_
             log = gw.log_tail(2000)
         assert tenant_key not in log and old not in log and new not in log
         assert "engine key unavailable" in log and "forbidden" in log
+
+        # Revoked: the RoleBinding's deletion gives the model a pass too.
+        kubectl("delete", "rolebinding", "kvfleet-gateway-engine-key", namespace=ns)
+        wait_for("GatewayKeyAccess False once revoked",
+                 lambda: key_condition(kube, ns).get("reason") == "KeyNotGranted", timeout=60)
+        # A cluster-wide grant of the Secret's name: a ClusterRoleBinding's event gives every such model a pass.
+        grant = f"kvfleet-gateway-engine-key-{sfx}"
+        try:
+            kubectl("create", "clusterrole", grant, "--verb=get", "--resource=secrets",
+                    "--resource-name=chat-engine-keys")
+            kubectl("create", "clusterrolebinding", grant, f"--clusterrole={grant}", f"--serviceaccount={gw_ns}:{sa}")
+            wait_for("GatewayKeyAccess True by the cluster grant",
+                     lambda: key_condition(kube, ns).get("reason") == "KeyGranted", timeout=60)
+            assert any("rbac changed ns=all namespaces" in line and f"'{ns}/chat'" in line
+                       for line in operator.log_text().splitlines())
+        finally:
+            kubectl("delete", "clusterrolebinding,clusterrole", grant, "--ignore-not-found", check=False)

@@ -61,6 +61,8 @@ def test_helm_template_renders(cluster: Any, tmp_path: Path) -> None:
     role = next(d for d in docs if d["kind"] == "ClusterRole" and d["metadata"]["name"] == "rel-kvfleet-operator")
     assert {"apiGroups": ["authorization.k8s.io"], "resources": ["subjectaccessreviews"], "verbs": ["create"]} \
         in role["rules"]
+    assert {"apiGroups": ["rbac.authorization.k8s.io"], "resources": ["clusterroles", "clusterrolebindings"],
+            "verbs": ["list", "watch"]} in role["rules"]
     tenant = next(d for d in docs if d["kind"] == "Tenant")
     assert tenant["spec"]["quotas"][0]["nominal"] == 4 and tenant["spec"]["cohort"] == "c"
     for d in docs:

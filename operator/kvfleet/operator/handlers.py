@@ -273,21 +273,37 @@ def local_queue_event(type: str | None, namespace: str | None, name: str, **_: A
 @kopf.on.event("rbac.authorization.k8s.io", "v1", "roles")
 def namespace_rbac_event(type: str | None, namespace: str | None, **_: Any) -> None:  # noqa: A002 (kopf's name)
     """A Role or RoleBinding changed: what the gateway may read there may have too. Its models whose engines want
-    their own key get a pass (their GatewayKeyAccess condition). Grants by ClusterRoleBindings show at their
-    next pass."""
-    if type is None or config().gateway is None:
-        return  # the initial listing (every model gets a pass on resume), or no gateway to ask about
-    namespace = namespaced(namespace)
+    their own key get a pass (their GatewayKeyAccess condition)."""
+    if type is not None:  # None: the initial listing (every model gets a pass on resume)
+        _key_access_passes(namespaced(namespace))
+
+
+@kopf.on.event("rbac.authorization.k8s.io", "v1", "clusterrolebindings")
+@kopf.on.event("rbac.authorization.k8s.io", "v1", "clusterroles")
+def cluster_rbac_event(type: str | None, **_: Any) -> None:  # noqa: A002 (kopf's name)
+    """A ClusterRole or ClusterRoleBinding changed: it can grant Secret reads in every namespace, so every model
+    whose engines want their own key gets a pass."""
+    if type is not None:
+        _key_access_passes(None)
+
+
+def _key_access_passes(namespace: str | None) -> None:
+    """A pass for each model of `namespace` (None: of every namespace) whose engines want their own key."""
+    if config().gateway is None:
+        return  # no gateway to ask about
+    where = namespace or "all namespaces"
     try:
         mdeps = kube().list(API_VERSION, MDEP_PLURAL, namespace)
     except (KubeError, httpx.TransportError) as exc:
-        log.warning("models of %s not listed after an RBAC change: %s", namespace, exc)
+        log.warning("models of %s not listed after an RBAC change: %s", where, exc)
         return
-    keyed = [m["metadata"]["name"] for m in mdeps if (m.get("spec") or {}).get("apiKeySecretRef")]
+    keyed = [(m["metadata"]["namespace"], m["metadata"]["name"])
+             for m in mdeps if (m.get("spec") or {}).get("apiKeySecretRef")]
     if keyed:
-        log.info("rbac changed ns=%s: checking the gateway's key access of %s", namespace, keyed)
-    for name in keyed:
-        _mdep_pass(namespace, name, wait=False)
+        log.info("rbac changed ns=%s: checking the gateway's key access of %s", where,
+                 [f"{ns}/{name}" for ns, name in keyed])
+    for ns, name in keyed:
+        _mdep_pass(ns, name, wait=False)
 
 
 @kopf.on.create(GROUP, VERSION, TENANT_PLURAL)
