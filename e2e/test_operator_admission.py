@@ -59,6 +59,18 @@ def test_admitted_replicas_run_on_the_flavors_nodes(kube: Kube, tenants: Any, fl
     assert dep["metadata"]["name"].startswith(f"chat-{flavors['h200']}-") and dep["spec"]["replicas"] == 2
     svc = kube.get("v1", "services", "chat", ns)
     assert svc["spec"]["ports"][0]["port"] == 8000
+    # Its disruption budget, as Kubernetes' disruption controller reads it: both replicas healthy, a drain may
+    # evict one of them.
+    pdb = wait_for("disruption budget counted", lambda: (b := kube.get("policy/v1", "poddisruptionbudgets", "chat", ns))
+                   and (b.get("status") or {}).get("currentHealthy") == 2 and b, timeout=60)
+    assert (pdb["status"]["expectedPods"], pdb["status"]["desiredHealthy"], pdb["status"]["disruptionsAllowed"]) \
+        == (2, 1, 1), pdb["status"]
+    # Someone deletes the budget and edits the Service: the operator's watches put both back.
+    kube.delete("policy/v1", "poddisruptionbudgets", "chat", ns)
+    kube.merge_patch(svc, {"spec": {"ports": [{"name": "http", "port": 8000, "targetPort": 9000}]}})
+    wait_for("budget back", lambda: kube.get("policy/v1", "poddisruptionbudgets", "chat", ns), timeout=60)
+    wait_for("Service's target port back",
+             lambda: kube.get("v1", "services", "chat", ns)["spec"]["ports"][0]["targetPort"] == "http", timeout=60)
 
     # The tenant's objects and its usage.
     cq = kube.get(KUEUE, "clusterqueues", tenant)

@@ -54,6 +54,8 @@ def test_delete_frees_everything(kube: Kube, tenants: Any, flavors: dict[str, st
              timeout=90)
     wait_for("first's workloads gone", lambda: not workloads(kube, ns, "first"), timeout=60)
     wait_for("first's Service gone", lambda: kube.get("v1", "services", "first", ns) is None, timeout=60)
+    wait_for("first's disruption budget gone",
+             lambda: kube.get("policy/v1", "poddisruptionbudgets", "first", ns) is None, timeout=60)
     wait_for("first's Deployment gone", lambda: not deployments(kube, ns, "first"), timeout=60)
     wait_for("first's replica gauges gone", lambda: not replica_gauges(operator, ns, "first"), timeout=15)
     # The freed quota admits the waiting model.

@@ -44,6 +44,7 @@ def test_kill_mid_reconcile_then_converge(kube: Kube, tenants: Any, flavors: dic
     assert dep["metadata"]["name"].startswith(f"svc-{h200}-") and dep["spec"]["replicas"] == 3
     assert len(engine_pods(kube, ns, "svc")) == 3
     assert len(kube.list("v1", "services", ns, "serving.kvfleet.dev/modeldeployment=svc")) == 1
+    assert len(kube.list("policy/v1", "poddisruptionbudgets", ns, "serving.kvfleet.dev/modeldeployment=svc")) == 1
 
     # And a restart with nothing to do changes nothing.
     operator.kill()

@@ -7,6 +7,7 @@ import pytest
 
 from kvfleet.operator.builders import (
     build_deployment,
+    build_disruption_budget,
     build_engine_args,
     build_pod_template,
     build_service,
@@ -17,6 +18,7 @@ from kvfleet.operator.builders.workload import workload_pod_template
 from kvfleet.operator.config import OperatorConfig
 from kvfleet.operator.constants import LABEL_FLAVOR, LABEL_MDEP, LABEL_ORDINAL, LABEL_WORKLOAD_HASH
 from kvfleet.operator.errors import SpecError
+from kvfleet.operator.kube import object_path
 from kvfleet.operator.spec import check_node_path, parse_model_deployment, parse_model_source
 
 from op_factories import make_mdep
@@ -173,6 +175,21 @@ def test_service_selects_every_flavor(op_config: OperatorConfig) -> None:
     assert svc["spec"]["selector"].items() <= dep["spec"]["template"]["metadata"]["labels"].items()
     assert LABEL_FLAVOR not in svc["spec"]["selector"]
     assert svc["spec"]["ports"][0]["port"] == 8000
+
+
+def test_disruption_budget_covers_every_flavor_one_at_a_time(op_config: OperatorConfig) -> None:
+    """A drain evicts one replica at a time, whatever its flavor; replicas that are not Ready never block it."""
+    mdep = make_mdep()
+    pdb = build_disruption_budget(mdep)
+    assert pdb["apiVersion"] == "policy/v1" and pdb["metadata"]["name"] == mdep["metadata"]["name"]
+    assert pdb["metadata"]["ownerReferences"][0]["uid"] == mdep["metadata"]["uid"]
+    assert pdb["spec"]["maxUnavailable"] == 1 and pdb["spec"]["unhealthyPodEvictionPolicy"] == "AlwaysAllow"
+    for flavor in ("h200", "l40s"):
+        dep = build_deployment(mdep, _spec(), op_config, flavor, 2, shape_hash="abcdef123")
+        assert pdb["spec"]["selector"]["matchLabels"].items() <= dep["spec"]["template"]["metadata"]["labels"].items()
+    assert LABEL_FLAVOR not in pdb["spec"]["selector"]["matchLabels"]
+    assert object_path(pdb) == f"/apis/policy/v1/namespaces/{mdep['metadata']['namespace']}/poddisruptionbudgets/" \
+        + mdep["metadata"]["name"]  # the client can apply it
 
 
 @pytest.mark.parametrize("source", ["file:///", "file:///var/lib/kubelet/pods", "file:///var/cache/kvfleet/../../etc",

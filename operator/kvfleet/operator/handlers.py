@@ -18,7 +18,6 @@ import kopf
 
 from . import metrics
 from .applied import AppliedOnce, covers
-from .builders import build_service
 from .coalesce import Coalescer
 from .config import OperatorConfig
 from .constants import (
@@ -35,7 +34,7 @@ from .constants import (
     VERSION,
 )
 from .kube import Kube, KubeError
-from .reconcile import reconcile_model_deployment
+from .reconcile import fixed_children, reconcile_model_deployment
 from .reconcile_tenant import reconcile_tenant
 from .refs import ApiRefs, WatchedRefs
 from .triggers import Fingerprints, deployment_fingerprint, workload_fingerprint
@@ -46,7 +45,7 @@ _state_lock = threading.Lock()
 _passes = Coalescer()
 _workloads_seen = Fingerprints()
 _deployments_seen = Fingerprints()
-_services_applied = AppliedOnce()
+_fixed_applied = AppliedOnce()
 _kube: Kube | None = None
 _config: OperatorConfig | None = None
 _refs: WatchedRefs | None = None
@@ -128,7 +127,7 @@ def waiting_reason(status: dict[str, Any] | None) -> str | None:
 def _reconcile_and_record(namespace: str, name: str) -> dict[str, Any] | None:
     """Reconcile, then mirror the status counts in the replica gauges (inside the object's pass, so a
     reconcile that ends after the object's deletion cannot bring its series back)."""
-    status = reconcile_model_deployment(kube(), config(), namespace, name, _services_applied, refs(), _written)
+    status = reconcile_model_deployment(kube(), config(), namespace, name, _fixed_applied, refs(), _written)
     if status is None:
         metrics.REPLICAS.forget(namespace, name)
     else:
@@ -221,27 +220,31 @@ def owned_deployment_event(type: str | None, namespace: str | None, name: str, l
 
 
 @kopf.on.event("v1", "services", labels={LABEL_MANAGED_BY: MANAGED_BY_VALUE, LABEL_MDEP: kopf.PRESENT})
-def owned_service_event(type: str | None, namespace: str | None, name: str, labels: Mapping[str, str],  # noqa: A002
-                        body: Any, **_: Any) -> None:
-    """Our Service deleted or edited by someone: apply it again (it is otherwise applied once per process)."""
+@kopf.on.event("policy", "v1", "poddisruptionbudgets",
+               labels={LABEL_MANAGED_BY: MANAGED_BY_VALUE, LABEL_MDEP: kopf.PRESENT})
+def owned_fixed_child_event(type: str | None, namespace: str | None, name: str, labels: Mapping[str, str],  # noqa: A002
+                            body: Any, **_: Any) -> None:
+    """Our Service or PodDisruptionBudget deleted or edited by someone: apply them again (they are otherwise
+    applied once per process)."""
     if type is None:
         return  # the initial listing: nothing changed
     namespace = namespaced(namespace)
     mdep = labels[LABEL_MDEP]
     if type == "DELETED" or (body.get("metadata") or {}).get("deletionTimestamp") or \
-            not _service_intact(body, namespace, mdep):
-        _services_applied.forget(namespace, mdep)
+            not _fixed_child_intact(body, namespace, mdep):
+        _fixed_applied.forget(namespace, mdep)
         _mdep_pass(namespace, mdep, wait=False)
 
 
-def _service_intact(body: Any, namespace: str, mdep: str) -> bool:
+def _fixed_child_intact(body: Any, namespace: str, mdep: str) -> bool:
     owner = next((o for o in (body.get("metadata") or {}).get("ownerReferences") or ()
                   if o.get("kind") == "ModelDeployment"), None)
     if owner is None:
         return False
-    built = build_service({"apiVersion": owner["apiVersion"], "kind": "ModelDeployment",
-                           "metadata": {"name": mdep, "namespace": namespace, "uid": owner["uid"]}})
-    return covers(body, built)
+    built = fixed_children({"apiVersion": owner["apiVersion"], "kind": "ModelDeployment",
+                            "metadata": {"name": mdep, "namespace": namespace, "uid": owner["uid"]}})
+    same_kind = [b for b in built if b["kind"] == body.get("kind")]
+    return bool(same_kind) and covers(body, {k: v for k, v in same_kind[0].items() if k not in ("apiVersion", "kind")})
 
 
 # What ModelDeployments refer to, kept from the watches (refs.py): no read of them per reconcile.

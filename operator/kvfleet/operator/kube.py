@@ -18,7 +18,7 @@ log = logging.getLogger("kvfleet.operator.kube")
 # Plurals of the kinds the operator writes (the REST path needs them).
 PLURALS = {
     "Namespace": "namespaces", "Service": "services", "Event": "events", "Pod": "pods",
-    "Deployment": "deployments", "NetworkPolicy": "networkpolicies",
+    "Deployment": "deployments", "NetworkPolicy": "networkpolicies", "PodDisruptionBudget": "poddisruptionbudgets",
     "Role": "roles", "RoleBinding": "rolebindings",
     "Workload": "workloads", "ClusterQueue": "clusterqueues", "LocalQueue": "localqueues",
     "ResourceFlavor": "resourceflavors", "WorkloadPriorityClass": "workloadpriorityclasses",

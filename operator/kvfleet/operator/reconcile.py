@@ -11,7 +11,7 @@ from datetime import datetime, timezone
 from typing import Any, Callable, Iterable, Mapping
 
 from .applied import AppliedOnce, unchanged, with_hash
-from .builders import build_deployment, build_service, build_workload, workload_hash
+from .builders import build_deployment, build_disruption_budget, build_service, build_workload, workload_hash
 from .builders.deployment import endpoint_url
 from .builders.meta import selector_labels
 from .builders.tenant import local_queue_name
@@ -128,6 +128,12 @@ def _apply_deployments(kube: Kube, config: OperatorConfig, mdep: dict[str, Any],
         # else: admitted with an old shape whose Deployment is gone; it runs once replaced.
 
 
+def fixed_children(mdep: Mapping[str, Any]) -> tuple[dict[str, Any], ...]:
+    """What a ModelDeployment owns that is built from its name and uid alone (applied once per process): the
+    Service in front of its replicas and their PodDisruptionBudget."""
+    return build_service(mdep), build_disruption_budget(mdep)
+
+
 def reconcile_model_deployment(kube: Kube, config: OperatorConfig, namespace: str, name: str,
                                applied: AppliedOnce | None = None, refs: Refs | None = None,
                                written: Written = _ignore) -> dict | None:
@@ -162,11 +168,12 @@ def reconcile_model_deployment(kube: Kube, config: OperatorConfig, namespace: st
         template = workload_pod_template(spec, config, pinned)
         spec_hash = workload_hash(template, resolved.queue_name, resolved.priority)
         plan = plan_workloads(desired, observed, spec_hash)
-        service_key = (namespace, name, str(mdep["metadata"].get("uid")))
-        if applied is None or applied.needed(service_key):
-            kube.apply(build_service(mdep))
+        fixed_key = (namespace, name, str(mdep["metadata"].get("uid")))
+        if applied is None or applied.needed(fixed_key):
+            for fixed in fixed_children(mdep):
+                kube.apply(fixed)
             if applied is not None:
-                applied.done(service_key)
+                applied.done(fixed_key)
         _apply_deployments(kube, config, mdep, spec, resolved, plan, deployments, spec_hash, written)
         # Pods go first (above), then the quota: a freed GPU is never still in use by us.
         for wl_name in plan.delete:

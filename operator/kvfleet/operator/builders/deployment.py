@@ -1,4 +1,4 @@
-"""The Deployment that runs the admitted replicas of one flavor, and the Service in front."""
+"""The Deployment that runs the admitted replicas of one flavor, the Service in front, and the disruption budget."""
 from __future__ import annotations
 
 from typing import Any, Mapping, Sequence
@@ -71,6 +71,29 @@ def build_service(mdep: Mapping[str, Any]) -> dict[str, Any]:
             "type": "ClusterIP",
             "selector": selector_labels(name),
             "ports": [{"name": "http", "port": ENGINE_PORT, "targetPort": "http", "protocol": "TCP"}],
+        },
+    }
+
+
+def build_disruption_budget(mdep: Mapping[str, Any]) -> dict[str, Any]:
+    """A PodDisruptionBudget over the replicas of every flavor: a node drain (`kubectl drain`, a cluster
+    upgrade) evicts one of them at a time, waiting for its replacement to be Ready, instead of taking the model
+    down. Pods that are not Ready (loading, failing) may always be evicted, so they never block a drain; the
+    operator's own scale-downs, rollouts and Kueue's preemptions delete rather than evict and are not held back."""
+    name = mdep["metadata"]["name"]
+    return {
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": {
+            "name": name,
+            "namespace": mdep["metadata"]["namespace"],
+            "labels": mdep_labels(name, "disruption-budget"),
+            "ownerReferences": [owner_reference(mdep)],
+        },
+        "spec": {
+            "selector": {"matchLabels": selector_labels(name)},
+            "maxUnavailable": 1,
+            "unhealthyPodEvictionPolicy": "AlwaysAllow",
         },
     }
 
