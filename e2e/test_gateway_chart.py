@@ -45,6 +45,11 @@ def test_the_gateway_is_a_restricted_pod_with_read_only_rbac(cluster: Any, tmp_p
     assert c["readinessProbe"]["httpGet"]["path"] == "/readyz" and c["livenessProbe"]["httpGet"]["path"] == "/livez"
     svc = named(docs, "Service", "rel-kvfleet-gateway")
     assert svc["spec"]["ports"] == [{"name": "http", "port": 80, "targetPort": "http", "protocol": "TCP"}]
+    pdb = named(docs, "PodDisruptionBudget", "rel-kvfleet-gateway")  # two replicas: a drain takes one at a time
+    assert pdb["spec"]["maxUnavailable"] == 1 and pdb["spec"]["selector"]["matchLabels"] == \
+        dep["spec"]["selector"]["matchLabels"]
+    one = render(cluster, tmp_path, {"gateway": {"replicas": 1}})
+    assert not [d for d in one if d["kind"] == "PodDisruptionBudget"]  # one replica: a budget would block drains
     role = named(docs, "ClusterRole", "rel-kvfleet-gateway")
     read = ["list", "watch"]
     assert role["rules"] == [

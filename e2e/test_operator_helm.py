@@ -43,7 +43,7 @@ def test_helm_template_renders(cluster: Any, tmp_path: Path) -> None:
                             "Tenant", "ClusterKopfPeering",
                             # the gateway's
                             "ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding",
-                            "Deployment", "Service", "NetworkPolicy"]), kinds
+                            "Deployment", "Service", "PodDisruptionBudget", "NetworkPolicy"]), kinds
     for role in (d for d in docs if d["kind"] in ("ClusterRole", "Role")):
         for rule in role["rules"]:
             assert "*" not in rule["verbs"] and "*" not in rule["resources"] and "*" not in rule["apiGroups"], rule
