@@ -32,6 +32,12 @@ def llm(tiny_model_dir) -> LLM:
     (dict(n=3, best_of=2), r"best_of: must be an int >= n \(3\)"),
     (dict(stop_token_ids=[10**6]), r"stop_token_ids: must be token ids in \[0, \d+\)"),
     (dict(stop=[""]), r"stop: must be non-empty strings"),
+    (dict(logit_bias={10**6: 1.0}), r"logit_bias: keys must be token ids in \[0, \d+\)"),
+    (dict(logit_bias={3: 100.5}), r"logit_bias: values must be numbers in \[-100, 100\], got 100.5 for token 3"),
+    (dict(logit_bias={3: float("nan")}), r"logit_bias: values must be numbers"),
+    (dict(logit_bias={"3": 1.0}), r"logit_bias: keys must be token ids"),
+    (dict(logit_bias=[3]), r"logit_bias: must be a map of token ids to numbers"),
+    (dict(logit_bias=dict.fromkeys(range(1025), 1.0)), r"logit_bias: must have at most 1024 entries"),
     (dict(stop=["ok", "\ud800"]), r"stop: must be valid Unicode text"),
     # Wrong types and NaN are ValueErrors naming the field too (never a TypeError or a garbage step).
     (dict(temperature=float("nan")), r"temperature: must be a number, got nan"),

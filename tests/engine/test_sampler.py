@@ -6,7 +6,7 @@ from typing import Optional
 
 import torch
 
-from kvfleet.engine.sampler import Sampler, SamplingBatch
+from kvfleet.engine.sampler import LogitBias, Sampler, SamplingBatch
 
 V = 8
 
@@ -21,7 +21,7 @@ def batch(rows: int, temperature: list[float], top_k: Optional[list[int]] = None
         temperature=t(temperature), top_k=t(top_k, torch.long), top_p=t(top_p), min_p=t(min_p),
         presence_penalty=t(pen.get("presence")), frequency_penalty=t(pen.get("frequency")),
         repetition_penalty=t(pen.get("repetition")), prompt_tokens=pen.get("prompt_tokens"),
-        output_tokens=pen.get("output_tokens"), min_tokens_mask=pen.get("min_mask"),
+        output_tokens=pen.get("output_tokens"), min_tokens_mask=pen.get("min_mask"), logit_bias=pen.get("bias"),
         generators=gens or {}, max_num_logprobs=logprobs, all_greedy=all(x == 0 for x in temperature))
 
 
@@ -96,3 +96,17 @@ def test_min_tokens_mask_bans_stop_tokens() -> None:
     mask[0, 1] = True
     out = Sampler()(logits_rows(1), batch(1, [0.0], min_mask=mask))
     assert out.sampled.tolist() == [2]
+
+
+def test_logit_bias_moves_its_rows_tokens_only_and_not_the_raw_logprobs() -> None:
+    """Row 0: +5 on token 6 (-1 -> 4, over the argmax 3) makes greedy pick it; row 1: -100 on the argmax
+    (token 1) hands it to token 2; row 2 has no bias; row 3 samples with every token but 5 at -100, so it only
+    ever draws 5. Raw logprobs are read before the bias, as vLLM's."""
+    bias = LogitBias(rows=torch.tensor([0, 1, *[3] * (V - 1)]), token_ids=torch.tensor([6, 1, *[t for t in range(V)
+                                                                                              if t != 5]]),
+                     values=torch.tensor([5.0, -100.0, *[-100.0] * (V - 1)]))
+    ref = logits_rows(1).log_softmax(-1)[0]
+    for _ in range(50):
+        out = Sampler()(logits_rows(4), batch(4, [0.0, 0.0, 0.0, 1.0], logprobs=0, bias=bias))
+        assert out.sampled.tolist() == [6, 2, 1, 5]
+        assert out.logprobs is not None and torch.allclose(out.logprobs.logprob, ref[[6, 2, 1, 5]])

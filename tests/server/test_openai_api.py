@@ -113,6 +113,21 @@ def test_sampling_fields_reach_the_engine(client: openai.OpenAI, offline: Any) -
     assert len(set(texts) | {plain}) >= 4   # the fields really change the output
 
 
+def test_logit_bias_bans_and_forces_tokens_like_offline(client: openai.OpenAI, offline: Any) -> None:
+    """OpenAI's logit_bias (token ids as JSON keys): -100 bans the greedy first token, +100 forces another; the
+    HTTP text is the offline engine's with the same SamplingParams.logit_bias, and differs from the plain one."""
+    prompt = "the cat the cat the dog the cat"
+    plain = offline.generate(prompt, greedy())[0].outputs[0]
+    banned, forced = plain.token_ids[0], (plain.token_ids[0] + 1) % 100 + 3
+    for bias in ({banned: -100.0}, {forced: 100.0}):
+        expected = offline.generate(prompt, greedy(logit_bias=bias))[0].outputs[0]
+        got = client.completions.create(model="tiny", prompt=prompt, max_tokens=12, temperature=0.0,
+                                        logit_bias={str(t): v for t, v in bias.items()})
+        assert got.choices[0].text == expected.text and expected.text != plain.text, bias
+    assert expected.token_ids == [forced] * len(expected.token_ids)
+    assert banned not in offline.generate(prompt, greedy(logit_bias={banned: -100.0}))[0].outputs[0].token_ids[:1]
+
+
 def test_batch_of_prompts(client: openai.OpenAI, offline: Any) -> None:
     prompts = [PROMPT, "the king of the city"]
     expected = [o.outputs[0].text for o in offline.generate(prompts, greedy(max_tokens=6))]
@@ -224,6 +239,10 @@ def error_of(resp: httpx.Response) -> dict[str, Any]:
     ({"prompt": "x", "logprobs": 21}, 400, "logprobs"),
     ({"prompt": "x", "seed": "7"}, 400, "seed"),
     ({"prompt": "x", "stop_token_ids": [10**6]}, 400, "stop_token_ids"),
+    ({"prompt": "x", "logit_bias": {"x": 1}}, 400, "logit_bias"),             # keys are token ids
+    ({"prompt": "x", "logit_bias": {"5": 101}}, 400, "logit_bias"),            # values in [-100, 100]
+    ({"prompt": "x", "logit_bias": {"1000000": 1}}, 400, "logit_bias"),       # in the vocabulary
+    ({"prompt": "x", "logit_bias": {"5": "1"}}, 400, "logit_bias"),
     ({"prompt": "\ud800"}, 400, "prompt"),                # valid JSON, not Unicode: a lone surrogate
     ({"prompt": "x", "stop": ["\udfff"]}, 400, "stop"),
     ({"prompt": "x", "model": "\ud800"}, 400, "model"),

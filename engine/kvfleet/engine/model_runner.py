@@ -31,7 +31,7 @@ from kvfleet.engine.cuda_graphs import mixed_graph_limit
 from kvfleet.engine.kv_cache import allocate_kv_cache
 from kvfleet.engine.model_config import ModelConfig
 from kvfleet.engine.model_executor import ModelExecutor, build_executor
-from kvfleet.engine.sampler import Sampler, SamplerOutput, SamplingBatch, gather_logprobs
+from kvfleet.engine.sampler import LogitBias, Sampler, SamplerOutput, SamplingBatch, gather_logprobs
 from kvfleet.engine.step_inputs import BlockTableRows, StepInputs, build_step_inputs
 
 logger = logging.getLogger(__name__)
@@ -76,6 +76,8 @@ class SamplingRow(NamedTuple):
     frequency_penalty: float
     presence_penalty: float
     seeded: bool                # random sampling from the sequence's own generator
+    bias_ids: tuple[int, ...]   # logit_bias: its token ids, and what each adds to its logit
+    bias_values: tuple[float, ...]
 
 
 class _PromptRow(NamedTuple):
@@ -91,9 +93,23 @@ def sampling_row(r: Request, vocab: int) -> SamplingRow:
     p = r.sampling_params
     temp = 0.0 if r.external_tokens else float(p.temperature)
     k = p.top_k
+    bias = p.logit_bias
     return SamplingRow(temp, vocab if k in (-1, None) else min(int(k), vocab), float(p.top_p), float(p.min_p),
                        float(p.repetition_penalty), float(p.frequency_penalty), float(p.presence_penalty),
-                       r.seed is not None and temp >= 1e-5)
+                       r.seed is not None and temp >= 1e-5,
+                       tuple(bias) if bias else (), tuple(float(v) for v in bias.values()) if bias else ())
+
+
+def logit_bias(rows: list[SamplingRow], biased: list[int], dev: torch.device,
+               non_blocking: bool) -> Optional[LogitBias]:
+    """The logit_bias entries of the batch's `biased` rows as flat tensors; None when there are none (most steps)."""
+    if not biased:
+        return None
+    at = [i for i in biased for _ in rows[i].bias_ids]
+    ids = [t for i in biased for t in rows[i].bias_ids]
+    values = [v for i in biased for v in rows[i].bias_values]
+    return LogitBias(host_tensor(at, np.int64, dev, non_blocking), host_tensor(ids, np.int64, dev, non_blocking),
+                     host_tensor(values, np.float32, dev, non_blocking))
 
 
 def kv_block_bytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype, num_kv_heads: Optional[int] = None) -> int:
@@ -315,6 +331,7 @@ class ModelRunner:
         rows: list[SamplingRow] = []
         gens: dict[int, torch.Generator] = {}
         banned: list[tuple[int, frozenset[int]]] = []
+        biased: list[int] = []   # rows with a logit_bias
         pending: Optional[dict[str, int]] = None
         max_logprobs = -1
         for i, s in enumerate(reqs):
@@ -323,6 +340,8 @@ class ModelRunner:
             if row is None:
                 row = cache[r.request_id] = sampling_row(r, vocab)
             rows.append(row)
+            if row.bias_ids:
+                biased.append(i)
             if row.seeded and r.seed is not None:   # seeded: r.seed is set
                 gen = self._generators.get(r.request_id)
                 if gen is None:
@@ -336,7 +355,7 @@ class ModelRunner:
                     banned.append((i, r.stop_token_ids))
             if r.num_logprobs > max_logprobs:
                 max_logprobs = r.num_logprobs
-        temps, top_k, top_p, min_p, rep, freq, pres, _ = (list(c) for c in zip(*rows, strict=True))
+        temps, top_k, top_p, min_p, rep, freq, pres = (list(c) for c in list(zip(*rows, strict=True))[:7])
 
         def opt(values: list[float], neutral: float) -> Optional[torch.Tensor]:
             if values.count(neutral) == len(values):
@@ -362,7 +381,7 @@ class ModelRunner:
             prompt_tokens=padded([s.request.prompt_token_ids for s in reqs]) if reps is not None else None,
             output_tokens=(padded([s.request.output_token_ids for s in reqs])
                            if reps is not None or freqs is not None or press is not None else None),
-            min_tokens_mask=min_mask, generators=gens,
+            min_tokens_mask=min_mask, logit_bias=logit_bias(rows, biased, dev, nb), generators=gens,
             max_num_logprobs=max_logprobs,
             all_greedy=all(t < 1e-5 for t in temps),
         )

@@ -1,9 +1,10 @@
 """Batched sampling on the device: one pass for the whole batch.
 
 Order (as vLLM): raw log-probabilities for the logprobs outputs; min_tokens masks
-the stop tokens; repetition, frequency and presence penalties; greedy rows take the
-argmax; random rows divide by the temperature, apply top-k, top-p and min-p and
-draw with the exponential race `argmax(p / q)`, `q ~ Exp(1)`. A seeded row draws its
+the stop tokens; logit_bias adds to its tokens' logits; repetition, frequency and
+presence penalties; greedy rows take the argmax; random rows divide by the temperature,
+apply top-k, top-p and min-p and draw with the exponential race `argmax(p / q)`,
+`q ~ Exp(1)`. A seeded row draws its
 `q` from its own `torch.Generator`, so its tokens do not depend on the rest of the batch.
 """
 
@@ -15,6 +16,15 @@ from typing import NamedTuple, Optional
 import torch
 
 _NEG_INF = float("-inf")
+
+
+@dataclass
+class LogitBias:
+    """The batch's logit_bias entries, flat: logits[rows[i], token_ids[i]] += values[i]."""
+
+    rows: torch.Tensor        # long [N]
+    token_ids: torch.Tensor   # long [N]
+    values: torch.Tensor      # float [N]
 
 
 @dataclass
@@ -31,6 +41,7 @@ class SamplingBatch:
     prompt_tokens: Optional[torch.Tensor]     # long [B, Lp], padded with vocab_size
     output_tokens: Optional[torch.Tensor]     # long [B, Lo], padded with vocab_size
     min_tokens_mask: Optional[torch.Tensor]   # bool [B, V]: stop tokens banned (min_tokens not reached)
+    logit_bias: Optional[LogitBias]           # None if no row has one
     generators: dict[int, torch.Generator]    # row -> its seeded generator
     max_num_logprobs: int                     # top-k width; -1 = no logprobs wanted
     all_greedy: bool
@@ -111,6 +122,9 @@ class Sampler:
         raw_logprobs = logits.log_softmax(dim=-1) if b.max_num_logprobs >= 0 else None
         if b.min_tokens_mask is not None:
             logits = logits.masked_fill(b.min_tokens_mask, _NEG_INF)
+        if b.logit_bias is not None:
+            bias = b.logit_bias
+            logits = logits.index_put((bias.rows, bias.token_ids), bias.values, accumulate=True)
         if b.repetition_penalty is not None or b.frequency_penalty is not None or b.presence_penalty is not None:
             logits = apply_penalties(logits, b)
         greedy = logits.argmax(dim=-1)

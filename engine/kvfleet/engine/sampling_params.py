@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import NoReturn, Optional, TypeGuard, Union
 
 _GREEDY_EPS = 1e-5  # vLLM treats temperature below this as greedy
+MAX_LOGIT_BIAS_ENTRIES = 1024  # a request's logit_bias entries: each is work in every step of the request
 
 
 def _fail(field_name: str, message: str) -> NoReturn:
@@ -48,6 +49,9 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     spaces_between_special_tokens: bool = True
+    # token id -> a number added to its logit before sampling (greedy too), in [-100, 100] as the OpenAI API's:
+    # -100 bans a token, 100 all but forces it. Raw logprobs are read before it, as vLLM's.
+    logit_bias: Optional[dict[int, float]] = None
 
     def __post_init__(self) -> None:
         # Wrong types are left for validate() to name; nothing here may raise a TypeError.
@@ -154,6 +158,16 @@ class SamplingParams:
         for tok in self.stop_token_ids or []:
             if not is_int(tok) or tok < 0 or (vocab_size is not None and tok >= vocab_size):
                 _fail("stop_token_ids", f"must be token ids in [0, {vocab_size}), got {tok!r}")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                _fail("logit_bias", f"must be a map of token ids to numbers, got {self.logit_bias!r}")
+            if len(self.logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
+                _fail("logit_bias", f"must have at most {MAX_LOGIT_BIAS_ENTRIES} entries, got {len(self.logit_bias)}")
+            for tok, bias in self.logit_bias.items():
+                if not is_int(tok) or tok < 0 or (vocab_size is not None and tok >= vocab_size):
+                    _fail("logit_bias", f"keys must be token ids in [0, {vocab_size}), got {tok!r}")
+                if not _is_number(bias) or not -100.0 <= bias <= 100.0:
+                    _fail("logit_bias", f"values must be numbers in [-100, 100], got {bias!r} for token {tok}")
         if not isinstance(self.early_stopping, bool) and self.early_stopping != "never":
             _fail("early_stopping", f"must be True, False or 'never', got {self.early_stopping!r}")
         return self

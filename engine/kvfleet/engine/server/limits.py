@@ -83,7 +83,19 @@ def sampling_kwargs(req: SamplingFields, max_tokens: int, logprobs: int | None,
         kwargs["top_k"] = -1 if req.top_k == 0 else req.top_k  # 0 means "disabled", as in vLLM/OpenAI SDKs
     if any(s == "" for s in kwargs["stop"]):
         raise RequestError("stop: stop strings must be non-empty", "stop")
+    if req.logit_bias:
+        kwargs["logit_bias"] = logit_bias_ids(req.logit_bias)
     return kwargs
+
+
+def logit_bias_ids(bias: dict[str, float]) -> dict[int, float]:
+    """OpenAI's logit_bias (token ids as JSON keys) with int keys; the values' range is SamplingParams'."""
+    out: dict[int, float] = {}
+    for key, value in bias.items():
+        if not (key.isascii() and key.isdigit()):
+            raise RequestError(f"logit_bias: keys must be token ids (decimal integers), got {key!r}", "logit_bias")
+        out[int(key)] = float(value)
+    return out
 
 
 @dataclass

@@ -96,6 +96,8 @@ class SamplingFields(StrictModel):
     min_tokens: int = Field(0, ge=0, le=2**31 - 1)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # token id (a JSON key, so a string) -> bias in [-100, 100], as the OpenAI API's
+    logit_bias: dict[str, float] | None = None
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self) -> "SamplingFields":
