@@ -314,3 +314,12 @@ def test_health_is_503_until_the_warmup_ran(tiny_model_factory: Any, monkeypatch
     assert seen[-1][0] == 200 and seen[-1][1] == "done"
     assert (503, "running") in seen   # not ready while the warm-up ran
     assert all(code == 503 for code, _ in seen[:-1])
+
+
+def test_compile_hook_is_left_unset_with_a_gluon_prefill_kernel() -> None:
+    """Triton serializes constexpr arguments before its post-compile hook and cannot serialize the Gluon kernels'
+    layouts: with them chosen the warm-up must not set the hook (a chunk's step failed on the H200 otherwise)."""
+    from kvfleet.engine.attention.triton_backend import PREFILL_KERNELS
+    from kvfleet.engine.warmup import compile_hook_safe
+
+    assert [k for k in PREFILL_KERNELS if not compile_hook_safe(k)] == ["gluon", "gluon-chunks"]

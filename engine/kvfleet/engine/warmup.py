@@ -45,6 +45,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from kvfleet.engine.attention.triton_backend import GLUON_CHOICES, PREFILL_KERNEL
 from kvfleet.engine.kernels.prefill_attention_v2 import SHORT_QUERY_MAX_TOKENS
 
 if TYPE_CHECKING:
@@ -124,7 +125,7 @@ def run_warmup(engine: Any, plan: list[Wave] | None = None) -> WarmupReport:
 
     if engine.has_unfinished_requests():
         raise RuntimeError("warm-up: the engine already has requests")
-    TRITON_COMPILES.install()
+    TRITON_COMPILES.install(compile_hook_safe(PREFILL_KERNEL))
     mc = engine.model_config
     runner = engine.runner
     # the long prompt (7.) warms a Triton tile: only on CUDA (on a CPU it would only cost seconds of prefill)
@@ -200,6 +201,14 @@ def _clean_up(engine: Any) -> None:
     engine.runner.num_placeholder_inputs = 0
 
 
+def compile_hook_safe(prefill_kernel: str) -> bool:
+    """Whether Triton's post-compile hook may be set. Triton serializes a kernel's constexpr arguments to JSON
+    before it calls the hook, and the Gluon prefill kernels take layout objects there, so with a hook set their
+    first compile raises (seen on the H200, issue 16 lease 14: a chunk's first paged Gluon kernel failed its step).
+    With a Gluon kernel chosen, compiles are not counted."""
+    return prefill_kernel not in GLUON_CHOICES
+
+
 class _CompileCounter:
     """Counts Triton kernel compilations (Triton's post-compile hook; CUDA only: the interpreter compiles
     nothing). After `serving()` each one is logged as a warning: a variant the warm-up missed, paid by a
@@ -211,9 +220,14 @@ class _CompileCounter:
         self.after_ready = 0
         self._serving = False
 
-    def install(self) -> bool:
+    def install(self, safe: bool = True) -> bool:
+        """Set Triton's post-compile hook, unless `safe` is False (`compile_hook_safe`)."""
         if self.installed:
             return True
+        if not safe:
+            logger.info("warm-up: Triton compiles are not counted (the Gluon prefill kernels cannot be compiled "
+                        "with Triton's post-compile hook set)")
+            return False
         try:
             from triton import knobs
         except ImportError:
