@@ -355,7 +355,7 @@ class ModelRunner:
                     banned.append((i, r.stop_token_ids))
             if r.num_logprobs > max_logprobs:
                 max_logprobs = r.num_logprobs
-        temps, top_k, top_p, min_p, rep, freq, pres = (list(c) for c in list(zip(*rows, strict=True))[:7])
+        temps, top_k, top_p, min_p, rep, freq, pres, *_ = (list(c) for c in zip(*rows, strict=True))
 
         def opt(values: list[float], neutral: float) -> Optional[torch.Tensor]:
             if values.count(neutral) == len(values):

@@ -241,10 +241,10 @@ def _fixed_child_intact(body: Any, namespace: str, mdep: str) -> bool:
                   if o.get("kind") == "ModelDeployment"), None)
     if owner is None:
         return False
-    built = fixed_children({"apiVersion": owner["apiVersion"], "kind": "ModelDeployment",
-                            "metadata": {"name": mdep, "namespace": namespace, "uid": owner["uid"]}})
-    same_kind = [b for b in built if b["kind"] == body.get("kind")]
-    return bool(same_kind) and covers(body, {k: v for k, v in same_kind[0].items() if k not in ("apiVersion", "kind")})
+    built = next((b for b in fixed_children({"apiVersion": owner["apiVersion"], "kind": "ModelDeployment",
+                                             "metadata": {"name": mdep, "namespace": namespace, "uid": owner["uid"]}})
+                  if b["kind"] == body.get("kind")), None)
+    return built is not None and covers(body, built)
 
 
 # What ModelDeployments refer to, kept from the watches (refs.py): no read of them per reconcile.

@@ -6,7 +6,7 @@ from typing import Any, Mapping, Sequence
 from ..config import OperatorConfig
 from ..constants import ENGINE_PORT, LABEL_FLAVOR, LABEL_WORKLOAD_HASH
 from ..spec import ModelDeploymentSpec
-from .meta import mdep_labels, owner_reference, selector_labels
+from .meta import owned_metadata, selector_labels
 from .pod import build_pod_template
 
 
@@ -38,12 +38,7 @@ def build_deployment(
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
-        "metadata": {
-            "name": deployment_name(name, flavor, shape_hash),
-            "namespace": mdep["metadata"]["namespace"],
-            "labels": {**mdep_labels(name, "engine"), **shape},
-            "ownerReferences": [owner_reference(mdep)],
-        },
+        "metadata": owned_metadata(mdep, deployment_name(name, flavor, shape_hash), "engine", shape),
         "spec": {
             "replicas": replicas,
             "selector": {"matchLabels": selector},
@@ -61,12 +56,7 @@ def build_service(mdep: Mapping[str, Any]) -> dict[str, Any]:
     return {
         "apiVersion": "v1",
         "kind": "Service",
-        "metadata": {
-            "name": name,
-            "namespace": mdep["metadata"]["namespace"],
-            "labels": mdep_labels(name, "service"),
-            "ownerReferences": [owner_reference(mdep)],
-        },
+        "metadata": owned_metadata(mdep, name, "service"),
         "spec": {
             "type": "ClusterIP",
             "selector": selector_labels(name),
@@ -84,12 +74,7 @@ def build_disruption_budget(mdep: Mapping[str, Any]) -> dict[str, Any]:
     return {
         "apiVersion": "policy/v1",
         "kind": "PodDisruptionBudget",
-        "metadata": {
-            "name": name,
-            "namespace": mdep["metadata"]["namespace"],
-            "labels": mdep_labels(name, "disruption-budget"),
-            "ownerReferences": [owner_reference(mdep)],
-        },
+        "metadata": owned_metadata(mdep, name, "disruption-budget"),
         "spec": {
             "selector": {"matchLabels": selector_labels(name)},
             "maxUnavailable": 1,

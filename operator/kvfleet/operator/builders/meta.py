@@ -32,3 +32,14 @@ def mdep_labels(mdep_name: str, component: str) -> dict[str, str]:
 def selector_labels(mdep_name: str) -> dict[str, str]:
     """The stable subset used in selectors (selectors of Deployments are immutable)."""
     return {LABEL_NAME: "kvfleet-engine", LABEL_MDEP: mdep_name}
+
+
+def owned_metadata(mdep: Mapping[str, Any], name: str, component: str,
+                   extra_labels: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """Metadata of an object a ModelDeployment owns in its namespace: its labels and the owner reference."""
+    return {
+        "name": name,
+        "namespace": mdep["metadata"]["namespace"],
+        "labels": {**mdep_labels(mdep["metadata"]["name"], component), **(extra_labels or {})},
+        "ownerReferences": [owner_reference(mdep)],
+    }
