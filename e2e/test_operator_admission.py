@@ -19,7 +19,8 @@ from operator_fixtures import (
 
 
 def test_admitted_replicas_run_on_the_flavors_nodes(kube: Kube, tenants: Any, flavors: dict[str, str],
-                                                     operator: OperatorProcess, cluster_objects: Any) -> None:
+                                                     operator: OperatorProcess, cluster_objects: Any,
+                                                     kubectl: Any) -> None:
     tenant, ns = tenants.create("acme", [{"flavor": flavors["h200"], "nominal": 4}], group="acme-devs")
     priority = f"serving-{tenants.suffix}"
     cluster_objects.create("kueue.x-k8s.io", "v1beta2", "workloadpriorityclasses", {
@@ -65,12 +66,19 @@ def test_admitted_replicas_run_on_the_flavors_nodes(kube: Kube, tenants: Any, fl
                    and (b.get("status") or {}).get("currentHealthy") == 2 and b, timeout=60)
     assert (pdb["status"]["expectedPods"], pdb["status"]["desiredHealthy"], pdb["status"]["disruptionsAllowed"]) \
         == (2, 1, 1), pdb["status"]
-    # Someone deletes the budget and edits the Service: the operator's watches put both back.
-    kube.delete("policy/v1", "poddisruptionbudgets", "chat", ns)
-    kube.merge_patch(svc, {"spec": {"ports": [{"name": "http", "port": 8000, "targetPort": 9000}]}})
+    # Someone deletes the budget and edits the Service's port: the operator's watches put both back. The port's
+    # new number makes the operator's apply invalid (its entry would repeat the name), so it repairs the Service
+    # and says so in an Event.
+    kubectl("delete", "pdb", "chat", namespace=ns)
+    kubectl("patch", "service", "chat", "--type=merge", "-p",
+            '{"spec":{"ports":[{"name":"http","port":8001,"targetPort":9000}]}}', namespace=ns)
     wait_for("budget back", lambda: kube.get("policy/v1", "poddisruptionbudgets", "chat", ns), timeout=60)
-    wait_for("Service's target port back",
-             lambda: kube.get("v1", "services", "chat", ns)["spec"]["ports"][0]["targetPort"] == "http", timeout=60)
+    wait_for("Service's port back", lambda: kube.get("v1", "services", "chat", ns)["spec"]["ports"]
+             == [{"name": "http", "protocol": "TCP", "port": 8000, "targetPort": "http"}], timeout=60)
+    repaired = wait_for("ChildRepaired event", lambda: [
+        e for e in kube.list("v1", "events", ns) if e["reason"] == "ChildRepaired"
+        and e["involvedObject"]["name"] == "chat"], timeout=30)
+    assert "Service chat put back" in repaired[0]["message"] and "Duplicate value" in repaired[0]["message"]
 
     # The tenant's objects and its usage.
     cq = kube.get(KUEUE, "clusterqueues", tenant)

@@ -171,7 +171,7 @@ def reconcile_model_deployment(kube: Kube, config: OperatorConfig, namespace: st
         fixed_key = (namespace, name, str(mdep["metadata"].get("uid")))
         if applied is None or applied.needed(fixed_key):
             for fixed in fixed_children(mdep):
-                kube.apply(fixed)
+                apply_fixed_child(kube, mdep, fixed)
             if applied is not None:
                 applied.done(fixed_key)
         _apply_deployments(kube, config, mdep, spec, resolved, plan, deployments, spec_hash, written)
@@ -203,6 +203,28 @@ def reconcile_model_deployment(kube: Kube, config: OperatorConfig, namespace: st
         if event is not None:
             post_event(kube, build_event(mdep, *event, now))
     return new_status
+
+
+def apply_fixed_child(kube: Kube, mdep: Mapping[str, Any], child: Mapping[str, Any]) -> None:
+    """Server-side apply `child`; when someone else's edit makes that apply invalid, put its spec back whole.
+
+    Apply merges list entries by key, so an entry another manager changed the key of stays theirs beside ours:
+    a Service port whose number someone changed keeps the name `http`, and our entry would duplicate it (422,
+    every retry alike). A merge patch replaces lists whole; the apply after it owns every field again."""
+    try:
+        kube.apply(child)
+        return
+    except KubeError as exc:
+        if exc.status != 422:
+            raise
+        refused = str(exc)
+    kind, name = child["kind"], child["metadata"]["name"]
+    kube.merge_patch(child, {"spec": child["spec"]})
+    kube.apply(child)
+    log.warning("repaired %s %s/%s: %s", kind, child["metadata"].get("namespace"), name, refused[:300])
+    post_event(kube, build_event(mdep, "Warning", "ChildRepaired",
+                                 f"{kind} {name} put back: an edit by someone else made the operator's apply "
+                                 f"invalid ({refused[:300]})", utcnow()))
 
 
 def gateway_key_access(kube: Kube, config: OperatorConfig, namespace: str,
