@@ -179,14 +179,26 @@ def test_warmup_refuses_a_busy_engine_and_plans_for_short_contexts(tiny_model_fa
 def test_warmup_plan_takes_a_long_prompt_beside_a_decode_where_it_fits() -> None:
     """Queries over SHORT_QUERY_MAX_TOKENS take another prefill tile: the plan brings one into a mixed step
     where the context and the step's budget let it in, and not otherwise."""
+    from kvfleet.engine.attention.fresh_prompts import (
+        GLUON_CHUNK_MIN_KEYS,
+        GLUON_CHUNK_MIN_QUERY_TOKENS,
+        long_prefix_chunks,
+    )
     from kvfleet.engine.kernels.prefill_attention_v2 import SHORT_QUERY_MAX_TOKENS
 
     plan = warmup_plan(8448, 32000, 1024, 16384)
-    assert len(plan) == 8
-    decoding, long = plan[-2], plan[-1]
+    assert len(plan) == 9
+    decoding, long, chunk = plan[-3], plan[-2], plan[-1]
     assert decoding.steps == 1 and decoding.requests[0].max_tokens > 2   # still decoding when the long one comes
     assert long.requests[0].prompt_len > SHORT_QUERY_MAX_TOKENS and long.steps is None
     assert long.requests[0].prompt_len + long.requests[0].max_tokens < 8448
+    # then a chunk over the long prompt's cached tokens, of the shape the paged Gluon kernel takes
+    req = chunk.requests[0]
+    assert req.reuse_prefix == long.requests[0].prompt_len and req.prompt_len + req.max_tokens < 8448
+    cached = req.reuse_prefix // 16 * 16   # whole blocks
+    assert long_prefix_chunks([0, req.prompt_len - cached], [req.prompt_len]) == [True]
+    assert req.prompt_len - cached >= GLUON_CHUNK_MIN_QUERY_TOKENS and req.prompt_len >= GLUON_CHUNK_MIN_KEYS
+    assert len(warmup_plan(SHORT_QUERY_MAX_TOKENS + 200, 32000, 1024, 16384)) == 8   # room for the long one only
     assert len(warmup_plan(8448, 32000, 1024, SHORT_QUERY_MAX_TOKENS)) == 6   # the budget chunks it short
     assert len(warmup_plan(SHORT_QUERY_MAX_TOKENS, 32000, 1024, 16384)) == 6   # the context cannot hold it
     assert len(warmup_plan(128, 100)) == 6
@@ -316,10 +328,51 @@ def test_health_is_503_until_the_warmup_ran(tiny_model_factory: Any, monkeypatch
     assert all(code == 503 for code, _ in seen[:-1])
 
 
-def test_compile_hook_is_left_unset_with_a_gluon_prefill_kernel() -> None:
-    """Triton serializes constexpr arguments before its post-compile hook and cannot serialize the Gluon kernels'
-    layouts: with them chosen the warm-up must not set the hook (a chunk's step failed on the H200 otherwise)."""
-    from kvfleet.engine.attention.triton_backend import PREFILL_KERNELS
-    from kvfleet.engine.warmup import compile_hook_safe
+def test_compile_counter_counts_triton_kernel_loads_not_compile_hooks(caplog: pytest.LogCaptureFixture) -> None:
+    """The counter joins Triton's kernel-load chain (called as each compiled kernel is first launched, Gluon's too)
+    and leaves the post-compile hook unset: Triton serializes constexpr arguments before that one, and cannot
+    serialize the Gluon kernels' layouts (a chunk's step failed on the H200 with it set, issue 16 lease 14)."""
+    from triton import knobs
 
-    assert [k for k in PREFILL_KERNELS if not compile_hook_safe(k)] == ["gluon", "gluon-chunks"]
+    from kvfleet.engine.warmup import _CompileCounter
+
+    counter = _CompileCounter()
+    try:
+        assert counter.install() and counter.install()   # once
+        assert knobs.runtime.jit_post_compile_hook is None
+        assert knobs.runtime.kernel_load_end_hook.calls.count(counter._loaded) == 1
+        # what triton.compiler.CompiledKernel._init_handles calls after loading a kernel's module
+        knobs.runtime.kernel_load_end_hook(None, None, "_prefill_kernel_v2", {}, "ab" * 32)
+        assert (counter.count, counter.after_ready) == (1, 0)
+        counter.serving()
+        with caplog.at_level("WARNING", logger="kvfleet.engine.warmup"):
+            knobs.runtime.kernel_load_end_hook(None, None, "_gluon_paged_kernel", {}, "cd" * 32)
+        assert (counter.count, counter.after_ready) == (2, 1)
+        assert "while serving" in caplog.text and "_gluon_paged_kernel" in caplog.text
+    finally:
+        knobs.runtime.kernel_load_end_hook.remove(counter._loaded)
+
+
+def test_warmup_prompt_reuses_the_previous_prompt_as_asked() -> None:
+    from kvfleet.engine.warmup import WarmupRequest, warmup_prompt
+
+    rng = np.random.default_rng(0)
+    first = warmup_prompt(rng, 100, WarmupRequest(40, 2), [])
+    second = warmup_prompt(rng, 100, WarmupRequest(50, 2, reuse_prefix=32), first)
+    assert len(first) == 40 and len(second) == 50 and second[:32] == first[:32] and second[32:] != first[32:]
+    with pytest.raises(ValueError, match="reuse_prefix 64"):
+        warmup_prompt(rng, 100, WarmupRequest(80, 2, reuse_prefix=64), first)
+
+
+def test_warmup_runs_a_chunk_over_a_cached_prefix(tiny_model_factory: Any) -> None:
+    """Plan step 8 through a real engine: the prompt that reuses the long one's tokens finds them in the prefix
+    cache, so its step is a chunk over cached keys; nothing is left cached afterwards."""
+    from kvfleet.engine.warmup import WarmupRequest, Wave
+
+    engine = LLMEngine(EngineConfig(model=str(tiny_model_factory("llama")), dtype="float32", device="cpu",
+                                    num_kv_blocks=64, max_model_len=256, block_size=16))
+    plan = [Wave((WarmupRequest(100, 2, {"temperature": 0.0}),), None),
+            Wave((WarmupRequest(140, 2, {"temperature": 0.0}, reuse_prefix=100),), None)]
+    report = run_warmup(engine, plan)
+    assert report.prefix_cache_hits == 96   # the 6 full blocks of the first prompt
+    assert engine.stats()["kv_blocks_cached"] == 0 and engine.stats()["prefix_cache_hits"] == 0

@@ -20,7 +20,10 @@ real engine, so it covers what the model runner really launches:
 6. a 20-token prompt: a mixed step whose decode rows share a prefix;
 7. on CUDA, where the context and the step's token budget allow, while a 16-token prompt decodes, a prompt of more than
    2,048 tokens: a mixed step with the long-query tile (queries of 17..2,048 tokens take a tile of their own,
-   `kernels.prefill_attention_v2.default_tile_v2`; a prefill-only step with it runs at start-up's profiling).
+   `kernels.prefill_attention_v2.default_tile_v2`; a prefill-only step with it runs at start-up's profiling), and
+   with `KVFLEET_PREFILL_KERNEL=gluon`/`gluon-chunks` the Gluon kernel of fresh long prompts;
+8. then that prompt again with 192 tokens more: a chunk over its cached prefix (a prefix-cache hit), the shape
+   `gluon-chunks` sends to the paged Gluon kernel (`attention.fresh_prompts.long_prefix_chunks`).
 
 Where CUDA graphs were captured, the plan runs twice: replayed, then with every forward eager, since the steps
 that fit no graph (more prompts or tokens than a captured step with prefill takes) launch the kernels'
@@ -45,7 +48,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from kvfleet.engine.attention.triton_backend import GLUON_CHOICES, PREFILL_KERNEL
+from kvfleet.engine.attention.fresh_prompts import GLUON_CHUNK_MIN_QUERY_TOKENS
 from kvfleet.engine.kernels.prefill_attention_v2 import SHORT_QUERY_MAX_TOKENS
 
 if TYPE_CHECKING:
@@ -63,6 +66,7 @@ class WarmupRequest:
     prompt_len: int
     max_tokens: int
     sampling: dict[str, Any] = field(default_factory=dict)   # SamplingParams fields besides max_tokens
+    reuse_prefix: int = 0   # its first tokens are the previous request's prompt (a prefix-cache hit: a chunk over them)
 
 
 @dataclass(frozen=True)
@@ -79,7 +83,8 @@ class WarmupReport:
     requests: int
     steps: int
     seconds: float
-    triton_compiles: int | None   # kernel variants compiled during the warm-up (CUDA; None without the hook)
+    triton_compiles: int | None   # kernel variants readied during the warm-up (CUDA; None without the hook)
+    prefix_cache_hits: int = 0    # prompt tokens its requests found cached (8. above, the n=2 forks aside)
 
 
 def warmup_plan(max_model_len: int, vocab_size: int, max_num_seqs: int = 256,
@@ -94,8 +99,12 @@ def warmup_plan(max_model_len: int, vocab_size: int, max_num_seqs: int = 256,
 
     stop = min(1, vocab_size - 1)
     long_len = SHORT_QUERY_MAX_TOKENS + 64
+    chunk_len = GLUON_CHUNK_MIN_QUERY_TOKENS + 64
     long_wave = [Wave((WarmupRequest(plen(16), 8, {"temperature": 0.0}),), 1),
                  Wave((WarmupRequest(long_len, 2, {"temperature": 0.0}),), None)]
+    if long_len + chunk_len + 2 <= room:
+        long_wave.append(Wave((WarmupRequest(long_len + chunk_len, 2, {"temperature": 0.0}, reuse_prefix=long_len),),
+                              None))
     fits_long = long_len + 2 <= room and max_num_batched_tokens > SHORT_QUERY_MAX_TOKENS + 1   # a chunk past it
     return [
         Wave((WarmupRequest(plen(40), 6, {"temperature": 0.0}),), 1),
@@ -125,7 +134,7 @@ def run_warmup(engine: Any, plan: list[Wave] | None = None) -> WarmupReport:
 
     if engine.has_unfinished_requests():
         raise RuntimeError("warm-up: the engine already has requests")
-    TRITON_COMPILES.install(compile_hook_safe(PREFILL_KERNEL))
+    TRITON_COMPILES.install()
     mc = engine.model_config
     runner = engine.runner
     # the long prompt (7.) warms a Triton tile: only on CUDA (on a CPU it would only cost seconds of prefill)
@@ -137,13 +146,15 @@ def run_warmup(engine: Any, plan: list[Wave] | None = None) -> WarmupReport:
     compiles = TRITON_COMPILES.count
     t0 = time.monotonic()
     steps, n = 0, 0
+    previous: list[int] = []
     passes = [False, True] if runner.executor.graphs is not None else [False]   # eager: the steps no graph fits
     try:
         for eager in passes:
             runner.eager_forward = eager
             for wave in plan:
                 for req in wave.requests:
-                    ids = rng.integers(0, high, size=req.prompt_len).tolist()
+                    ids = warmup_prompt(rng, high, req, previous)
+                    previous = ids
                     params = SamplingParams(max_tokens=req.max_tokens, ignore_eos=True, **req.sampling)
                     engine.add_request(f"kvfleet-warmup-{n}", {"prompt_token_ids": ids}, params,
                                        cache_salt=WARMUP_SALT)
@@ -160,12 +171,22 @@ def run_warmup(engine: Any, plan: list[Wave] | None = None) -> WarmupReport:
     if engine.device.type == "cuda":
         secs = warm_logits(runner.executor, engine.config.max_num_seqs, mc.hidden_size, mc.dtype, engine.device)
         logger.info("warm-up: logits for 1..%d rows in %.2f s", engine.config.max_num_seqs, secs)
+    hits = engine.kv.prefix_cache_hits
     _clean_up(engine)
     done = TRITON_COMPILES.count
-    report = WarmupReport(n, steps, time.monotonic() - t0, None if not TRITON_COMPILES.installed else done - compiles)
+    report = WarmupReport(n, steps, time.monotonic() - t0, None if not TRITON_COMPILES.installed else done - compiles,
+                          hits)
     logger.info("warm-up: %d requests, %d steps in %.2f s (%s Triton kernel variants compiled)", report.requests,
                 report.steps, report.seconds, report.triton_compiles if report.triton_compiles is not None else "?")
     return report
+
+
+def warmup_prompt(rng: Any, high: int, req: WarmupRequest, previous: list[int]) -> list[int]:
+    """`req`'s prompt: random token ids below `high`, its first `reuse_prefix` the previous prompt's."""
+    reused = previous[:req.reuse_prefix]
+    if len(reused) < req.reuse_prefix:
+        raise ValueError(f"warm-up: reuse_prefix {req.reuse_prefix} but the previous prompt has {len(previous)} tokens")
+    return reused + rng.integers(0, high, size=req.prompt_len - len(reused)).tolist()
 
 
 def warm_logits(executor: ModelExecutor, max_rows: int, hidden_size: int, dtype: torch.dtype,
@@ -201,18 +222,15 @@ def _clean_up(engine: Any) -> None:
     engine.runner.num_placeholder_inputs = 0
 
 
-def compile_hook_safe(prefill_kernel: str) -> bool:
-    """Whether Triton's post-compile hook may be set. Triton serializes a kernel's constexpr arguments to JSON
-    before it calls the hook, and the Gluon prefill kernels take layout objects there, so with a hook set their
-    first compile raises (seen on the H200, issue 16 lease 14: a chunk's first paged Gluon kernel failed its step).
-    With a Gluon kernel chosen, compiles are not counted."""
-    return prefill_kernel not in GLUON_CHOICES
-
-
 class _CompileCounter:
-    """Counts Triton kernel compilations (Triton's post-compile hook; CUDA only: the interpreter compiles
-    nothing). After `serving()` each one is logged as a warning: a variant the warm-up missed, paid by a
-    request's latency."""
+    """Counts the Triton kernel variants readied in this process: compiled, or loaded from Triton's disk cache, each
+    on its first launch (Triton's kernel-load hook; CUDA only: the interpreter loads nothing). After `serving()`
+    each one is logged as a warning: a variant the warm-up missed, paid by a request's latency (a compile, or at
+    least a module load, which waits for the work queued on the GPU).
+
+    Not Triton's post-compile hook: Triton serializes a kernel's constexpr arguments to JSON before it calls that
+    one, and the Gluon prefill kernels take layout objects there (issue 16, lease 14: with it set, a chunk's first
+    paged Gluon kernel failed its step). The load hook is a chain others may join, and takes no arguments' values."""
 
     def __init__(self) -> None:
         self.count = 0
@@ -220,35 +238,27 @@ class _CompileCounter:
         self.after_ready = 0
         self._serving = False
 
-    def install(self, safe: bool = True) -> bool:
-        """Set Triton's post-compile hook, unless `safe` is False (`compile_hook_safe`)."""
+    def install(self) -> bool:
+        """Join Triton's kernel-load hook chain (once); False without Triton."""
         if self.installed:
             return True
-        if not safe:
-            logger.info("warm-up: Triton compiles are not counted (the Gluon prefill kernels cannot be compiled "
-                        "with Triton's post-compile hook set)")
-            return False
         try:
             from triton import knobs
         except ImportError:
             return False
-        rt = knobs.runtime
-        if not hasattr(rt, "jit_post_compile_hook") or rt.jit_post_compile_hook is not None:
-            return False   # an older Triton, or someone else's hook: leave it
-        rt.jit_post_compile_hook = self._hook
+        knobs.runtime.kernel_load_end_hook.add(self._loaded)   # (Triton 3.6, torch 2.11's)
         self.installed = True
         return True
 
     def serving(self) -> None:
         self._serving = True
 
-    def _hook(self, *, key: Any, repr: str, fn: Any, compile: Any, is_manual_warmup: bool,
-              already_compiled: bool) -> None:
+    def _loaded(self, module: Any, function: Any, name: str, metadata_group: dict[str, str], hash: str) -> None:
         self.count += 1
         if self._serving:
             self.after_ready += 1
-            logger.warning("Triton compiled a kernel variant while serving (not covered by the warm-up): %s",
-                           repr[:300])
+            logger.warning("Triton readied a kernel variant while serving (not covered by the warm-up): %s %s",
+                           name, hash[:16])
 
 
 TRITON_COMPILES = _CompileCounter()
