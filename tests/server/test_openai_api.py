@@ -128,6 +128,21 @@ def test_logit_bias_bans_and_forces_tokens_like_offline(client: openai.OpenAI, o
     assert banned not in offline.generate(prompt, greedy(logit_bias={banned: -100.0}))[0].outputs[0].token_ids[:1]
 
 
+def test_openai_features_not_implemented_are_named_unsupported(client: openai.OpenAI) -> None:
+    """JSON mode and tools through the openai client: a 400 naming the field as unsupported (not as a typo)."""
+    msgs: Any = [{"role": "user", "content": "hi"}]
+    asks: list[dict[str, Any]] = [
+        {"response_format": {"type": "json_object"}},
+        {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]},
+    ]
+    for extra in asks:
+        with pytest.raises(openai.BadRequestError) as info:
+            client.chat.completions.create(model="tiny", messages=msgs, max_tokens=2, **extra)
+        field = next(iter(extra))
+        assert info.value.param == field and info.value.code == "unsupported_field", info.value.body
+        assert f"'{field}' is not supported" in info.value.message
+
+
 def test_batch_of_prompts(client: openai.OpenAI, offline: Any) -> None:
     prompts = [PROMPT, "the king of the city"]
     expected = [o.outputs[0].text for o in offline.generate(prompts, greedy(max_tokens=6))]

@@ -197,6 +197,14 @@ def test_validation_errors_name_the_field() -> None:
     msg, param, code = describe_validation_errors([{"loc": ("body", "temprature"), "type": "extra_forbidden",
                                                     "msg": "Extra inputs are not permitted"}])
     assert param == "temprature" and "temprature" in msg and code == "unknown_field"
+    # an OpenAI field this server does not implement is named as such, not as a typo
+    msg, param, code = describe_validation_errors([{"loc": ("body", "response_format"), "type": "extra_forbidden",
+                                                    "msg": "Extra inputs are not permitted"}])
+    assert (msg, param, code) == ("'response_format' is not supported by this server", "response_format",
+                                  "unsupported_field")
+    _, _, code = describe_validation_errors([{"loc": ("body", "messages", 0, "tools"), "type": "extra_forbidden",
+                                              "msg": "Extra inputs are not permitted"}])
+    assert code == "unknown_field"   # only at the top level
     msg, param, _ = describe_validation_errors([{"loc": ("body", "messages", 0, "role"), "type": "literal_error",
                                                  "msg": "Input should be 'user'"}])
     assert param == "messages" and "messages[0].role" in msg

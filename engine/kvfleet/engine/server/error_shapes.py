@@ -79,6 +79,15 @@ def _union_message(errors: Sequence[Mapping[str, Any]], prefix: list[Any]) -> st
     return f"Invalid value for '{_loc_text(prefix)}': it matches none of the accepted types ({listed})"
 
 
+# Request fields of the OpenAI API (and vLLM's structured-output extras) this server knows and does not implement:
+# refused by name as unsupported, not as a typo (a client that sends one asks for behaviour it would not get).
+UNSUPPORTED_FIELDS = frozenset({
+    "response_format", "tools", "tool_choice", "parallel_tool_calls", "functions", "function_call", "audio",
+    "modalities", "prediction", "web_search_options", "reasoning_effort", "best_of", "suffix",
+    "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
+})
+
+
 def describe_validation_errors(errors: Sequence[Mapping[str, Any]]) -> tuple[str, str | None, str]:
     """(message, param, code) for pydantic/FastAPI errors: the first error names the field."""
     if not errors:
@@ -107,6 +116,8 @@ def describe_validation_errors(errors: Sequence[Mapping[str, Any]]) -> tuple[str
     param = str(loc[0]) if loc else None
     where = _loc_text(loc) or "body"
     if kind == "extra_forbidden":
+        if len(loc) == 1 and param in UNSUPPORTED_FIELDS:
+            return f"'{where}' is not supported by this server", param, "unsupported_field"
         return f"Unknown field '{where}'", param, "unknown_field"
     if kind == "missing":
         return f"Missing required field '{where}'", param, "missing_field"
