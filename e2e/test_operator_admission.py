@@ -79,6 +79,16 @@ def test_admitted_replicas_run_on_the_flavors_nodes(kube: Kube, tenants: Any, fl
         e for e in kube.list("v1", "events", ns) if e["reason"] == "ChildRepaired"
         and e["involvedObject"]["name"] == "chat"], timeout=30)
     assert "Service chat put back" in repaired[0]["message"] and "Duplicate value" in repaired[0]["message"]
+    # The same for the Deployment: someone renumbers the engine container's port.
+    dep_name = dep["metadata"]["name"]
+    kubectl("patch", "deployment", dep_name, "--type=json", "-p", '[{"op": "replace", "path": '
+            '"/spec/template/spec/containers/0/ports/0/containerPort", "value": 8001}]', namespace=ns)
+    wait_for("container port back", lambda: kube.get("apps/v1", "deployments", dep_name, ns)["spec"]["template"]
+             ["spec"]["containers"][0]["ports"] == [{"name": "http", "containerPort": 8000, "protocol": "TCP"}],
+             timeout=60)
+    wait_for("ChildRepaired event of the Deployment", lambda: [
+        e for e in kube.list("v1", "events", ns)
+        if e["reason"] == "ChildRepaired" and f"Deployment {dep_name} put back" in e["message"]], timeout=30)
 
     # The tenant's objects and its usage.
     cq = kube.get(KUEUE, "clusterqueues", tenant)

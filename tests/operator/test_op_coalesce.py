@@ -138,6 +138,8 @@ def test_fingerprints_ignore_bookkeeping() -> None:
     assert not seen.changed("ns/d", deployment_fingerprint(dep))
     dep["status"]["readyReplicas"] = 1
     assert seen.changed("ns/d", deployment_fingerprint(dep))
+    dep["metadata"]["generation"] = 2   # someone edited the spec (the template): the reconcile checks it
+    assert seen.changed("ns/d", deployment_fingerprint(dep))
     wl = {"metadata": {"name": "w", "labels": {}}, "spec": {}, "status": {}}
     assert seen.changed("ns/w", workload_fingerprint(wl))
     wl["status"] = {"requeueState": {"count": 1}}

@@ -112,7 +112,7 @@ def _apply_deployments(kube: Kube, config: OperatorConfig, mdep: dict[str, Any],
                                                  shape))
             live = existing.get((flavor, shape))
             if not unchanged(live, desired):
-                result = kube.apply(desired)
+                result = apply_repairing(kube, mdep, desired)
                 if live is None:
                     written(result)
         elif (flavor, shape) in existing:
@@ -171,7 +171,7 @@ def reconcile_model_deployment(kube: Kube, config: OperatorConfig, namespace: st
         fixed_key = (namespace, name, str(mdep["metadata"].get("uid")))
         if applied is None or applied.needed(fixed_key):
             for fixed in fixed_children(mdep):
-                apply_fixed_child(kube, mdep, fixed)
+                apply_repairing(kube, mdep, fixed)
             if applied is not None:
                 applied.done(fixed_key)
         _apply_deployments(kube, config, mdep, spec, resolved, plan, deployments, spec_hash, written)
@@ -205,26 +205,28 @@ def reconcile_model_deployment(kube: Kube, config: OperatorConfig, namespace: st
     return new_status
 
 
-def apply_fixed_child(kube: Kube, mdep: Mapping[str, Any], child: Mapping[str, Any]) -> None:
-    """Server-side apply `child`; when someone else's edit makes that apply invalid, put its spec back whole.
+def apply_repairing(kube: Kube, mdep: Mapping[str, Any], child: Mapping[str, Any]) -> dict[str, Any]:
+    """Server-side apply `child` (which `mdep` owns); when someone else's edit makes that apply invalid, put its
+    spec back whole, and say so in an Event on `mdep`. -> the applied object.
 
-    Apply merges list entries by key, so an entry another manager changed the key of stays theirs beside ours:
-    a Service port whose number someone changed keeps the name `http`, and our entry would duplicate it (422,
-    every retry alike). A merge patch replaces lists whole; the apply after it owns every field again."""
+    Apply merges list entries by key, so an entry whose key another manager changed stays theirs beside ours: a
+    Service port or a container port whose number someone changed keeps the name `http`, and our entry would
+    repeat the name (422, every retry alike). A merge patch replaces lists whole; the apply after it owns every
+    field again."""
     try:
-        kube.apply(child)
-        return
+        return kube.apply(child)
     except KubeError as exc:
         if exc.status != 422:
             raise
         refused = str(exc)
     kind, name = child["kind"], child["metadata"]["name"]
     kube.merge_patch(child, {"spec": child["spec"]})
-    kube.apply(child)
+    result = kube.apply(child)
     log.warning("repaired %s %s/%s: %s", kind, child["metadata"].get("namespace"), name, refused[:300])
     post_event(kube, build_event(mdep, "Warning", "ChildRepaired",
                                  f"{kind} {name} put back: an edit by someone else made the operator's apply "
                                  f"invalid ({refused[:300]})", utcnow()))
+    return result
 
 
 def gateway_key_access(kube: Kube, config: OperatorConfig, namespace: str,

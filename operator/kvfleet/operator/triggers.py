@@ -20,12 +20,14 @@ def workload_fingerprint(body: Mapping[str, Any]) -> Hashable:
 
 
 def deployment_fingerprint(body: Mapping[str, Any]) -> Hashable:
-    """What the plan and the status read: shape labels, wanted replicas, pods and ready pods, deletion."""
+    """What the plan and the status read: shape labels, wanted replicas, pods and ready pods, deletion; and the
+    generation, which any change of the spec bumps (someone's edit of the template: the reconcile puts ours back)."""
     meta = body.get("metadata") or {}
     labels = meta.get("labels") or {}
     status = body.get("status") or {}
     return (labels.get(LABEL_FLAVOR), labels.get(LABEL_WORKLOAD_HASH), (body.get("spec") or {}).get("replicas"),
-            status.get("replicas"), status.get("readyReplicas"), bool(meta.get("deletionTimestamp")))
+            status.get("replicas"), status.get("readyReplicas"), bool(meta.get("deletionTimestamp")),
+            meta.get("generation"))
 
 
 class Fingerprints:
