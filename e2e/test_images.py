@@ -150,9 +150,10 @@ def test_control_plane_image_is_small_torch_free_and_answers_operator_help(contr
     help_ = run_once(control_plane_image, "operator", "--help",
                      flags=("--read-only", "--read-only-tmpfs=false", "--cap-drop", "ALL"))
     assert "usage: kvfleet operator" in help_.stdout and "--peering" in help_.stdout
+    # no Kubernetes client library either: the operator's and the gateway's credentials are their own
     probe = ("import importlib.util as u, shutil, json; print(json.dumps({'modules': [m for m in ('torch', 'pip', "
-             "'setuptools', 'hatchling', 'kopf') if u.find_spec(m)], 'tools': [t for t in ('gcc', 'cc', 'pip', "
-             "'pip3', 'make') if shutil.which(t)]}))")
+             "'setuptools', 'hatchling', 'kubernetes', 'kopf') if u.find_spec(m)], 'tools': [t for t in ('gcc', "
+             "'cc', 'pip', 'pip3', 'make') if shutil.which(t)]}))")
     found = json.loads(run_once(control_plane_image, "-c", probe, entrypoint="python3").stdout)
     assert found == {"modules": ["kopf"], "tools": []}
     has_gateway = run_once(control_plane_image, "-c", "import importlib.util as u; print(bool(u.find_spec("

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import logging
-import ssl
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -177,13 +176,10 @@ class Watch(threading.Thread):
 
 def http_client(kubeconfig: str) -> httpx.Client:
     """An httpx client for the apiserver of a kubeconfig (client certificates, as the local cluster's admin)."""
-    from kvfleet.operator.kube import load_client_configuration
+    from kvfleet.operator.credentials import from_kubeconfig
 
-    cfg = load_client_configuration(kubeconfig)
-    ctx = ssl.create_default_context(cafile=cfg.ssl_ca_cert)
-    if cfg.cert_file:
-        ctx.load_cert_chain(cfg.cert_file, cfg.key_file)
-    return httpx.Client(base_url=cfg.host, verify=ctx, timeout=30,
+    creds = from_kubeconfig(kubeconfig)
+    return httpx.Client(base_url=creds.server, verify=creds.ssl_context(), timeout=30,
                         limits=httpx.Limits(max_connections=16, max_keepalive_connections=16))
 
 

@@ -2,17 +2,13 @@
 
 from __future__ import annotations
 
-import base64
-import ssl
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
-import yaml
 
 from kvfleet.gateway.config import build_parser, config_from_args, parse_config
-from kvfleet.gateway.kube import kubeconfig_auth, load_auth
+from kvfleet.gateway.kube import load_auth
 from kvfleet.gateway.static import StaticConfigError, static_snapshot
 
 KEY = "team-a-key-0123456789"
@@ -51,25 +47,6 @@ def test_static_config_and_its_errors() -> None:
                          ({"tenants": {"t": {"models": {"m": {"replicas": ["ftp://x"]}}}}}, "expected http://")):
         with pytest.raises(StaticConfigError, match=message):
             static_snapshot(bad)
-
-
-def test_kubeconfig_token_and_ca(tmp_path: Path) -> None:
-    ca = Path(ssl.get_default_verify_paths().cafile or "")
-    ca_data = base64.b64encode(ca.read_bytes()).decode() if ca.is_file() else None
-    cluster = {"server": "https://127.0.0.1:6443/"}
-    if ca_data:
-        cluster["certificate-authority-data"] = ca_data
-    path = tmp_path / "kubeconfig"
-    path.write_text(yaml.safe_dump({
-        "current-context": "c", "contexts": [{"name": "c", "context": {"cluster": "k", "user": "u"}}],
-        "clusters": [{"name": "k", "cluster": cluster}], "users": [{"name": "u", "user": {"token": "tok"}}]}))
-    auth = kubeconfig_auth(str(path))
-    assert auth.server == "https://127.0.0.1:6443" and auth.token() == "tok"
-    path.write_text(yaml.safe_dump({"current-context": "c", "contexts": [{"name": "c", "context": {
-        "cluster": "k", "user": "u"}}], "clusters": [{"name": "k", "cluster": cluster}],
-        "users": [{"name": "u", "user": {"exec": {"command": "x"}}}]}))
-    with pytest.raises(ValueError, match="exec and auth-provider credentials are not supported"):
-        kubeconfig_auth(str(path))
 
 
 def test_no_credentials_at_all_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:

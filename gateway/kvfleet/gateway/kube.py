@@ -1,29 +1,24 @@
 """A small async door to the API server (I/O): credentials, and list + watch of one resource.
 
-Credentials: in a pod, the service account (its token re-read as the kubelet rotates it); else a
-kubeconfig's current context (server, CA, client certificate or token; exec plugins are not supported).
+Credentials: `kvfleet.operator.credentials` (in a pod, the service account, its token re-read as the kubelet rotates
+it; else a kubeconfig's current context), as the operator's.
 """
 
 from __future__ import annotations
 
 import asyncio
-import base64
 import json
 import logging
-import os
 import ssl
-import tempfile
-import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, AsyncIterator, Callable, Mapping
 
 import aiohttp
-import yaml
+
+from kvfleet.operator.credentials import TokenSource
+from kvfleet.operator.credentials import load as load_credentials
 
 log = logging.getLogger("kvfleet.gateway.kube")
-
-SA_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
 
 
 class KubeError(Exception):
@@ -40,88 +35,13 @@ class Gone(Exception):
 class KubeAuth:
     server: str
     ssl: ssl.SSLContext
-    token: Callable[[], str | None]
-
-
-class _TokenFile:
-    """A token file read again at most once a minute (bound service account tokens rotate)."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self._value: str | None = None
-        self._read_at = 0.0
-
-    def __call__(self) -> str | None:
-        now = time.monotonic()
-        if self._value is None or now - self._read_at > 60:
-            self._value = self.path.read_text().strip()
-            self._read_at = now
-        return self._value
-
-
-def in_cluster_auth() -> KubeAuth | None:
-    host, port = os.environ.get("KUBERNETES_SERVICE_HOST"), os.environ.get("KUBERNETES_SERVICE_PORT")
-    if not host or not port or not (SA_DIR / "token").exists():
-        return None
-    ctx = ssl.create_default_context(cafile=str(SA_DIR / "ca.crt"))
-    host = f"[{host}]" if ":" in host else host
-    return KubeAuth(f"https://{host}:{port}", ctx, _TokenFile(SA_DIR / "token"))
-
-
-def _data_or_file(entry: Mapping[str, Any], name: str, base: Path) -> bytes | None:
-    if entry.get(f"{name}-data"):
-        return base64.b64decode(entry[f"{name}-data"])
-    if entry.get(name):
-        return (base / str(entry[name])).read_bytes()
-    return None
-
-
-def kubeconfig_auth(path: str) -> KubeAuth:
-    base = Path(path).resolve().parent
-    config = yaml.safe_load(Path(path).read_text()) or {}
-    contexts = {c["name"]: c.get("context") or {} for c in config.get("contexts") or ()}
-    context = contexts.get(config.get("current-context", ""))
-    if context is None:
-        raise ValueError(f"{path}: no current-context")
-    cluster = {c["name"]: c.get("cluster") or {} for c in config.get("clusters") or ()}.get(context.get("cluster"))
-    user = {u["name"]: u.get("user") or {} for u in config.get("users") or ()}.get(context.get("user"), {})
-    if not cluster or not cluster.get("server"):
-        raise ValueError(f"{path}: the current context names no cluster with a server")
-    if user.get("exec") or user.get("auth-provider"):
-        raise ValueError(f"{path}: exec and auth-provider credentials are not supported by the gateway")
-    ctx = ssl.create_default_context()
-    ca = _data_or_file(cluster, "certificate-authority", base)
-    if ca:
-        ctx.load_verify_locations(cadata=ca.decode())
-    if cluster.get("insecure-skip-tls-verify"):
-        ctx.check_hostname = False
-        ctx.verify_mode = ssl.CERT_NONE
-    cert, key = _data_or_file(user, "client-certificate", base), _data_or_file(user, "client-key", base)
-    if cert and key:
-        with tempfile.TemporaryDirectory() as tmp:  # ssl loads a chain from files only
-            cert_path, key_path = Path(tmp, "cert.pem"), Path(tmp, "key.pem")
-            cert_path.write_bytes(cert)
-            key_path.touch(mode=0o600)
-            key_path.write_bytes(key)
-            ctx.load_cert_chain(str(cert_path), str(key_path))
-    token: Callable[[], str | None] = lambda: None  # noqa: E731
-    if user.get("token"):
-        value = str(user["token"])
-        token = lambda: value  # noqa: E731
-    elif user.get("tokenFile"):
-        token = _TokenFile(base / str(user["tokenFile"]))
-    return KubeAuth(str(cluster["server"]).rstrip("/"), ctx, token)
+    token: TokenSource
 
 
 def load_auth(kubeconfig: str | None) -> KubeAuth:
-    """In-cluster service account first, else `kubeconfig` or $KUBECONFIG."""
-    auth = in_cluster_auth() if not kubeconfig else None
-    if auth is not None:
-        return auth
-    path = kubeconfig or os.environ.get("KUBECONFIG")
-    if not path:
-        raise ValueError("not in a pod and no kubeconfig: pass --kubeconfig or set KUBECONFIG")
-    return kubeconfig_auth(path)
+    """`kubeconfig` if given, else the pod's service account, else $KUBECONFIG (`kvfleet.operator.credentials`)."""
+    creds = load_credentials(kubeconfig)
+    return KubeAuth(creds.server, creds.ssl_context(), creds.token)
 
 
 class KubeClient:

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import ssl
 from typing import Any, Mapping
 
 import httpx
 
 from .constants import FIELD_MANAGER
+from .credentials import TokenSource
+from .credentials import load as load_credentials
 from .metrics import API_REQUESTS
 
 log = logging.getLogger("kvfleet.operator.kube")
@@ -68,52 +69,26 @@ def object_path(obj: Mapping[str, Any], subresource: str | None = None) -> str:
                          subresource)
 
 
-def load_client_configuration(kubeconfig: str | None = None) -> Any:
-    """A kubernetes.client.Configuration: in-cluster first, else `kubeconfig` or $KUBECONFIG read now
-    (the client library reads $KUBECONFIG once at import, which is too early for --kubeconfig)."""
-    from kubernetes import client, config  # heavy import, only here
-
-    cfg = client.Configuration()
-    try:
-        config.load_incluster_config(client_configuration=cfg)
-    except config.ConfigException:
-        path = kubeconfig or os.environ.get("KUBECONFIG") or None
-        config.load_kube_config(config_file=path, client_configuration=cfg)
-    return cfg
-
-
-def bearer_token(cfg: Any) -> str | None:
-    """`Bearer <token>` of a Configuration (refreshed for service accounts), or None."""
-    auth = cfg.auth_settings().get("BearerToken")
-    return auth["value"] if auth else None
-
-
 class Kube:
     """Synchronous and thread-safe enough for kopf's executor (httpx.Client is)."""
 
-    def __init__(self, host: str, verify: ssl.SSLContext | bool, token_fn: Any = None,
+    def __init__(self, host: str, verify: ssl.SSLContext | bool, token_fn: TokenSource | None = None,
                  timeout: float = 30.0) -> None:
         self._token_fn = token_fn
         self._http = httpx.Client(base_url=host, verify=verify, timeout=timeout)
 
     @classmethod
     def from_kubeconfig(cls, kubeconfig: str | None = None) -> "Kube":
-        """In-cluster service account if there is one, else the kubeconfig ($KUBECONFIG)."""
-        cfg = load_client_configuration(kubeconfig)
-        ctx = ssl.create_default_context(cafile=cfg.ssl_ca_cert) if cfg.verify_ssl else ssl.create_default_context()
-        if not cfg.verify_ssl:
-            ctx.check_hostname = False
-            ctx.verify_mode = ssl.CERT_NONE
-        if cfg.cert_file:
-            ctx.load_cert_chain(cfg.cert_file, cfg.key_file)
-        return cls(cfg.host, ctx, lambda: bearer_token(cfg))
+        """`kubeconfig` if given, else the pod's service account, else $KUBECONFIG (`credentials.load`)."""
+        creds = load_credentials(kubeconfig)
+        return cls(creds.server, creds.ssl_context(), creds.token)
 
     def _request(self, method: str, path: str, *, params: Mapping[str, Any] | None = None,
                  body: Any = None, content_type: str = "application/json") -> dict[str, Any] | None:
         headers = {"Accept": "application/json"}
         token = self._token_fn() if self._token_fn else None
         if token:
-            headers["Authorization"] = token
+            headers["Authorization"] = f"Bearer {token}"
         content = None
         if body is not None:
             headers["Content-Type"] = content_type

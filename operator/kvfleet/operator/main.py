@@ -15,7 +15,7 @@ import kopf
 from . import handlers as _handlers  # noqa: F401  (registers the handlers)
 from . import metrics
 from .constants import GROUP
-from .kube import bearer_token, load_client_configuration
+from .credentials import load as load_credentials
 
 log = logging.getLogger("kvfleet.operator")
 
@@ -72,14 +72,14 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
 
 @kopf.on.login()
 def login(**_: Any) -> kopf.ConnectionInfo:
-    """The same credentials as the operator's own client: in-cluster, else $KUBECONFIG (read now)."""
-    cfg = load_client_configuration()
-    token = bearer_token(cfg)
-    scheme, _sep, value = (token or "").partition(" ")
+    """The same credentials as the operator's own client: in-cluster, else $KUBECONFIG (read now; kopf logs in
+    again on a 401, which re-reads a rotated token)."""
+    creds = load_credentials()
+    token = creds.token()
     return kopf.ConnectionInfo(
-        server=cfg.host, ca_path=cfg.ssl_ca_cert, insecure=not cfg.verify_ssl,
-        certificate_path=cfg.cert_file, private_key_path=cfg.key_file,
-        scheme=scheme or None, token=value or None)
+        server=creds.server, ca_data=creds.ca_pem.encode() if creds.ca_pem else None, insecure=creds.insecure,
+        certificate_data=creds.client_cert_pem, private_key_data=creds.client_key_pem,
+        scheme="Bearer" if token else None, token=token)
 
 
 @kopf.on.probe(id="reconciles")
