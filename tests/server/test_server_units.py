@@ -198,9 +198,9 @@ def test_validation_errors_name_the_field() -> None:
                                                     "msg": "Extra inputs are not permitted"}])
     assert param == "temprature" and "temprature" in msg and code == "unknown_field"
     # an OpenAI field this server does not implement is named as such, not as a typo
-    msg, param, code = describe_validation_errors([{"loc": ("body", "response_format"), "type": "extra_forbidden",
+    msg, param, code = describe_validation_errors([{"loc": ("body", "tool_choice"), "type": "extra_forbidden",
                                                     "msg": "Extra inputs are not permitted"}])
-    assert (msg, param, code) == ("'response_format' is not supported by this server", "response_format",
+    assert (msg, param, code) == ("'tool_choice' is not supported by this server", "tool_choice",
                                   "unsupported_field")
     _, _, code = describe_validation_errors([{"loc": ("body", "messages", 0, "tools"), "type": "extra_forbidden",
                                               "msg": "Extra inputs are not permitted"}])

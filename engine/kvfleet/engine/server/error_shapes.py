@@ -81,8 +81,9 @@ def _union_message(errors: Sequence[Mapping[str, Any]], prefix: list[Any]) -> st
 
 # Request fields of the OpenAI API (and vLLM's structured-output extras) this server knows and does not implement:
 # refused by name as unsupported, not as a typo (a client that sends one asks for behaviour it would not get).
+# (response_format is a field: its plain-text type is served, the others refused in protocol.py.)
 UNSUPPORTED_FIELDS = frozenset({
-    "response_format", "tools", "tool_choice", "parallel_tool_calls", "functions", "function_call", "audio",
+    "tools", "tool_choice", "parallel_tool_calls", "functions", "function_call", "audio",
     "modalities", "prediction", "web_search_options", "reasoning_effort", "best_of", "suffix",
     "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
 })

@@ -74,6 +74,14 @@ class StreamOptions(StrictModel):
     continuous_usage_stats: bool = False
 
 
+class ResponseFormat(BaseModel):
+    """OpenAI's response_format: only plain text (its default) is served. Other members (a JSON schema) are allowed
+    through so that the refusal below names the type, not a member."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+    type: str
+
+
 class SamplingFields(StrictModel):
     """Fields shared by completions and chat completions."""
 
@@ -98,11 +106,15 @@ class SamplingFields(StrictModel):
     include_stop_str_in_output: bool = False
     # token id (a JSON key, so a string) -> bias in [-100, 100], as the OpenAI API's
     logit_bias: dict[str, float] | None = None
+    response_format: ResponseFormat | None = None
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self) -> "SamplingFields":
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options: only allowed when stream is true")
+        if self.response_format is not None and self.response_format.type != "text":
+            raise ValueError(f"response_format: type {self.response_format.type!r} is not supported by this server "
+                             "(only 'text': JSON mode and JSON schemas are not implemented)")
         return self
 
 
