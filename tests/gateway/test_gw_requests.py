@@ -70,3 +70,38 @@ def test_tokenize_and_detokenize_bodies() -> None:
     assert refused("/tokenize", b'{"model": "m", "prompt": "x", "messages": []}').param == "prompt"
     assert refused("/detokenize", b'{"model": "m", "tokens": [-1]}').param == "tokens"
     assert refused("/detokenize", b'{"model": "m", "tokens": "12"}').param == "tokens"
+
+
+VLLM_CHAT = {
+    "model": "m", "temperature": 0.2, "stream": True, "stream_options": {"include_usage": True},
+    "messages": [
+        {"role": "system", "content": "Use the tool."},
+        {"role": "user", "content": [{"type": "text", "text": "What is in this picture?"},
+                                     {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]},
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function",
+                                                               "function": {"name": "f", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "a cat"},
+    ],
+    "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}],
+    "tool_choice": "auto", "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}},
+    "chat_template_kwargs": {"enable_thinking": False},
+}
+
+
+def test_a_vllm_model_takes_what_vllm_serves_and_the_gateway_reads_only_its_part() -> None:
+    """Tools, JSON schemas, images, tool messages and vLLM's extras reach a vLLM replica as the client sent them; our
+    engine's models refuse them by name."""
+    raw = json.dumps(VLLM_CHAT).encode()
+    assert refused(CHAT, raw).param in ("messages", "tools")   # the tool message, or the tools
+    req = parse_request(CHAT, raw, vllm=True)
+    assert req.body == VLLM_CHAT and req.model == "m" and req.stream and req.wants_usage
+    assert upstream_body(req, "m", raw) == raw   # untouched: the replica checks what the gateway did not
+    # the estimate reads the text only: 4 messages' overhead + the system and user texts (the image is not text)
+    prompt, _ = token_estimate(req)
+    assert prompt == (len("Use the tool.") + len("What is in this picture?") + len("a cat")) / 4 + 16
+    # what the gateway reads is still checked, naming the field
+    for bad, field in (({"temperature": "hot"}, "temperature"), ({"messages": "hi"}, "messages"),
+                       ({"stream_options": {"include_usage": "yes"}}, "stream_options")):
+        with pytest.raises(APIError) as info:
+            parse_request(CHAT, json.dumps({**VLLM_CHAT, **bad}).encode(), vllm=True)
+        assert info.value.param == field

@@ -26,7 +26,14 @@ from kvfleet.gateway.fairness import token_cost
 from kvfleet.gateway.metrics import GatewayMetrics
 from kvfleet.gateway.prefix import PrefixConfig, request_hashes
 from kvfleet.gateway.proxy import Proxy, json_error
-from kvfleet.gateway.requests import ROUTES, parse_request, token_estimate, upstream_body
+from kvfleet.gateway.requests import (
+    ROUTES,
+    check_request,
+    parse_body,
+    requested_model,
+    token_estimate,
+    upstream_body,
+)
 from kvfleet.gateway.snapshot import Snapshot
 
 log = logging.getLogger("kvfleet.gateway")
@@ -153,7 +160,10 @@ class GatewayApp:
             raise APIError(413, f"Request body is over the gateway's limit of {limit} bytes.",
                            code="request_too_large", headers={"Connection": "close"}) from None
         try:
-            req = parse_request(request.path, raw)
+            body = parse_body(raw)
+            name = requested_model(body)
+            named = snapshot.catalog.resolve(tenant, name).model if name is not None else None
+            req = check_request(request.path, body, vllm=named is not None and named.engine_kind == "vllm")
         except APIError:
             series.failed("invalid_request")
             series.answered(400)

@@ -4,6 +4,8 @@ The gateway validates with the engine's pydantic models (`kvfleet.engine.server.
 answers with its error shapes (`error_shapes`), so a client sees the same 400 naming the field
 whether the gateway or an engine refused it. What needs the model (prompt length against the
 context, token ids against the vocabulary) is the engine's to check; its 400 passes through.
+A model served by vLLM takes more than our engine does: only what the gateway reads is checked
+(`vllm_view`), and the replica gets the client's body as it came.
 """
 
 from __future__ import annotations
@@ -54,19 +56,59 @@ class ClientRequest:
         return bool(opts and opts.include_usage)
 
 
-def parse_request(path: str, raw: bytes) -> ClientRequest:
-    """The body of a POST to `path` (one of ROUTES), or APIError(400)."""
+def parse_body(raw: bytes) -> Any:
+    """The JSON of a request body, or APIError(400)."""
     if not raw.strip():
         raise APIError(400, "Request body is required (a JSON object)", code="missing_body")
     try:
-        body = json.loads(raw)
+        return json.loads(raw)
     except UnicodeDecodeError:
         raise APIError(400, "Malformed request body (not UTF-8): send UTF-8 JSON", code="invalid_json") from None
     except json.JSONDecodeError as exc:
         raise APIError(400, f"Malformed JSON body: {exc.msg} at line {exc.lineno} column {exc.colno}",
                        code="invalid_json") from None
+
+
+def requested_model(body: Any) -> str | None:
+    """The body's `model`, when it is a name (what the model is decides how the body is checked)."""
+    model = body.get("model") if isinstance(body, dict) else None
+    return model if isinstance(model, str) and model else None
+
+
+CHAT_ROLES = ("system", "developer", "user", "assistant")
+
+
+def vllm_view(path: str, body: dict[str, Any]) -> dict[str, Any]:
+    """What of a body for a vLLM replica the gateway reads, in the engine's shapes (pure): the fields those shapes
+    know, messages as role and text. vLLM serves more than our engine (tools, JSON mode and schemas, images, tool
+    messages, its own extras): the replica gets the client's body whole and checks it itself; the gateway needs only
+    the model, streaming, sampling counts and the text for its estimates and prefix routing."""
+    known = set(ROUTES[path].model_fields) - {"response_format"}
+    view = {k: v for k, v in body.items() if k in known}
+    if isinstance(view.get("messages"), list):
+        view["messages"] = [_message_view(m) for m in view["messages"]]
+    return view
+
+
+def _message_view(message: Any) -> Any:
+    if not isinstance(message, dict):
+        return message   # the shapes' own 400
+    role = message.get("role")
+    content = message.get("content")
+    if isinstance(content, list):   # text parts kept (images and audio are the replica's)
+        content = [p for p in content if isinstance(p, dict) and p.get("type") == "text"] or None
+    view: dict[str, Any] = {"role": role if role in CHAT_ROLES else "user", "content": content}
+    if isinstance(message.get("name"), str):
+        view["name"] = message["name"]
+    return view
+
+
+def check_request(path: str, body: Any, vllm: bool = False) -> ClientRequest:
+    """The parsed body of a POST to `path` (one of ROUTES), or APIError(400). `vllm`: the model's replicas run vLLM,
+    so only what `vllm_view` keeps is checked (the replica checks the rest)."""
+    checked = vllm_view(path, body) if vllm and isinstance(body, dict) else body
     try:
-        parsed = ROUTES[path].model_validate(body)
+        parsed = ROUTES[path].model_validate(checked)
     except ValidationError as exc:
         message, param, code = describe_validation_errors(exc.errors())
         raise APIError(400, message, param, code) from None
@@ -74,6 +116,11 @@ def parse_request(path: str, raw: bytes) -> ClientRequest:
         raise APIError(400, "Missing required field 'model' (the gateway serves several models: "
                             "GET /v1/models lists yours)", "model", "missing_field")
     return ClientRequest(path, body, parsed, parsed.model)
+
+
+def parse_request(path: str, raw: bytes, vllm: bool = False) -> ClientRequest:
+    """The body of a POST to `path` (one of ROUTES), or APIError(400)."""
+    return check_request(path, parse_body(raw), vllm)
 
 
 CHARS_PER_TOKEN = 4  # a rough, tokenizer-free estimate for text
