@@ -8,8 +8,8 @@ import sys
 import pytest
 
 from kvfleet.gateway.config import build_parser, config_from_args, parse_config
-from kvfleet.gateway.kube import load_auth
 from kvfleet.gateway.static import StaticConfigError, static_snapshot
+from kvfleet.operator.credentials import load as load_credentials
 
 KEY = "team-a-key-0123456789"
 
@@ -53,4 +53,4 @@ def test_no_credentials_at_all_is_a_clear_error(monkeypatch: pytest.MonkeyPatch)
     monkeypatch.delenv("KUBECONFIG", raising=False)
     monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
     with pytest.raises(ValueError, match="pass --kubeconfig or set KUBECONFIG"):
-        load_auth(None)
+        load_credentials(None)

@@ -161,14 +161,16 @@ class GatewayApp:
                            code="request_too_large", headers={"Connection": "close"}) from None
         try:
             body = parse_body(raw)
-            name = requested_model(body)
-            named = snapshot.catalog.resolve(tenant, name).model if name is not None else None
-            req = check_request(request.path, body, vllm=named is not None and named.engine_kind == "vllm")
+            name = requested_model(body)   # the model decides how much of the body is checked here
+            found = snapshot.catalog.resolve(tenant, name) if name is not None else None
+            vllm = found is not None and found.model is not None and found.model.engine_kind == "vllm"
+            req = check_request(request.path, body, vllm=vllm)
         except APIError:
             series.failed("invalid_request")
             series.answered(400)
             raise
-        found = snapshot.catalog.resolve(tenant, req.model)
+        if found is None:   # (a checked body always names its model: resolved above)
+            found = snapshot.catalog.resolve(tenant, req.model)
         if found.model is None:
             series.failed("model_not_found")
             series.answered(404)

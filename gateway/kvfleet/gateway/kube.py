@@ -9,14 +9,11 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import ssl
-from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable, Mapping
 
 import aiohttp
 
-from kvfleet.operator.credentials import TokenSource
-from kvfleet.operator.credentials import load as load_credentials
+from kvfleet.operator.credentials import Credentials
 
 log = logging.getLogger("kvfleet.gateway.kube")
 
@@ -31,26 +28,13 @@ class Gone(Exception):
     """The watch's resourceVersion is too old (410): list again."""
 
 
-@dataclass(frozen=True)
-class KubeAuth:
-    server: str
-    ssl: ssl.SSLContext
-    token: TokenSource
-
-
-def load_auth(kubeconfig: str | None) -> KubeAuth:
-    """`kubeconfig` if given, else the pod's service account, else $KUBECONFIG (`kvfleet.operator.credentials`)."""
-    creds = load_credentials(kubeconfig)
-    return KubeAuth(creds.server, creds.ssl_context(), creds.token)
-
-
 class KubeClient:
-    def __init__(self, auth: KubeAuth) -> None:
-        self.auth = auth
+    def __init__(self, creds: Credentials) -> None:
+        self.creds = creds
         self._session: aiohttp.ClientSession | None = None
 
     def _headers(self) -> dict[str, str]:
-        token = self.auth.token()
+        token = self.creds.token()
         headers = {"Accept": "application/json"}
         if token:
             headers["Authorization"] = f"Bearer {token}"
@@ -58,7 +42,8 @@ class KubeClient:
 
     def session(self) -> aiohttp.ClientSession:
         if self._session is None:
-            self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(ssl=self.auth.ssl), trust_env=False)
+            connector = aiohttp.TCPConnector(ssl=self.creds.ssl_context())   # built once, with the session
+            self._session = aiohttp.ClientSession(connector=connector, trust_env=False)
         return self._session
 
     async def close(self) -> None:
@@ -66,7 +51,7 @@ class KubeClient:
             await self._session.close()
 
     async def list(self, path: str, params: Mapping[str, str]) -> dict[str, Any]:
-        async with self.session().get(self.auth.server + path, params=dict(params), headers=self._headers(),
+        async with self.session().get(self.creds.server + path, params=dict(params), headers=self._headers(),
                                       timeout=aiohttp.ClientTimeout(total=60)) as resp:
             if resp.status >= 400:
                 raise KubeError(resp.status, (await resp.text())[:300])
@@ -74,7 +59,7 @@ class KubeClient:
 
     async def get(self, path: str) -> dict[str, Any]:
         """One object; KubeError carries the status (403: RBAC, 404: none)."""
-        async with self.session().get(self.auth.server + path, headers=self._headers(),
+        async with self.session().get(self.creds.server + path, headers=self._headers(),
                                       timeout=aiohttp.ClientTimeout(total=10)) as resp:
             if resp.status >= 400:
                 raise KubeError(resp.status, (await resp.text())[:300])
@@ -82,7 +67,7 @@ class KubeClient:
 
     async def merge_patch(self, path: str, body: Mapping[str, Any]) -> dict[str, Any]:
         headers = {**self._headers(), "Content-Type": "application/merge-patch+json"}
-        async with self.session().patch(self.auth.server + path, json=dict(body), headers=headers,
+        async with self.session().patch(self.creds.server + path, json=dict(body), headers=headers,
                                         timeout=aiohttp.ClientTimeout(total=30)) as resp:
             if resp.status >= 400:
                 raise KubeError(resp.status, (await resp.text())[:300])
@@ -94,7 +79,7 @@ class KubeClient:
         query = {**params, "watch": "1", "resourceVersion": resource_version, "allowWatchBookmarks": "true",
                  "timeoutSeconds": str(timeout_s)}
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=30, sock_read=timeout_s + 30)
-        async with self.session().get(self.auth.server + path, params=query, headers=self._headers(),
+        async with self.session().get(self.creds.server + path, params=query, headers=self._headers(),
                                       timeout=timeout) as resp:
             if resp.status == 410:
                 raise Gone()

@@ -66,11 +66,12 @@ class Gateway:
             self.on_snapshot(source.snapshot)
             return source
         from kvfleet.gateway.discovery import KubeSource, PeerWatch
-        from kvfleet.gateway.kube import KubeClient, load_auth
+        from kvfleet.gateway.kube import KubeClient
+        from kvfleet.operator.credentials import load as load_credentials
 
         peers = PeerWatch(self.cfg.namespace, self.cfg.peer_selector, self.cfg.pod_name) \
             if self.cfg.peer_selector else None
-        client = KubeClient(load_auth(self.cfg.kubeconfig))
+        client = KubeClient(load_credentials(self.cfg.kubeconfig))
         self.demand = DemandWriter(client)
         return KubeSource(client, self.cfg.keys_namespace, self.on_snapshot, peers=peers)
 
