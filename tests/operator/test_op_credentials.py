@@ -80,6 +80,9 @@ def test_token_file_is_read_again_after_a_while(tmp_path: Path) -> None:
     assert token() == "one"   # cached
     now[0] += credentials.TOKEN_REREAD_S + 1
     assert token() == "two"
+    path.write_text("three")
+    token.forget()   # refused by the server: read again now
+    assert token() == "three"
 
 
 EXEC_PLUGIN = """#!{python}
@@ -117,6 +120,10 @@ def test_exec_plugin_runs_with_its_env_and_its_token_is_cached_until_it_expires(
     assert isinstance(creds.token, ExecToken)
     creds.token._clock = lambda: 4_070_908_800.0 - EXEC_REFRESH_MARGIN_S   # 2099-01-01 less the margin
     assert creds.token() == "exec-abc-2"
+    creds.token._clock = lambda: 4_000_000_000.0   # well before the expiry: cached again
+    assert creds.token() == "exec-abc-2"
+    creds.token.forget()   # refused by the server before it expired: run the plugin again
+    assert creds.token() == "exec-abc-3" and creds.token() == "exec-abc-3"
 
 
 def test_exec_plugin_failures_are_clear(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -167,6 +174,9 @@ def test_in_cluster_first_unless_a_kubeconfig_is_given(tmp_path: Path, monkeypat
     assert (creds.server, creds.token(), creds.ca_pem) == ("https://[fd00::1]:443", "sa-token", cert.read_text())
     assert creds.ssl_context().verify_mode == ssl.CERT_REQUIRED
     assert load(path).token() == "kc"   # explicit wins
+    monkeypatch.setenv(credentials.EXPLICIT_KUBECONFIG_ENV, path)   # `kvfleet operator --kubeconfig` in a pod
+    assert load().token() == "kc"
+    monkeypatch.delenv(credentials.EXPLICIT_KUBECONFIG_ENV)
     monkeypatch.delenv("KUBERNETES_SERVICE_HOST")
     assert load().token() == "kc"       # not in a pod: $KUBECONFIG's first file
     monkeypatch.delenv("KUBECONFIG")

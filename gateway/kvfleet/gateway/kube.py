@@ -40,6 +40,12 @@ class KubeClient:
             headers["Authorization"] = f"Bearer {token}"
         return headers
 
+    async def _error(self, resp: aiohttp.ClientResponse) -> KubeError:
+        if resp.status == 401:
+            # A refused token (revoked, or rotated early): the caller's retry reads or runs for a new one.
+            self.creds.token.forget()
+        return KubeError(resp.status, (await resp.text())[:300])
+
     def session(self) -> aiohttp.ClientSession:
         if self._session is None:
             connector = aiohttp.TCPConnector(ssl=self.creds.ssl_context())   # built once, with the session
@@ -54,7 +60,7 @@ class KubeClient:
         async with self.session().get(self.creds.server + path, params=dict(params), headers=self._headers(),
                                       timeout=aiohttp.ClientTimeout(total=60)) as resp:
             if resp.status >= 400:
-                raise KubeError(resp.status, (await resp.text())[:300])
+                raise await self._error(resp)
             return await resp.json()
 
     async def get(self, path: str) -> dict[str, Any]:
@@ -62,7 +68,7 @@ class KubeClient:
         async with self.session().get(self.creds.server + path, headers=self._headers(),
                                       timeout=aiohttp.ClientTimeout(total=10)) as resp:
             if resp.status >= 400:
-                raise KubeError(resp.status, (await resp.text())[:300])
+                raise await self._error(resp)
             return await resp.json()
 
     async def merge_patch(self, path: str, body: Mapping[str, Any]) -> dict[str, Any]:
@@ -70,7 +76,7 @@ class KubeClient:
         async with self.session().patch(self.creds.server + path, json=dict(body), headers=headers,
                                         timeout=aiohttp.ClientTimeout(total=30)) as resp:
             if resp.status >= 400:
-                raise KubeError(resp.status, (await resp.text())[:300])
+                raise await self._error(resp)
             return await resp.json()
 
     async def watch(self, path: str, params: Mapping[str, str], resource_version: str,
@@ -84,7 +90,7 @@ class KubeClient:
             if resp.status == 410:
                 raise Gone()
             if resp.status >= 400:
-                raise KubeError(resp.status, (await resp.text())[:300])
+                raise await self._error(resp)
             pending = b""
             async for data in resp.content.iter_any():  # lines may be longer than aiohttp's line limit
                 pending += data

@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Protocol
 
 import yaml
 
@@ -29,7 +29,28 @@ EXEC_REFRESH_MARGIN_S = 60.0   # run an exec plugin again this long before its t
 EXEC_DEFAULT_TTL_S = 600.0     # a plugin's token without an expiry: run it again after this long
 EXEC_TIMEOUT_S = 60.0
 
-TokenSource = Callable[[], str | None]
+
+
+class TokenSource(Protocol):
+    """The bearer token now (None: none); `forget` after the server refused it (401), so the next call reads the
+    file or runs the plugin again instead of sending the refused token until it would have expired."""
+
+    def __call__(self) -> str | None: ...
+
+    def forget(self) -> None: ...
+
+
+class StaticToken:
+    """A kubeconfig's literal token, or none (client certificates only)."""
+
+    def __init__(self, value: str | None) -> None:
+        self.value = value
+
+    def __call__(self) -> str | None:
+        return self.value
+
+    def forget(self) -> None:
+        """Nothing to read again: the kubeconfig's token is what it is."""
 
 
 class CredentialsError(ValueError):
@@ -76,6 +97,9 @@ class TokenFile:
             self._read_at = now
         return self._value
 
+    def forget(self) -> None:
+        self._value = None
+
 
 class ExecToken:
     """A kubeconfig's exec plugin: run it for an ExecCredential, keep its token until shortly before it expires."""
@@ -98,6 +122,9 @@ class ExecToken:
         if self._token is None or self._clock() >= self._valid_until:
             self._token, self._valid_until = self._run()
         return self._token
+
+    def forget(self) -> None:
+        self._token = None
 
     def _run(self) -> tuple[str, float]:
         if shutil.which(self.argv[0]) is None:
@@ -164,22 +191,26 @@ def from_kubeconfig(path: str) -> Credentials:
     if user.get("auth-provider"):
         raise CredentialsError(f"{path}: auth-provider credentials are not supported (use an exec plugin)")
     ca = _data_or_file(cluster, "certificate-authority", base)
-    token: TokenSource = lambda: None  # noqa: E731
-    if user.get("token"):
-        value = str(user["token"])
-        token = lambda: value  # noqa: E731
-    elif user.get("tokenFile"):
+    token: TokenSource
+    if user.get("tokenFile") and not user.get("token"):
         token = TokenFile(base / str(user["tokenFile"]))
-    elif user.get("exec"):
+    elif user.get("exec") and not user.get("token"):
         token = ExecToken(user["exec"], base)
+    else:
+        token = StaticToken(str(user["token"]) if user.get("token") else None)
     return Credentials(str(cluster["server"]).rstrip("/"), ca.decode() if ca else None,
                        bool(cluster.get("insecure-skip-tls-verify")),
                        _data_or_file(user, "client-certificate", base), _data_or_file(user, "client-key", base),
                        token)
 
 
+# `kvfleet operator --kubeconfig F` hands F to the handlers kopf calls (login, the operator's own client) here.
+EXPLICIT_KUBECONFIG_ENV = "KVFLEET_KUBECONFIG"
+
+
 def load(kubeconfig: str | None = None) -> Credentials:
-    """`kubeconfig` if given; else the pod's service account; else $KUBECONFIG."""
+    """`kubeconfig` if given (else $KVFLEET_KUBECONFIG); else the pod's service account; else $KUBECONFIG."""
+    kubeconfig = kubeconfig or os.environ.get(EXPLICIT_KUBECONFIG_ENV) or None
     if not kubeconfig:
         found = in_cluster()
         if found is not None:

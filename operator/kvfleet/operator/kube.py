@@ -85,21 +85,12 @@ class Kube:
 
     def _request(self, method: str, path: str, *, params: Mapping[str, Any] | None = None,
                  body: Any = None, content_type: str = "application/json") -> dict[str, Any] | None:
-        headers = {"Accept": "application/json"}
-        token = self._token_fn() if self._token_fn else None
-        if token:
-            headers["Authorization"] = f"Bearer {token}"
-        content = None
-        if body is not None:
-            headers["Content-Type"] = content_type
-            content = json.dumps(body)
-        verb, resource = request_kind(method, path)
-        try:
-            resp = self._http.request(method, path, params=params, content=content, headers=headers)
-        except httpx.TransportError:
-            API_REQUESTS.labels(verb, resource, "error").inc()
-            raise
-        API_REQUESTS.labels(verb, resource, str(resp.status_code)).inc()
+        content = None if body is None else json.dumps(body)
+        resp = self._send(method, path, params, content, content_type)
+        if resp.status_code == 401 and self._token_fn is not None:
+            # A token the server refused (revoked, or rotated early): read or run for a new one, once.
+            self._token_fn.forget()
+            resp = self._send(method, path, params, content, content_type)
         if resp.status_code == 404 and method in ("GET", "DELETE"):
             return None
         if resp.status_code >= 400:
@@ -109,6 +100,23 @@ class Kube:
                 message = resp.text
             raise KubeError(resp.status_code, message)
         return resp.json() if resp.content else {}
+
+    def _send(self, method: str, path: str, params: Mapping[str, Any] | None, content: str | None,
+              content_type: str) -> httpx.Response:
+        headers = {"Accept": "application/json"}
+        token = self._token_fn() if self._token_fn else None
+        if token:
+            headers["Authorization"] = f"Bearer {token}"
+        if content is not None:
+            headers["Content-Type"] = content_type
+        verb, resource = request_kind(method, path)
+        try:
+            resp = self._http.request(method, path, params=params, content=content, headers=headers)
+        except httpx.TransportError:
+            API_REQUESTS.labels(verb, resource, "error").inc()
+            raise
+        API_REQUESTS.labels(verb, resource, str(resp.status_code)).inc()
+        return resp
 
     def get(self, api_version: str, plural: str, name: str, namespace: str | None = None) -> dict | None:
         return self._request("GET", resource_path(api_version, plural, namespace, name))

@@ -15,6 +15,7 @@ import kopf
 from . import handlers as _handlers  # noqa: F401  (registers the handlers)
 from . import metrics
 from .constants import GROUP
+from .credentials import EXPLICIT_KUBECONFIG_ENV
 from .credentials import load as load_credentials
 
 log = logging.getLogger("kvfleet.operator")
@@ -72,8 +73,8 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
 
 @kopf.on.login()
 def login(**_: Any) -> kopf.ConnectionInfo:
-    """The same credentials as the operator's own client: in-cluster, else $KUBECONFIG (read now; kopf logs in
-    again on a 401, which re-reads a rotated token)."""
+    """The same credentials as the operator's own client: --kubeconfig, else in-cluster, else $KUBECONFIG (read
+    now; kopf logs in again on a 401, which re-reads a rotated token)."""
     creds = load_credentials()
     token = creds.token()
     return kopf.ConnectionInfo(
@@ -91,7 +92,8 @@ def probe_reconciles(**_: Any) -> float:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kvfleet operator", description="Run the kvfleet operator.")
-    parser.add_argument("--kubeconfig", help="kubeconfig file (default: in-cluster, then $KUBECONFIG)")
+    parser.add_argument("--kubeconfig",
+                        help="kubeconfig file, used before in-cluster (default: in-cluster, then $KUBECONFIG)")
     parser.add_argument("--liveness", default="http://127.0.0.1:8080/healthz",
                         help="kopf liveness endpoint URL")
     parser.add_argument("--metrics-port", type=int, default=int(os.environ.get("KVFLEET_METRICS_PORT", "8090")),
@@ -107,8 +109,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.log_level.upper() != "DEBUG":
         logging.getLogger("httpx").setLevel(logging.WARNING)
         logging.getLogger("kopf.objects").setLevel(logging.WARNING)
-    if args.kubeconfig:
-        os.environ["KUBECONFIG"] = args.kubeconfig
+    if args.kubeconfig:   # for kopf's login and the handlers' client, which read it in `credentials.load`
+        os.environ[EXPLICIT_KUBECONFIG_ENV] = args.kubeconfig
     os.environ["KVFLEET_METRICS_PORT"] = str(args.metrics_port)
     os.environ["KVFLEET_METRICS_ADDR"] = args.metrics_addr
     os.environ["KVFLEET_PEERING_NAME"] = args.peering
