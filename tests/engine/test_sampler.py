@@ -6,7 +6,7 @@ from typing import Optional
 
 import torch
 
-from kvfleet.engine.sampler import LogitBias, Sampler, SamplingBatch
+from kvfleet.engine.sampler import AllowedTokens, LogitBias, Sampler, SamplingBatch, unpack_bitmask
 
 V = 8
 
@@ -22,7 +22,8 @@ def batch(rows: int, temperature: list[float], top_k: Optional[list[int]] = None
         presence_penalty=t(pen.get("presence")), frequency_penalty=t(pen.get("frequency")),
         repetition_penalty=t(pen.get("repetition")), prompt_tokens=pen.get("prompt_tokens"),
         output_tokens=pen.get("output_tokens"), min_tokens_mask=pen.get("min_mask"), logit_bias=pen.get("bias"),
-        generators=gens or {}, max_num_logprobs=logprobs, all_greedy=all(x == 0 for x in temperature))
+        allowed=pen.get("allowed"), generators=gens or {}, max_num_logprobs=logprobs,
+        all_greedy=all(x == 0 for x in temperature))
 
 
 def logits_rows(rows: int) -> torch.Tensor:
@@ -110,3 +111,36 @@ def test_logit_bias_moves_its_rows_tokens_only_and_not_the_raw_logprobs() -> Non
         out = Sampler()(logits_rows(4), batch(4, [0.0, 0.0, 0.0, 1.0], logprobs=0, bias=bias))
         assert out.sampled.tolist() == [6, 2, 1, 5]
         assert out.logprobs is not None and torch.allclose(out.logprobs.logprob, ref[[6, 2, 1, 5]])
+
+
+def packed(allowed: list[list[int]], words: int = 1) -> torch.Tensor:
+    """int32 bitmask rows (llguidance's layout): bit t % 32 of word t // 32 set = token t allowed."""
+    out = torch.zeros(len(allowed), words, dtype=torch.int64)
+    for r, toks in enumerate(allowed):
+        for t in toks:
+            out[r, t // 32] |= 1 << (t % 32)
+    return torch.where(out >= 2**31, out - 2**32, out).to(torch.int32)   # bit 31 is the sign bit
+
+
+def test_bitmask_unpacks_in_llguidance_layout() -> None:
+    mask = packed([[0, 5, 31, 33], [63]], words=2)
+    got = unpack_bitmask(mask, 40)
+    assert got.shape == (2, 40)
+    assert torch.nonzero(got[0]).flatten().tolist() == [0, 5, 31, 33]
+    assert not got[1].any()   # token 63 is past the 40-token vocabulary: ignored
+
+
+def test_structured_rows_sample_only_allowed_tokens_and_their_logprobs_renormalize() -> None:
+    """Row 1 may take tokens 4 and 6 only (greedy: 4, though 1 is the most likely overall); row 0 is free; a
+    random row draws only allowed tokens too; logprobs are over what may be sampled, as vLLM's."""
+    allowed = AllowedTokens(torch.tensor([1, 2]), packed([[4, 6], [7]]))
+    out = Sampler()(logits_rows(3), batch(3, [0.0, 0.0, 1.0], logprobs=2, allowed=allowed))
+    assert out.sampled.tolist() == [1, 4, 7]
+    assert out.logprobs is not None
+    row = torch.tensor([1.0, -1.0]).log_softmax(-1)
+    assert torch.allclose(out.logprobs.logprob[1], row[0]) and out.logprobs.top_ids[1].tolist() == [4, 6]
+    assert out.logprobs.logprob[2].item() == 0.0   # the only token allowed
+    for seed in range(20):   # a random draw never leaves the allowed set
+        gen = torch.Generator().manual_seed(seed)
+        one = AllowedTokens(torch.tensor([0]), packed([[2, 3, 5]]))
+        assert Sampler()(logits_rows(1), batch(1, [1.0], gens={0: gen}, allowed=one)).sampled.item() in (2, 3, 5)

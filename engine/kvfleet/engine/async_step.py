@@ -14,7 +14,8 @@ With it on, one `LLMEngine.step()` does, while step N (launched by the previous 
    returned are step N's.
 
 Launching ahead is skipped, and N+1 launched after step 4's update as before, when its sampler needs N's
-token values: penalties (they count the output tokens) and prompt logprobs (read back at launch).
+token values: penalties (they count the output tokens), structured outputs (a constraint's next mask needs the
+token it takes from N) and prompt logprobs (read back at launch).
 min_tokens needs only N's token count: a sequence sampled in N has one more output token than it holds.
 KVFLEET_LAUNCH_AHEAD=0 always launches after the update (issue 16's A/B).
 

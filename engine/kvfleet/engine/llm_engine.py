@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 import time
 from collections.abc import Collection
 from typing import TYPE_CHECKING, Any, NoReturn, Optional
@@ -19,6 +20,7 @@ from kvfleet.engine import gc_policy
 from kvfleet.engine.async_step import LAUNCH_AHEAD, InFlight
 from kvfleet.engine.config import EngineConfig
 from kvfleet.engine.core.beam_search import Beam, BeamSearchState, Hypothesis
+from kvfleet.engine.core.grammar import TokenGrammar
 from kvfleet.engine.core.inputs import PromptType, check_prompt, check_text, split_prompt
 from kvfleet.engine.core.kv_cache_manager import KVCacheManager
 from kvfleet.engine.core.request import Request, RequestStatus
@@ -27,11 +29,12 @@ from kvfleet.engine.core.runner_output import ModelRunnerOutput
 from kvfleet.engine.core.scheduler import RequestUpdate, Scheduler, SchedulerOutput
 from kvfleet.engine.model_config import ModelConfig
 from kvfleet.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from kvfleet.engine.sampling_params import SamplingParams
+from kvfleet.engine.sampling_params import SamplingParams, StructuredOutputsParams
 from kvfleet.engine.warmup import WarmupReport, run_warmup
 
 if TYPE_CHECKING:
     from kvfleet.engine.model_runner import Prepared
+    from kvfleet.engine.structured_outputs import GrammarCompiler
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +48,7 @@ class EngineInputs:
     prompt_token_ids: list[int]
     params: SamplingParams
     max_tokens: int
+    grammar: Optional[TokenGrammar] = None   # structured outputs: the constraint's initial state, compiled
 
 
 class StepError(RuntimeError):
@@ -113,6 +117,8 @@ class LLMEngine:
             eos.add(int(self.tokenizer.eos_token_id))
         self.eos_token_ids = frozenset(eos)
         self.groups: dict[str, RequestGroup] = {}
+        self._grammars: Optional[GrammarCompiler] = None   # structured outputs: made on first use
+        self._grammars_lock = threading.Lock()
         self.prompt_tokens = 0
         self.generation_tokens = 0
         self.idle_steps = 0          # consecutive steps that scheduled nothing (a stall if it grows)
@@ -145,7 +151,23 @@ class LLMEngine:
         beams = params.beam_width if params.use_beam_search else 1
         max_tokens = check_prompt(ids, self.model_config.vocab_size, self.model_config.max_model_len,
                                   params.max_tokens, kv_tokens, beams, self.config.block_size)
-        return EngineInputs(text, ids, params, max_tokens)
+        grammar = None if params.structured_outputs is None else self.compile_grammar(params.structured_outputs)
+        return EngineInputs(text, ids, params, max_tokens, grammar)
+
+    def compile_grammar(self, spec: StructuredOutputsParams) -> TokenGrammar:
+        """A structured-output constraint for this model's tokenizer (a ValueError names the field). The compiler,
+        and llguidance with it, is loaded on the first constrained request."""
+        with self._grammars_lock:
+            if self._grammars is None:
+                try:
+                    from kvfleet.engine.structured_outputs import GrammarCompiler
+                except ImportError as exc:
+                    raise ValueError(f"structured_outputs: this server cannot constrain outputs ({exc}); "
+                                     "install llguidance") from None
+                self._grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size,
+                                                 self.eos_token_ids)
+            compiler = self._grammars
+        return compiler.compile(spec)
 
     def add_request(self, request_id: str, prompt: PromptType, params: Optional[SamplingParams] = None,
                     priority: int = 0, arrival_time: Optional[float] = None,
@@ -178,7 +200,8 @@ class LLMEngine:
                            stop_token_ids=stops, priority=priority, arrival_time=now, cache_salt=cache_salt,
                            group_id=request_id, index=index, compute_limit=compute_limit,
                            external_tokens=external_tokens, sampling_params=params,
-                           seed=None if params.seed is None else params.seed + index, num_logprobs=logprobs)
+                           seed=None if params.seed is None else params.seed + index, num_logprobs=logprobs,
+                           grammar=None if inputs.grammar is None else inputs.grammar.fork())
 
         if params.use_beam_search:
             # One beam to start; the engine picks every token from its top logprobs and stops it itself.

@@ -31,7 +31,14 @@ from kvfleet.engine.cuda_graphs import mixed_graph_limit
 from kvfleet.engine.kv_cache import allocate_kv_cache
 from kvfleet.engine.model_config import ModelConfig
 from kvfleet.engine.model_executor import ModelExecutor, build_executor
-from kvfleet.engine.sampler import LogitBias, Sampler, SamplerOutput, SamplingBatch, gather_logprobs
+from kvfleet.engine.sampler import (
+    AllowedTokens,
+    LogitBias,
+    Sampler,
+    SamplerOutput,
+    SamplingBatch,
+    gather_logprobs,
+)
 from kvfleet.engine.step_inputs import BlockTableRows, StepInputs, build_step_inputs
 
 logger = logging.getLogger(__name__)
@@ -110,6 +117,22 @@ def logit_bias(rows: list[SamplingRow], biased: list[int], dev: torch.device,
     values = [v for i in biased for v in rows[i].bias_values]
     return LogitBias(host_tensor(at, np.int64, dev, non_blocking), host_tensor(ids, np.int64, dev, non_blocking),
                      host_tensor(values, np.float32, dev, non_blocking))
+
+
+def allowed_tokens(reqs: list[ScheduledRequest], constrained: list[int], dev: torch.device,
+                   non_blocking: bool) -> Optional[AllowedTokens]:
+    """Structured outputs: each `constrained` row's allowed next tokens, asked of its constraint now (host work,
+    ~tens of µs a row); None when no row is constrained (most steps)."""
+    if not constrained:
+        return None
+    grammars = [reqs[i].request.grammar for i in constrained]
+    bitmask = np.full((len(constrained), max(g.bitmask_words() for g in grammars if g is not None)), -1,
+                      dtype=np.int32)
+    for j, grammar in enumerate(grammars):
+        assert grammar is not None
+        grammar.fill_bitmask(bitmask, j)
+    return AllowedTokens(host_tensor(constrained, np.int64, dev, non_blocking),
+                         to_device(torch.from_numpy(bitmask), dev, non_blocking))
 
 
 def kv_block_bytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype, num_kv_heads: Optional[int] = None) -> int:
@@ -274,8 +297,8 @@ class ModelRunner:
             if p.prompt_logprobs is not None and s.start < s.request.num_prompt_tokens - 1:
                 return True
             if s.needs_sample and (p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0
-                                   or p.presence_penalty != 0.0):
-                return True
+                                   or p.presence_penalty != 0.0 or s.request.grammar is not None):
+                return True   # (a constraint's next mask needs the token it has not taken yet)
         return False
 
     @torch.inference_mode()
@@ -332,6 +355,7 @@ class ModelRunner:
         gens: dict[int, torch.Generator] = {}
         banned: list[tuple[int, frozenset[int]]] = []
         biased: list[int] = []   # rows with a logit_bias
+        constrained: list[int] = []   # rows with structured outputs
         pending: Optional[dict[str, int]] = None
         max_logprobs = -1
         for i, s in enumerate(reqs):
@@ -342,6 +366,8 @@ class ModelRunner:
             rows.append(row)
             if row.bias_ids:
                 biased.append(i)
+            if r.grammar is not None:
+                constrained.append(i)
             if row.seeded and r.seed is not None:   # seeded: r.seed is set
                 gen = self._generators.get(r.request_id)
                 if gen is None:
@@ -381,7 +407,8 @@ class ModelRunner:
             prompt_tokens=padded([s.request.prompt_token_ids for s in reqs]) if reps is not None else None,
             output_tokens=(padded([s.request.output_token_ids for s in reqs])
                            if reps is not None or freqs is not None or press is not None else None),
-            min_tokens_mask=min_mask, logit_bias=logit_bias(rows, biased, dev, nb), generators=gens,
+            min_tokens_mask=min_mask, logit_bias=logit_bias(rows, biased, dev, nb),
+            allowed=allowed_tokens(reqs, constrained, dev, nb), generators=gens,
             max_num_logprobs=max_logprobs,
             all_greedy=all(t < 1e-5 for t in temps),
         )

@@ -1,6 +1,7 @@
 """Batched sampling on the device: one pass for the whole batch.
 
-Order (as vLLM): raw log-probabilities for the logprobs outputs; min_tokens masks
+Order (as vLLM): structured outputs mask the tokens their constraint does not allow (so the
+logprobs, too, are of what may be sampled); raw log-probabilities for the logprobs outputs; min_tokens masks
 the stop tokens; logit_bias adds to its tokens' logits; repetition, frequency and
 presence penalties; greedy rows take the argmax; random rows divide by the temperature,
 apply top-k, top-p and min-p and draw with the exponential race `argmax(p / q)`,
@@ -28,6 +29,14 @@ class LogitBias:
 
 
 @dataclass
+class AllowedTokens:
+    """Structured outputs: for the batch's constrained rows, the tokens their constraint allows next."""
+
+    rows: torch.Tensor      # long [N]
+    bitmask: torch.Tensor   # int32 [N, ceil(V' / 32)], V' >= V: bit t % 32 of word t // 32 set = token t allowed
+
+
+@dataclass
 class SamplingBatch:
     """Per-row sampling parameters of one step, on the device."""
 
@@ -42,6 +51,7 @@ class SamplingBatch:
     output_tokens: Optional[torch.Tensor]     # long [B, Lo], padded with vocab_size
     min_tokens_mask: Optional[torch.Tensor]   # bool [B, V]: stop tokens banned (min_tokens not reached)
     logit_bias: Optional[LogitBias]           # None if no row has one
+    allowed: Optional[AllowedTokens]          # None if no row is constrained
     generators: dict[int, torch.Generator]    # row -> its seeded generator
     max_num_logprobs: int                     # top-k width; -1 = no logprobs wanted
     all_greedy: bool
@@ -116,9 +126,25 @@ def random_sample(probs: torch.Tensor, generators: dict[int, torch.Generator]) -
     return probs.div_(q).argmax(dim=-1)
 
 
+def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """bool [N, vocab_size] from packed int32 words (little-endian bits; words past the vocabulary ignored)."""
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    bits = (bitmask.unsqueeze(-1) >> shifts) & 1
+    return bits.flatten(1)[:, :vocab_size].bool()
+
+
+def apply_allowed(logits: torch.Tensor, allowed: AllowedTokens) -> torch.Tensor:
+    """`logits` with every token the constrained rows may not take at -inf (a new tensor)."""
+    rows = logits.index_select(0, allowed.rows)
+    rows = rows.masked_fill(~unpack_bitmask(allowed.bitmask, logits.shape[-1]), _NEG_INF)
+    return logits.index_copy(0, allowed.rows, rows)
+
+
 class Sampler:
     def __call__(self, logits: torch.Tensor, b: SamplingBatch) -> SamplerOutput:
         logits = logits.float()
+        if b.allowed is not None:
+            logits = apply_allowed(logits, b.allowed)
         raw_logprobs = logits.log_softmax(dim=-1) if b.max_num_logprobs >= 0 else None
         if b.min_tokens_mask is not None:
             logits = logits.masked_fill(b.min_tokens_mask, _NEG_INF)

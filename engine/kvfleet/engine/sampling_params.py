@@ -7,9 +7,10 @@ engine calls it before a request reaches the scheduler.
 from __future__ import annotations
 
 import copy
+import json
 import math
 from dataclasses import dataclass
-from typing import NoReturn, Optional, TypeGuard, Union
+from typing import Any, NoReturn, Optional, TypeGuard, Union
 
 _GREEDY_EPS = 1e-5  # vLLM treats temperature below this as greedy
 MAX_LOGIT_BIAS_ENTRIES = 1024  # a request's logit_bias entries: each is work in every step of the request
@@ -22,6 +23,54 @@ def _fail(field_name: str, message: str) -> NoReturn:
 def _is_number(value: object) -> bool:
     """A real number that is not NaN (bool is no number here)."""
     return isinstance(value, (int, float)) and not isinstance(value, bool) and not math.isnan(value)
+
+
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """Constrain a request's output (vLLM's `StructuredOutputsParams`): exactly one of a JSON schema (`json`, a
+    dict or its text), any JSON object (`json_object`), a regular expression, a choice of strings, or a grammar in
+    llguidance's Lark dialect. Compiled by the engine (kvfleet.engine.structured_outputs); every sampled token is
+    one the constraint allows, and the output ends where it is complete (EOS)."""
+
+    json: Optional[Union[str, dict[str, Any]]] = None
+    regex: Optional[str] = None
+    choice: Optional[list[str]] = None
+    grammar: Optional[str] = None
+    json_object: Optional[bool] = None
+    # JSON without whitespace between tokens (small models may otherwise emit whitespace until max_tokens).
+    disable_any_whitespace: bool = False
+
+    KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+    @property
+    def kind(self) -> str:
+        """Which constraint is set (validated: exactly one)."""
+        return next(k for k in self.KINDS if getattr(self, k) not in (None, False))
+
+    def validate(self) -> None:
+        field = "structured_outputs"
+        given = [k for k in self.KINDS if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            _fail(field, f"give exactly one of {', '.join(self.KINDS)}; got {', '.join(given) or 'none'}")
+        if self.json is not None:
+            schema = self.json
+            if isinstance(schema, str):
+                try:
+                    schema = json.loads(schema)
+                except ValueError as exc:
+                    _fail(f"{field}.json", f"not valid JSON: {exc}")
+            if not isinstance(schema, (dict, bool)):
+                _fail(f"{field}.json", f"a JSON schema is an object, got {type(schema).__name__}")
+        if self.regex is not None and (not isinstance(self.regex, str) or not self.regex):
+            _fail(f"{field}.regex", "must be a non-empty string")
+        if self.grammar is not None and (not isinstance(self.grammar, str) or not self.grammar.strip()):
+            _fail(f"{field}.grammar", "must be a non-empty string (a Lark grammar)")
+        if self.choice is not None:
+            if (not isinstance(self.choice, list) or not self.choice
+                    or not all(isinstance(c, str) and c for c in self.choice)):
+                _fail(f"{field}.choice", "must be a non-empty list of non-empty strings")
+        if self.json_object not in (None, True, False):
+            _fail(f"{field}.json_object", f"must be a boolean, got {self.json_object!r}")
 
 
 @dataclass
@@ -52,6 +101,7 @@ class SamplingParams:
     # token id -> a number added to its logit before sampling (greedy too), in [-100, 100] as the OpenAI API's:
     # -100 bans a token, 100 all but forces it. Raw logprobs are read before it, as vLLM's.
     logit_bias: Optional[dict[int, float]] = None
+    structured_outputs: Optional[StructuredOutputsParams] = None
 
     def __post_init__(self) -> None:
         # Wrong types are left for validate() to name; nothing here may raise a TypeError.
@@ -170,6 +220,12 @@ class SamplingParams:
                     _fail("logit_bias", f"values must be numbers in [-100, 100], got {bias!r} for token {tok}")
         if not isinstance(self.early_stopping, bool) and self.early_stopping != "never":
             _fail("early_stopping", f"must be True, False or 'never', got {self.early_stopping!r}")
+        if self.structured_outputs is not None:
+            if not isinstance(self.structured_outputs, StructuredOutputsParams):
+                _fail("structured_outputs", f"must be a StructuredOutputsParams, got {self.structured_outputs!r}")
+            self.structured_outputs.validate()
+            if self.use_beam_search:
+                _fail("structured_outputs", "is not supported with beam search")
         return self
 
 

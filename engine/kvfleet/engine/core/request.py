@@ -13,6 +13,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from kvfleet.engine.core.grammar import TokenGrammar
+
 _SEQ_COUNTER = itertools.count()
 
 
@@ -59,6 +61,8 @@ class Request:
     sampling_params: Any = None
     seed: Optional[int] = None       # per-sequence seed (a group's seed + sample index)
     num_logprobs: int = -1           # top-k logprobs per sampled token (0: only its own; -1: none)
+    # Structured outputs: the sequence's constraint, advanced by every token appended (None: unconstrained).
+    grammar: Optional[TokenGrammar] = None
     # Async scheduling: tokens sampled by launched steps whose ids are not appended yet. The next
     # step may already compute them (their ids come from the device; kvfleet.engine.async_step).
     num_placeholders: int = 0
@@ -130,6 +134,7 @@ class Request:
             index=index, compute_limit=self.compute_limit, external_tokens=self.external_tokens,
             output_token_ids=list(self.output_token_ids),
             sampling_params=self.sampling_params, seed=self.seed, num_logprobs=self.num_logprobs,
+            grammar=None if self.grammar is None else self.grammar.fork(),
         )
         child.num_computed_tokens = self.num_computed_tokens
         child.status = self.status

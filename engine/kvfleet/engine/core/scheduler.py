@@ -257,6 +257,8 @@ class Scheduler:
                 req.num_placeholders -= 1
             req.append_output_token(tok)
             self._check_stop(req, tok)
+            if req.grammar is not None and not req.is_finished:
+                self._advance_grammar(req, tok)
             finished = req.is_finished
             if finished:
                 if req.status is not RUNNING and req in self.waiting:   # (see preempted above)
@@ -278,6 +280,20 @@ class Scheduler:
             req.status, req.stop_reason = RequestStatus.FINISHED_STOPPED, tok
         elif num_out >= req.max_tokens or req.num_tokens >= self.max_model_len:
             req.status = RequestStatus.FINISHED_LENGTH
+
+    @staticmethod
+    def _advance_grammar(req: Request, tok: int) -> None:
+        """Structured outputs: the constraint takes the token; the sequence stops once its output is complete
+        (EOS under `ignore_eos`, which the stop ids do not hold). A token the constraint refuses (every token was
+        masked, e.g. min_tokens banning the EOS it alone allows) ends the sequence too, rather than run on
+        unconstrained."""
+        assert req.grammar is not None
+        if not req.grammar.accept(tok):
+            logger.warning("structured outputs: sampled token refused by the constraint; sequence stopped",
+                           extra={"request_id": req.request_id, "token_id": tok})
+            req.status, req.stop_reason = RequestStatus.FINISHED_STOPPED, None
+        elif req.grammar.is_terminated():
+            req.status, req.stop_reason = RequestStatus.FINISHED_STOPPED, None
 
     def append_token(self, req: Request, tok: int) -> bool:
         """For engine-picked tokens (beam search); True if the sequence finished."""
