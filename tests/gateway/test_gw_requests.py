@@ -105,3 +105,20 @@ def test_a_vllm_model_takes_what_vllm_serves_and_the_gateway_reads_only_its_part
         with pytest.raises(APIError) as info:
             parse_request(CHAT, json.dumps({**VLLM_CHAT, **bad}).encode(), vllm=True)
         assert info.value.param == field
+
+
+def test_a_kvfleet_model_takes_json_modes_in_the_engines_shapes() -> None:
+    """Our engine serves response_format's JSON modes and vLLM's structured_outputs: the gateway passes them on
+    (compiling the constraint is the engine's: its 400 comes back through); malformed ones are refused here."""
+    msgs = [{"role": "user", "content": "x"}]
+    for extra in ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}},
+                  {"response_format": {"type": "json_object"}},
+                  {"structured_outputs": {"regex": "[a-z]+"}}):
+        raw = json.dumps({"model": "m", "messages": msgs, **extra}).encode()
+        req = parse_request(CHAT, raw)
+        assert upstream_body(req, "m", raw) == raw
+    for bad, field in (({"response_format": {"type": "json_schema"}}, "response_format"),
+                       ({"response_format": {"type": "yaml"}}, "response_format"),
+                       ({"structured_outputs": {"regex": 5}}, "structured_outputs"),
+                       ({"guided_json": {}}, "guided_json")):
+        assert refused(CHAT, json.dumps({"model": "m", "messages": msgs, **bad}).encode()).param == field

@@ -129,20 +129,20 @@ def test_logit_bias_bans_and_forces_tokens_like_offline(client: openai.OpenAI, o
 
 
 def test_openai_features_not_implemented_are_named_unsupported(client: openai.OpenAI) -> None:
-    """JSON mode and tools through the openai client: a 400 naming the field as unsupported (not as a typo); plain
-    text, response_format's default, is served as without it."""
+    """Tools and vLLM's old guided_* fields through the openai client: a 400 naming the field as unsupported (not
+    as a typo); plain text, response_format's default, is served as without it (JSON modes:
+    test_structured_outputs_api.py)."""
     msgs: Any = [{"role": "user", "content": "hi"}]
     asks: list[tuple[dict[str, Any], str]] = [
-        ({"response_format": {"type": "json_object"}}, "type 'json_object' is not supported by this server"),
-        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}},
-         "type 'json_schema' is not supported by this server"),
         ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]},
          "'tools' is not supported by this server"),
+        ({"extra_body": {"guided_json": {"type": "object"}}}, "'guided_json' is not supported by this server"),
     ]
     for extra, says in asks:
         with pytest.raises(openai.BadRequestError) as info:
             client.chat.completions.create(model="tiny", messages=msgs, max_tokens=2, **extra)
-        assert info.value.param == next(iter(extra)) and says in info.value.message, info.value.body
+        field = next(iter(extra["extra_body"])) if "extra_body" in extra else next(iter(extra))
+        assert info.value.param == field and says in info.value.message, info.value.body
     plain = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=4, temperature=0)
     text = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=4, temperature=0,
                                           response_format={"type": "text"})

@@ -15,7 +15,7 @@ from kvfleet.engine.server.protocol import ChatCompletionRequest, ChatMessage
 from kvfleet.engine.server.serving import (
     SSE_DONE,
     ManagedStream,
-    build_inputs,
+    build_inputs_async,
     check_model,
     release_all,
     sse,
@@ -56,7 +56,7 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     max_field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    inputs = build_inputs(state, req, ids, requested, "messages", max_field, logprobs)
+    inputs = await build_inputs_async(state, req, ids, requested, "messages", max_field, logprobs)
     tickets = take_tickets(state, 1, tenant)
     request_id = new_request_id("chatcmpl")
     streams = [stream_request(state, tickets[0], inputs, request_id, tenant)]

@@ -16,7 +16,7 @@ from kvfleet.engine.server.serving import (
     SSE_DONE,
     ManagedStream,
     TextChunks,
-    build_inputs,
+    build_inputs_async,
     check_model,
     release_all,
     sse,
@@ -59,8 +59,8 @@ async def create_completion(state: ServerState, req: CompletionRequest, request:
     prompts = await _prompts(state, req.prompt)
     field = "prompt"
     want_prompt_lp = req.logprobs if (req.echo and req.logprobs is not None) else None
-    inputs = [build_inputs(state, req, ids, req.max_tokens, field, "max_tokens", req.logprobs, want_prompt_lp, text)
-              for text, ids in prompts]
+    inputs = [await build_inputs_async(state, req, ids, req.max_tokens, field, "max_tokens", req.logprobs,
+                                       want_prompt_lp, text) for text, ids in prompts]
     texts = prompt_texts(state, prompts, req.echo)
     tickets = take_tickets(state, len(prompts), tenant)
     request_id = new_request_id("cmpl")

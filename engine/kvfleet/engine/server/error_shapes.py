@@ -79,13 +79,14 @@ def _union_message(errors: Sequence[Mapping[str, Any]], prefix: list[Any]) -> st
     return f"Invalid value for '{_loc_text(prefix)}': it matches none of the accepted types ({listed})"
 
 
-# Request fields of the OpenAI API (and vLLM's structured-output extras) this server knows and does not implement:
-# refused by name as unsupported, not as a typo (a client that sends one asks for behaviour it would not get).
-# (response_format is a field: its plain-text type is served, the others refused in protocol.py.)
+# Request fields of the OpenAI API (and vLLM's older structured-output extras, which vLLM has replaced by
+# `structured_outputs`) this server knows and does not implement: refused by name as unsupported, not as a typo (a
+# client that sends one asks for behaviour it would not get). JSON modes are served: `response_format`, and vLLM's
+# `structured_outputs`.
 UNSUPPORTED_FIELDS = frozenset({
     "tools", "tool_choice", "parallel_tool_calls", "functions", "function_call", "audio",
     "modalities", "prediction", "web_search_options", "reasoning_effort", "best_of", "suffix",
-    "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
+    "guided_json", "guided_regex", "guided_choice", "guided_grammar",
 })
 
 

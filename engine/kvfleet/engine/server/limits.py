@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 from kvfleet.engine.core.inputs import token_outside_vocab
+from kvfleet.engine.sampling_params import StructuredOutputsParams
 from kvfleet.engine.server.protocol import SamplingFields
 
 
@@ -85,7 +86,46 @@ def sampling_kwargs(req: SamplingFields, max_tokens: int, logprobs: int | None,
         raise RequestError("stop: stop strings must be non-empty", "stop")
     if req.logit_bias:
         kwargs["logit_bias"] = logit_bias_ids(req.logit_bias)
+    structured = structured_outputs_params(req)
+    if structured is not None:
+        kwargs["structured_outputs"] = structured
     return kwargs
+
+
+def structured_outputs_params(req: SamplingFields) -> StructuredOutputsParams | None:
+    """The constraint a request asks for: OpenAI's JSON `response_format` or vLLM's `structured_outputs`."""
+    fmt = req.response_format
+    if fmt is not None and fmt.type == "json_schema":
+        assert fmt.json_schema is not None   # the shape requires it with this type
+        schema = fmt.json_schema.schema_
+        return StructuredOutputsParams(json_object=True) if schema is None else StructuredOutputsParams(json=schema)
+    if fmt is not None and fmt.type == "json_object":
+        return StructuredOutputsParams(json_object=True)
+    so = req.structured_outputs
+    if so is None:
+        return None
+    return StructuredOutputsParams(json=so.json_, regex=so.regex, choice=so.choice, grammar=so.grammar,
+                                   json_object=so.json_object, disable_any_whitespace=so.disable_any_whitespace)
+
+
+# What the engine's structured-output errors name, as a request with a JSON response_format spelled it.
+_RESPONSE_FORMAT_SPELLING = (("structured_outputs.json_object", "response_format"),
+                             ("structured_outputs.json", "response_format.json_schema.schema"),
+                             ("structured_outputs", "response_format"))
+
+
+def structured_outputs_error(message: str, req: SamplingFields) -> tuple[str, str] | None:
+    """(message, param) for an engine error about the request's constraint, in the request's own words; None if
+    the error is about something else."""
+    if not message.startswith("structured_outputs"):
+        return None
+    fmt = req.response_format
+    if fmt is None or fmt.type == "text":
+        return message, "structured_outputs"
+    for engine_name, sent_name in _RESPONSE_FORMAT_SPELLING:
+        if message.startswith(engine_name + ":") or message.startswith(engine_name + "."):
+            return sent_name + message[len(engine_name):], "response_format"
+    return message, "response_format"
 
 
 def logit_bias_ids(bias: dict[str, float]) -> dict[int, float]:

@@ -74,12 +74,39 @@ class StreamOptions(StrictModel):
     continuous_usage_stats: bool = False
 
 
-class ResponseFormat(BaseModel):
-    """OpenAI's response_format: only plain text (its default) is served. Other members (a JSON schema) are allowed
-    through so that the refusal below names the type, not a member."""
+class JsonSchemaFormat(StrictModel):
+    """OpenAI's `response_format.json_schema`: a named schema (without one, any JSON object)."""
 
-    model_config = ConfigDict(extra="allow", strict=True)
-    type: str
+    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(StrictModel):
+    """OpenAI's response_format: plain text (the default), any JSON object, or JSON matching a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self) -> "ResponseFormat":
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("response_format: json_schema is required with type 'json_schema', and only then")
+        return self
+
+
+class StructuredOutputs(StrictModel):
+    """vLLM's `structured_outputs` extra: exactly one constraint (checked by the engine, which names it)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
+    json_: Union[dict[str, Any], str, None] = Field(None, alias="json")
+    regex: str | None = None
+    choice: Annotated[list[str], Field(min_length=1, max_length=1024)] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
 
 
 class SamplingFields(StrictModel):
@@ -107,14 +134,15 @@ class SamplingFields(StrictModel):
     # token id (a JSON key, so a string) -> bias in [-100, 100], as the OpenAI API's
     logit_bias: dict[str, float] | None = None
     response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self) -> "SamplingFields":
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options: only allowed when stream is true")
-        if self.response_format is not None and self.response_format.type != "text":
-            raise ValueError(f"response_format: type {self.response_format.type!r} is not supported by this server "
-                             "(only 'text': JSON mode and JSON schemas are not implemented)")
+        if self.structured_outputs is not None and self.response_format is not None \
+                and self.response_format.type != "text":
+            raise ValueError("structured_outputs: give it or a JSON response_format, not both")
         return self
 
 

@@ -20,6 +20,8 @@ from kvfleet.engine.server.limits import (
     resolve_max_tokens,
     retry_after_seconds,
     sampling_kwargs,
+    structured_outputs_error,
+    structured_outputs_params,
 )
 from kvfleet.engine.server.protocol import SamplingFields
 from kvfleet.engine.server.state import ServerState
@@ -72,20 +74,37 @@ def build_inputs(state: ServerState, req: SamplingFields, prompt_ids: list[int],
         raise APIError(400, exc.message, exc.param, "invalid_value") from None
     except ValueError as exc:  # SamplingParams.validate: "field: reason"
         message = str(exc)
+        structured = structured_outputs_error(message, req)
+        if structured is not None:
+            raise APIError(400, structured[0], structured[1], "invalid_value") from None
         field = message.split(":", 1)[0].strip()
         raise APIError(400, message, field if field.isidentifier() else None, "invalid_value") from None
-    return check_engine_inputs(state, prompt_ids, params, prompt_field, max_field, prompt_text)
+    return check_engine_inputs(state, req, prompt_ids, params, prompt_field, max_field, prompt_text)
 
 
-def check_engine_inputs(state: ServerState, prompt_ids: list[int], params: SamplingParams, prompt_field: str,
-                        max_field: str, prompt_text: str | None = None) -> EngineInputs:
+async def build_inputs_async(state: ServerState, req: SamplingFields, prompt_ids: list[int],
+                             requested_max: int | None, prompt_field: str, max_field: str, logprobs: int | None,
+                             prompt_logprobs: int | None = None, prompt_text: str | None = None) -> EngineInputs:
+    """`build_inputs`, off the event loop for a request with structured outputs: compiling its constraint takes
+    milliseconds, and the first one builds the tokenizer's token table (about a second)."""
+    args = (state, req, prompt_ids, requested_max, prompt_field, max_field, logprobs, prompt_logprobs, prompt_text)
+    if structured_outputs_params(req) is None:
+        return build_inputs(*args)
+    return await state.off_loop(build_inputs, *args)
+
+
+def check_engine_inputs(state: ServerState, req: SamplingFields, prompt_ids: list[int], params: SamplingParams,
+                        prompt_field: str, max_field: str, prompt_text: str | None = None) -> EngineInputs:
     """The engine's own admission rules (n or best_of over max_num_seqs, a request that can never fit the
-    KV cache, ...), checked now: once a stream has sent its headers an error could only go in-band
-    under a 200."""
+    KV cache, a constraint that does not compile, ...), checked now: once a stream has sent its headers an error
+    could only go in-band under a 200."""
     try:
         return state.loaded_engine().process_inputs({"prompt": prompt_text, "prompt_token_ids": prompt_ids}, params)
     except ValueError as exc:
         message = str(exc)
+        structured = structured_outputs_error(message, req)
+        if structured is not None:
+            raise APIError(400, structured[0], structured[1], "invalid_value") from None
         param = value_error_param(message, REQUEST_FIELDS)
         named = param
         if param in ("prompt", "prompt_token_ids"):
