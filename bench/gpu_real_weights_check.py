@@ -8,7 +8,10 @@ budget so that long prompts are chunked and steps mix prefill chunks with decode
 - float32: kvfleet on CUDA (decode CUDA graphs) and eager against transformers ``generate`` on CUDA:
   greedy tokens must be identical (status 1 otherwise);
 - bfloat16, the serving dtype: kvfleet against transformers in bfloat16 and against the float32
-  reference; agreement is reported (fused kernels round once where transformers rounds per op).
+  reference; agreement is reported (fused kernels round once where transformers rounds per op);
+- structured outputs, float32: the questions answered under a JSON schema (kvfleet with graphs and async scheduling,
+  masks on the device) against transformers' constrained greedy tokens (`testing.hf_constrained_greedy_tokens`):
+  identical, or status 1.
 
 Usage: ``python bench/gpu_real_weights_check.py OUT_DIR [GGUF]`` (GGUF defaults to the installed
 package's file). ``KVFLEET_GPU_DRYRUN=1`` runs it on the CPU with short prompts (the test of this script).
@@ -26,13 +29,20 @@ from typing import Any
 
 import torch
 
+from kvfleet.engine.core.grammar import TokenGrammar
 from kvfleet.engine.llm import LLM
-from kvfleet.engine.sampling_params import SamplingParams
-from kvfleet.engine.testing import hf_greedy_tokens
+from kvfleet.engine.sampling_params import SamplingParams, StructuredOutputsParams
+from kvfleet.engine.testing import hf_constrained_greedy_tokens, hf_greedy_tokens
 
 DRY = os.environ.get("KVFLEET_GPU_DRYRUN") == "1"
 DEVICE = "cpu" if DRY else "cuda"
 MAX_NEW = 8 if DRY else 32
+
+# A small answer any question fits, without whitespace (its tokens are the model's choice, not padding).
+ANSWER = StructuredOutputsParams(json={
+    "type": "object", "properties": {"answer": {"type": "string", "maxLength": 60}, "sure": {"type": "boolean"}},
+    "required": ["answer", "sure"], "additionalProperties": False}, disable_any_whitespace=True)
+MAX_JSON = 24 if DRY else 48
 
 QUESTIONS = [
     "What is the capital of France?",
@@ -73,6 +83,23 @@ def run_kvfleet(gguf: Path, dtype: str, prompts: list[list[int]], enforce_eager:
     return [list(o.outputs[0].token_ids) for o in outs], graphs
 
 
+def run_kvfleet_structured(gguf: Path, prompts: list[list[int]]
+                           ) -> tuple[list[list[int]], list[TokenGrammar], frozenset[int]]:
+    """The prompts answered under ANSWER in float32 (graphs, async scheduling on CUDA); with a fresh constraint per
+    prompt for the reference, and the stop ids."""
+    llm = LLM(str(gguf), device=DEVICE, dtype="float32", max_model_len=4096, num_kv_blocks=1024, max_num_seqs=16,
+              max_num_batched_tokens=256)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(max_tokens=MAX_JSON, temperature=0.0, structured_outputs=ANSWER))
+    engine = llm.llm_engine
+    fresh = [engine.compile_grammar(ANSWER) for _ in prompts]
+    stops = engine.eos_token_ids
+    del llm, engine
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return [list(o.outputs[0].token_ids) for o in outs], fresh, stops
+
+
 def dense_gguf() -> dict[str, Any]:
     """transformers' own dequantization into a plain dense model: recent versions keep GGUF weights packed unless
     asked (and would round bfloat16 their own way); older ones, without `GgufConfig`, always dequantize at load."""
@@ -83,12 +110,24 @@ def dense_gguf() -> dict[str, Any]:
     return {"quantization_config": GgufConfig(dequantize=True)}
 
 
-def run_transformers(gguf: Path, dtype: torch.dtype, prompts: list[list[int]]) -> list[list[int]]:
+def transformers_model(gguf: Path, dtype: torch.dtype) -> Any:
     from transformers import AutoModelForCausalLM
 
-    m = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=dtype,
-                                             **dense_gguf()).to(DEVICE).eval()
+    return AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=dtype,
+                                                **dense_gguf()).to(DEVICE).eval()
+
+
+def run_transformers(gguf: Path, dtype: torch.dtype, prompts: list[list[int]]) -> list[list[int]]:
+    m = transformers_model(gguf, dtype)
     res = hf_greedy_tokens(m, prompts, MAX_NEW)
+    del m
+    return res
+
+
+def run_transformers_structured(gguf: Path, prompts: list[list[int]], grammars: list[TokenGrammar],
+                                stops: frozenset[int]) -> list[list[int]]:
+    m = transformers_model(gguf, torch.float32)
+    res = [hf_constrained_greedy_tokens(m, g, p, MAX_JSON, stops) for p, g in zip(prompts, grammars, strict=True)]
     del m
     return res
 
@@ -124,7 +163,11 @@ def main(argv: list[str]) -> int:
     eager32, _ = run_kvfleet(gguf, "float32", prompts, enforce_eager=True)
     ref16 = run_transformers(gguf, torch.bfloat16, prompts)
     kv16, _ = run_kvfleet(gguf, "bfloat16", prompts)
+    questions = prompts[:len(QUESTIONS)]
+    kv_json, grammars, stops = run_kvfleet_structured(gguf, questions)
+    ref_json = run_transformers_structured(gguf, questions, grammars, stops)
     rows = {
+        "fp32 kvfleet JSON schema (graphs, async) vs transformers constrained": agreement(kv_json, ref_json),
         "fp32 kvfleet (graphs) vs transformers": agreement(graphs32, ref32),
         "fp32 kvfleet (eager) vs transformers": agreement(eager32, ref32),
         "bf16 kvfleet vs transformers bf16 (info)": agreement(kv16, ref16),
@@ -134,7 +177,8 @@ def main(argv: list[str]) -> int:
     ok = all(v["equal"] == v["of"] for k, v in rows.items() if k.startswith("fp32"))
     report = {"gguf": gguf.name, "device": DEVICE, "dry_run": DRY, "prompt_lens": [len(p) for p in prompts],
               "max_new_tokens": MAX_NEW, "cuda_graphs_used": graphs_used, "rows": rows, "all_fp32_equal": ok,
-              "sample": {"kvfleet_fp32": graphs32[0], "transformers_fp32": ref32[0]}, "wall_s": time.monotonic() - t0}
+              "sample": {"kvfleet_fp32": graphs32[0], "transformers_fp32": ref32[0], "kvfleet_json": kv_json[0]},
+              "wall_s": time.monotonic() - t0}
     (out_dir / "real_weights_check.json").write_text(json.dumps(report, indent=1))
     for k, v in rows.items():
         print(f"  {k}: {v['equal']}/{v['of']} equal; first differences {v['first_difference']}")

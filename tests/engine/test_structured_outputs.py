@@ -15,13 +15,12 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
 import torch
 
 from kvfleet.engine import LLM, SamplingParams
-from kvfleet.engine.sampler import unpack_bitmask
 from kvfleet.engine.sampling_params import StructuredOutputsParams as Structured
+from kvfleet.engine.testing import hf_constrained_greedy_tokens
 
 CHOICES = ["red apple", "green pear", "blue \"plum\""]
 REGEX = r"[0-9]{2,4}-[a-f]{1,3}\."   # bounded: a random model may repeat a token as long as it is allowed
@@ -32,23 +31,8 @@ SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "maxLength
 
 
 def reference(hf: Any, llm: LLM, spec: Structured, prompt: list[int], max_tokens: int) -> list[int]:
-    """transformers' greedy tokens under the constraint (one full forward per token: small models only)."""
     engine = llm.llm_engine
-    grammar = engine.compile_grammar(spec)
-    vocab = hf.config.vocab_size
-    ids, out = list(prompt), []
-    for _ in range(max_tokens):
-        with torch.no_grad():
-            logits = hf(torch.tensor([ids])).logits[0, -1].float()
-        mask = np.zeros((1, grammar.bitmask_words()), dtype=np.int32)
-        grammar.fill_bitmask(mask, 0)
-        token = int(logits.masked_fill(~unpack_bitmask(torch.from_numpy(mask), vocab)[0], float("-inf")).argmax())
-        out.append(token)
-        ids.append(token)
-        assert grammar.accept(token)
-        if token in engine.eos_token_ids or grammar.is_terminated():
-            break
-    return out
+    return hf_constrained_greedy_tokens(hf, engine.compile_grammar(spec), prompt, max_tokens, engine.eos_token_ids)
 
 
 def assert_no_leak(llm: LLM) -> None:

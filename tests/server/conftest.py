@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
+import openai
 import pytest
 
-from server_proc import KEYS, Server, start_server
+from server_proc import ALPHA, KEYS, Server, start_server
 
 
 @pytest.fixture(scope="session")
@@ -25,3 +26,17 @@ def api_server(tiny_model_dir: Path, keys_file: Path, tmp_path_factory: pytest.T
                           "--max-model-len", "128")
     yield server
     server.stop()
+
+
+@pytest.fixture(scope="session")
+def client(api_server: Server) -> openai.OpenAI:
+    """The real `openai` client on the shared server, as tenant alpha."""
+    return openai.OpenAI(base_url=api_server.url + "/v1", api_key=ALPHA, max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="session")
+def offline(tiny_model_dir: Path) -> Iterator[Any]:
+    """The offline engine on the shared server's folder: the server must agree with it token for token."""
+    from kvfleet.engine.llm import LLM
+
+    yield LLM(str(tiny_model_dir), device="cpu", max_model_len=128)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import httpx
 import openai
@@ -14,19 +14,6 @@ from server_proc import ALPHA, BETA, Server, kvfleet_cmd
 
 PROMPT = "once upon a time there lived"
 CHAT = [{"role": "user", "content": "what is the capital of france"}]
-
-
-@pytest.fixture(scope="module")
-def client(api_server: Server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=api_server.url + "/v1", api_key=ALPHA, max_retries=0, timeout=60)
-
-
-@pytest.fixture(scope="module")
-def offline(tiny_model_dir: Path) -> Iterator[Any]:
-    """The offline engine on the same folder: the server must agree with it token for token."""
-    from kvfleet.engine.llm import LLM
-
-    yield LLM(str(tiny_model_dir), device="cpu", max_model_len=128)
 
 
 def greedy(**extra: Any) -> Any:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
-from typing import Any, Iterator, Literal
+from typing import Any, Literal
 
 import openai
 import pytest
@@ -20,7 +20,7 @@ from pydantic import BaseModel
 
 from kvfleet.engine.sampling_params import SamplingParams, StructuredOutputsParams
 
-from server_proc import ALPHA, Server, start_server
+from server_proc import start_server
 
 CHAT: Any = [{"role": "user", "content": "the weather report"}]
 SCHEMA = {"type": "object", "properties": {"sky": {"enum": ["clear", "cloudy", "rain"]},
@@ -31,18 +31,6 @@ SCHEMA = {"type": "object", "properties": {"sky": {"enum": ["clear", "cloudy", "
 class Verdict(BaseModel):
     verdict: Literal["yes", "no"]
     sure: bool
-
-
-@pytest.fixture(scope="module")
-def client(api_server: Server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=api_server.url + "/v1", api_key=ALPHA, max_retries=0, timeout=60)
-
-
-@pytest.fixture(scope="module")
-def offline(tiny_model_dir: Path) -> Iterator[Any]:
-    from kvfleet.engine.llm import LLM
-
-    yield LLM(str(tiny_model_dir), device="cpu", max_model_len=128)
 
 
 def offline_chat(offline: Any, spec: StructuredOutputsParams, max_tokens: int = 60) -> Any:

@@ -14,9 +14,11 @@ import hashlib
 import json
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from pathlib import Path
 from typing import Any
+
+from kvfleet.engine.core.grammar import TokenGrammar
 
 logger = logging.getLogger(__name__)
 
@@ -196,4 +198,33 @@ def hf_greedy_tokens(model: Any, prompts: Sequence[Sequence[int]], max_new: int)
             seq = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new,
                                  min_new_tokens=max_new, do_sample=False, pad_token_id=0)
             out.append(seq[0, len(prompt):].tolist())
+    return out
+
+
+def hf_constrained_greedy_tokens(model: Any, grammar: TokenGrammar, prompt: Sequence[int], max_new: int,
+                                 stop_ids: Collection[int]) -> list[int]:
+    """A transformers model's greedy continuation under a structured-output constraint (the reference for the
+    engine's): at each step its logits with the tokens the constraint does not allow at -inf (bits unpacked with
+    numpy, apart from the engine's sampler), argmax, the constraint advanced; until a stop id, a complete output
+    or `max_new` tokens. One full forward per token: small models only."""
+    import numpy as np
+    import torch
+
+    device = next(model.parameters()).device
+    vocab = model.config.vocab_size
+    ids, out = list(prompt), []
+    mask = np.zeros((1, grammar.bitmask_words()), dtype=np.int32)
+    with torch.inference_mode():
+        for _ in range(max_new):
+            logits = model(torch.tensor([ids], device=device)).logits[0, -1].float()
+            grammar.fill_bitmask(mask, 0)
+            allowed = np.unpackbits(mask[0].view(np.uint8), bitorder="little")[:vocab].astype(bool)
+            banned = torch.from_numpy(~allowed).to(device)
+            token = int(logits.masked_fill(banned, float("-inf")).argmax())
+            out.append(token)
+            ids.append(token)
+            if not grammar.accept(token):
+                raise AssertionError(f"the constraint refused its own allowed token {token}")
+            if token in stop_ids or grammar.is_terminated():
+                break
     return out
