@@ -6,6 +6,8 @@
 #                                        GPU image lacks (fastapi, starlette, uvicorn, h11, pydantic, pydantic-core,
 #                                        annotated-types, typing-inspection, gguf), at this venv's versions, for
 #                                        CPython 3.12 on manylinux x86_64 (~4 MB: carry it with any call);
+#                                        .whl-guide/: llguidance (structured outputs, ~3 MB; kvfleet serve loads
+#                                        it only for a constrained request): carry it with the real-check call
 #                                        .gguf-parts/partN/: the embedded SmolLM2 GGUF (94 MB) in pieces of 48 MiB
 #                                        with SHA256SUMS (carry one piece a call, beside calls that carry little)
 # There (every call may run it; it never fails the call):
@@ -19,6 +21,7 @@ PY=${PY:-python3}
 SRV=${SRV:-/tmp/srv}
 GGUF_DIR=${GGUF_DIR:-/tmp/gguf}
 SERVER_WHEELS=(fastapi starlette uvicorn h11 pydantic pydantic-core annotated-types typing-inspection gguf)
+GUIDE_WHEELS=(llguidance)
 
 exclude() {  # keep a prepared folder out of git's view (a local exclude: it must not travel in the tree)
   git check-ignore -q "$1/x" && return
@@ -30,14 +33,17 @@ prepare() {
   set -e
   local venv=${VENV:-.venv/bin/python}
   exclude .whl-srv
+  exclude .whl-guide
   exclude .gguf-parts
-  mkdir -p .whl-srv
+  mkdir -p .whl-srv .whl-guide
   local name ver
-  for name in "${SERVER_WHEELS[@]}"; do
+  for name in "${SERVER_WHEELS[@]}" "${GUIDE_WHEELS[@]}"; do
+    local into=.whl-srv
+    [[ " ${GUIDE_WHEELS[*]} " == *" $name "* ]] && into=.whl-guide
     ver=$($venv -c "import importlib.metadata as m, sys; print(m.version(sys.argv[1]))" "$name")
     $venv -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-      --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
-      -d .whl-srv "$name==$ver"
+      --platform manylinux_2_31_x86_64 --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+      --platform manylinux2014_x86_64 -d "$into" "$name==$ver"
   done
   local gguf; gguf=$($venv -c "from kvfleet.engine.tokenizer import find_default_model; print(find_default_model())")
   rm -rf .gguf-parts && mkdir -p .gguf-parts/split
@@ -51,12 +57,15 @@ prepare() {
   (cd "$(dirname "$gguf")" && sha256sum "$(basename "$gguf")") > .gguf-parts/SHA256SUMS
   echo "# pieces: $((i - 1))" >> .gguf-parts/SHA256SUMS
   for ((j = 1; j < i; j++)); do cp .gguf-parts/SHA256SUMS ".gguf-parts/part$j/"; done
-  du -sh .whl-srv .gguf-parts/part*
+  du -sh .whl-srv .whl-guide .gguf-parts/part*
 }
 
 install() {
   if compgen -G ".whl-srv/*.whl" > /dev/null && ! PYTHONPATH=$SRV $PY -c "import fastapi, uvicorn, gguf" 2>/dev/null; then
     $PY -m pip install -q --no-index --no-deps --target "$SRV" .whl-srv/*.whl && echo "server wheels in $SRV"
+  fi
+  if compgen -G ".whl-guide/*.whl" > /dev/null && ! PYTHONPATH=$SRV $PY -c "import llguidance" 2>/dev/null; then
+    $PY -m pip install -q --no-index --no-deps --target "$SRV" .whl-guide/*.whl && echo "llguidance in $SRV"
   fi
   mkdir -p "$GGUF_DIR"
   local d
