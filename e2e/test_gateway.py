@@ -6,13 +6,14 @@ only) watches Tenants, ModelDeployments, pods and the key Secrets of its key nam
 or with a wrong key, each tenant sees and reaches only its own `chat` (404 for the other's), a key added to
 a Secret works and a removed one stops working without a restart, a client that leaves aborts the engine's
 request, a replica whose engine died is retried on the other, a replica killed mid-stream ends the stream
-with an error event.
+with an error event, a constrained request (structured outputs) is answered within its constraint.
 """
 from __future__ import annotations
 
 import base64
 import json
 import os
+import re
 import signal
 import uuid
 from collections.abc import Callable, Iterator
@@ -140,6 +141,21 @@ def test_tenants_keys_and_models(setup: Setup, gateway: GatewayProcess) -> None:
         "Authorization": f"Bearer {setup.key_a}"}).status_code == 401, timeout=30)
     assert gateway.metric("kvfleet_gateway_completion_tokens_total", namespace=setup.ns_b) == 8
     assert setup.key_a not in gateway.log_tail(1000) and rotated not in gateway.log_tail(1000)
+
+
+def test_structured_outputs_reach_the_engine_and_its_errors_come_back(setup: Setup, gateway: GatewayProcess) -> None:
+    """A tenant's constrained request through the gateway to a real engine pod: the answer matches its regex, and a
+    JSON schema the engine cannot compile is the engine's 400 naming the field, passed through."""
+    b = client(gateway, setup.key_b)
+    got = b.chat.completions.create(model="chat", messages=MSG, max_tokens=12, temperature=0,
+                                    extra_body={"structured_outputs": {"regex": "[a-z]{3}-[0-9]{2}"}})
+    assert re.fullmatch("[a-z]{3}-[0-9]{2}", got.choices[0].message.content or ""), got
+    assert got.choices[0].finish_reason == "stop"
+    with pytest.raises(openai.BadRequestError) as err:
+        b.chat.completions.create(model="chat", messages=MSG, max_tokens=4, response_format={
+            "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "no-such-type"}}})
+    assert err.value.param == "response_format"
+    assert err.value.body["message"].startswith("response_format.json_schema.schema: "), err.value.body
 
 
 def test_a_client_that_leaves_aborts_the_engine_request(setup: Setup, gateway: GatewayProcess) -> None:

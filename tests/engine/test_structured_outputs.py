@@ -142,3 +142,11 @@ def test_real_weights_write_json_that_matches_the_schema_as_transformers_does(sm
     if anything.finish_reason == "stop":   # else cut at max_tokens: a prefix of an object
         assert isinstance(json.loads(anything.text), dict)
     assert anything.text.lstrip().startswith("{")
+
+
+def test_the_mask_benchmark_runs_and_agrees_with_llguidances_pool(bench_module: Any, tmp_path: Path) -> None:
+    """bench/structured_masks.py: the engine's masks (one row at a time) equal llguidance's pool's; JSON written."""
+    bench = bench_module("structured_masks")
+    assert bench.main(["--label", "t", "--batches", "1,8", "--rounds", "1", "--out-dir", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "structured-masks-t.json").read_text())["rows"]
+    assert [r["batch"] for r in rows] == [1, 8] and all(r["one_by_one_ms"] > 0 for r in rows)
