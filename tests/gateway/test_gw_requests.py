@@ -24,9 +24,9 @@ def test_errors_name_the_field_like_the_engine() -> None:
     assert (err.param, err.code) == ("messages", "invalid_value")
     err = refused(CHAT, b'{"model": "m", "messages": [{"role": "user", "content": "x"}], "temprature": 1}')
     assert (err.param, err.code, err.message) == ("temprature", "unknown_field", "Unknown field 'temprature'")
-    err = refused(CHAT, b'{"model": "m", "messages": [{"role": "user", "content": "x"}], "tools": []}')
-    assert (err.param, err.code) == ("tools", "unsupported_field")
-    assert err.message == "'tools' is not supported by this server"
+    err = refused(CHAT, b'{"model": "m", "messages": [{"role": "user", "content": "x"}], "functions": []}')
+    assert (err.param, err.code) == ("functions", "unsupported_field")
+    assert err.message == "'functions' is not supported by this server"
     err = refused("/v1/completions", b'{"model": "m", "prompt": "x", "max_tokens": "5"}')
     assert err.param == "max_tokens"
     err = refused(CHAT, b'{"model": "m", "messages": [{"role": "user", "content": "x"}], "stream_options": {}}')

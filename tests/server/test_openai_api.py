@@ -116,13 +116,13 @@ def test_logit_bias_bans_and_forces_tokens_like_offline(client: openai.OpenAI, o
 
 
 def test_openai_features_not_implemented_are_named_unsupported(client: openai.OpenAI) -> None:
-    """Tools and vLLM's old guided_* fields through the openai client: a 400 naming the field as unsupported (not
-    as a typo); plain text, response_format's default, is served as without it (JSON modes:
-    test_structured_outputs_api.py)."""
+    """OpenAI's deprecated `functions` and vLLM's old guided_* fields through the openai client: a 400 naming the
+    field as unsupported (not as a typo); plain text, response_format's default, is served as without it (JSON modes:
+    test_structured_outputs_api.py; tools: test_tool_calls_api.py)."""
     msgs: Any = [{"role": "user", "content": "hi"}]
     asks: list[tuple[dict[str, Any], str]] = [
-        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]},
-         "'tools' is not supported by this server"),
+        ({"extra_body": {"functions": [{"name": "f", "parameters": {"type": "object"}}]}},
+         "'functions' is not supported by this server"),
         ({"extra_body": {"guided_json": {"type": "object"}}}, "'guided_json' is not supported by this server"),
     ]
     for extra, says in asks:

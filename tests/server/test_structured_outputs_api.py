@@ -1,5 +1,6 @@
 """Structured outputs over HTTP, through the real `openai` client against real `kvfleet serve` processes: OpenAI's
-`response_format` (JSON object, JSON schema, the client's own `parse` with a pydantic model) and vLLM's
+`response_format` (JSON object, JSON schema, the client's own `parse` with a pydantic model; on SmolLM2 also a
+named tool call) and vLLM's
 `structured_outputs` extra (JSON without whitespace, choice, regex; streamed too). On the tiny random model each
 answer is what the offline engine gives with the same constraint; on the real SmolLM2 weights the client's `parse`
 gets its pydantic model back; a bad constraint is a 400 naming the field as the request spelled it.
@@ -72,6 +73,17 @@ def test_the_clients_parse_helper_gets_its_pydantic_model_from_real_weights(
                                             response_format={"type": "json_object"})
         assert mode.choices[0].finish_reason == "stop"
         assert isinstance(json.loads(mode.choices[0].message.content or ""), dict)
+        # a named tool call (its arguments are a structured output of the function's schema)
+        tool: Any = {"type": "function", "function": {"name": "get_capital", "parameters": {
+            "type": "object", "properties": {"country": {"type": "string", "maxLength": 40}},
+            "required": ["country"], "additionalProperties": False}}}
+        called = real.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "What is the capital of France? Use the tool."}],
+            tools=[tool], tool_choice={"type": "function", "function": {"name": "get_capital"}}, max_tokens=48,
+            temperature=0)
+        (call,) = called.choices[0].message.tool_calls or []
+        assert call.function.name == "get_capital"
+        assert isinstance(json.loads(call.function.arguments)["country"], str)
     finally:
         server.stop()
 

@@ -83,7 +83,9 @@ def vllm_view(path: str, body: dict[str, Any]) -> dict[str, Any]:
     know, messages as role and text. vLLM serves more than our engine (tools, JSON mode and schemas, images, tool
     messages, its own extras): the replica gets the client's body whole and checks it itself; the gateway needs only
     the model, streaming, sampling counts and the text for its estimates and prefix routing."""
-    known = set(ROUTES[path].model_fields) - {"response_format", "structured_outputs"}   # vLLM has more members
+    # vLLM's versions of these have more members than our engine's: the replica checks them.
+    known = set(ROUTES[path].model_fields) - {"response_format", "structured_outputs", "tools", "tool_choice",
+                                              "parallel_tool_calls"}
     view = {k: v for k, v in body.items() if k in known}
     if isinstance(view.get("messages"), list):
         view["messages"] = [_message_view(m) for m in view["messages"]]

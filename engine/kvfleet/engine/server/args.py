@@ -75,6 +75,10 @@ SERVE_FLAGS: tuple[Flag, ...] = (
     Flag("--load-format", "auto: read the weights (safetensors or GGUF); dummy: random weights of the right "
          "shapes (benchmarks).", default="auto", choices=("auto", "safetensors", "gguf", "dummy")),
     Flag("--chat-template", "Jinja chat template file overriding the tokenizer's.", metavar="FILE"),
+    Flag("--enable-auto-tool-choice", "Serve tool_choice \"auto\" (the default when a request has tools): the "
+         "model's answer is parsed for tool calls with --tool-call-parser.", boolean=True, default=False),
+    Flag("--tool-call-parser", "The format the model's chat template writes tool calls in (hermes: "
+         "<tool_call>{...}</tool_call>, Qwen2.5, Qwen3, Hermes).", choices=("hermes",), metavar="NAME"),
     Flag("--api-key", "Single API key clients must send as `Authorization: Bearer KEY` (tenant `default`).",
          metavar="KEY"),
     Flag("--api-keys-file", "YAML or JSON file mapping API key -> tenant name; requests without a listed "

@@ -1,4 +1,5 @@
-"""POST /v1/chat/completions: the tokenizer's chat template, then one engine request with `n` choices."""
+"""POST /v1/chat/completions: the tokenizer's chat template, then one engine request with `n` choices; tool calls
+read from the answers (kvfleet.engine.server.tools)."""
 
 from __future__ import annotations
 
@@ -23,17 +24,30 @@ from kvfleet.engine.server.serving import (
     usage,
 )
 from kvfleet.engine.server.state import ENCODE_INLINE_CHARS, ServerState, logger
+from kvfleet.engine.server.tools import (
+    ToolChoiceError,
+    ToolMode,
+    parse_answer,
+    streamable_prefix,
+    streamed_content,
+    template_messages,
+    template_tools,
+    tool_constraint,
+    tool_mode,
+)
 
 
-async def chat_prompt_ids(state: ServerState, messages: list[ChatMessage], add_generation_prompt: bool) -> list[int]:
-    """Render the chat template and tokenize it (the template already holds any BOS token)."""
-    conversation = [{"role": m.role, "content": m.text()} for m in messages]
+async def chat_prompt_ids(state: ServerState, messages: list[ChatMessage], add_generation_prompt: bool,
+                          tools: list[dict[str, Any]] | None = None) -> list[int]:
+    """Render the chat template (with the request's tools) and tokenize it (the template already holds any BOS
+    token)."""
+    conversation = template_messages(messages)
     size = sum(len(m["content"]) for m in conversation)
     try:
         if size < ENCODE_INLINE_CHARS:
-            text = state.render_chat(conversation, add_generation_prompt)
+            text = state.render_chat(conversation, add_generation_prompt, tools)
         else:   # a template copies long contents around: off the event loop too
-            text = await state.off_loop(state.render_chat, conversation, add_generation_prompt)
+            text = await state.off_loop(state.render_chat, conversation, add_generation_prompt, tools)
     except APIError:
         raise
     except Exception as exc:  # a template may raise for conversations it does not support
@@ -52,17 +66,23 @@ def _logprobs(state: ServerState, req: ChatCompletionRequest, token_ids: list[in
 async def create_chat_completion(state: ServerState, req: ChatCompletionRequest, request: Request,
                                  tenant: str) -> Response:
     model = check_model(state, req.model)
-    ids = await chat_prompt_ids(state, req.messages, req.add_generation_prompt)
+    try:
+        mode = tool_mode(req.tools, req.tool_choice, state.tool_parser)
+    except ToolChoiceError as exc:
+        raise APIError(400, str(exc), "tool_choice", "invalid_value") from None
+    ids = await chat_prompt_ids(state, req.messages, req.add_generation_prompt, template_tools(req.tools))
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     max_field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    inputs = await build_inputs_async(state, req, ids, requested, "messages", max_field, logprobs)
+    constraint = tool_constraint(req.tools or [], mode, req.parallel_tool_calls)
+    inputs = await build_inputs_async(state, req, ids, requested, "messages", max_field, logprobs,
+                                      tool_constraint=constraint)
     tickets = take_tickets(state, 1, tenant)
     request_id = new_request_id("chatcmpl")
     streams = [stream_request(state, tickets[0], inputs, request_id, tenant)]
     created = int(time.time())
     if req.stream:
-        return ManagedStream(_stream(state, req, streams, request_id, model, created),
+        return ManagedStream(_stream(state, req, mode, streams, request_id, model, created),
                              on_close=lambda: release_all(tickets))
     try:
         (out,) = await last_outputs(streams, request)
@@ -70,12 +90,34 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
         return Response(status_code=499)
     finally:
         release_all(tickets)
-    choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
-                "logprobs": _logprobs(state, req, c.token_ids, c.logprobs),
-                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason} for c in out.outputs]
+    choices = [{"index": c.index, **_answer(mode, c.text, c.finish_reason),
+                "logprobs": _logprobs(state, req, c.token_ids, c.logprobs), "stop_reason": c.stop_reason}
+               for c in out.outputs]
     completion_tokens = sum(len(c.token_ids) for c in out.outputs)
     return JSONResponse({"id": request_id, "object": "chat.completion", "created": created, "model": model,
                          "choices": choices, "usage": usage(len(out.prompt_token_ids), completion_tokens)})
+
+
+def _answer(mode: ToolMode, text: str, finish_reason: str | None) -> dict[str, Any]:
+    """A choice's message and finish_reason: its text, or the tool calls read from it."""
+    answer = parse_answer(text, mode, complete=finish_reason == "stop")
+    message: dict[str, Any] = {"role": "assistant", "content": answer.content}
+    if not answer.tool_calls:
+        return {"message": message, "finish_reason": finish_reason}
+    message["tool_calls"] = [call.to_openai() for call in answer.tool_calls]
+    # A named function is what the request asked for, as OpenAI answers it: "stop"; else the model's calls.
+    return {"message": message, "finish_reason": finish_reason if mode.kind == "named" else "tool_calls"}
+
+
+def _final_delta(mode: ToolMode, text: str, sent: int, finish_reason: str | None) -> tuple[dict[str, Any], str | None]:
+    """A streamed choice's last delta (the content not sent yet, its tool calls) and finish_reason."""
+    answer = parse_answer(text, mode, complete=finish_reason == "stop")
+    rest = streamed_content(text, mode, answer)[sent:]
+    delta: dict[str, Any] = {"content": rest} if rest else {}
+    if not answer.tool_calls:
+        return delta, finish_reason
+    delta["tool_calls"] = [call.to_openai(i) for i, call in enumerate(answer.tool_calls)]
+    return delta, finish_reason if mode.kind == "named" else "tool_calls"
 
 
 def _chunk(request_id: str, model: str, created: int, choices: list[dict[str, Any]]) -> dict[str, Any]:
@@ -83,8 +125,9 @@ def _chunk(request_id: str, model: str, created: int, choices: list[dict[str, An
             "choices": choices}
 
 
-async def _stream(state: ServerState, req: ChatCompletionRequest, streams: list[AsyncGenerator[Any, None]],
-                  request_id: str, model: str, created: int) -> AsyncIterator[str]:
+async def _stream(state: ServerState, req: ChatCompletionRequest, mode: ToolMode,
+                  streams: list[AsyncGenerator[Any, None]], request_id: str, model: str,
+                  created: int) -> AsyncIterator[str]:
     sent_text: dict[int, int] = {}
     sent_tokens: dict[int, int] = {}
     finished: set[int] = set()
@@ -102,18 +145,32 @@ async def _stream(state: ServerState, req: ChatCompletionRequest, streams: list[
                 if c.index in finished:
                     continue
                 start_tok = sent_tokens.get(c.index, 0)
-                delta = c.text[sent_text.get(c.index, 0):]
                 new_ids = c.token_ids[start_tok:]
-                if not delta and not new_ids and c.finish_reason is None:
-                    continue
-                sent_text[c.index], sent_tokens[c.index] = len(c.text), len(c.token_ids)
+                if mode.kind == "none":
+                    delta = c.text[sent_text.get(c.index, 0):]
+                    if not delta and not new_ids and c.finish_reason is None:
+                        continue
+                    sent_text[c.index] = len(c.text)
+                    body: dict[str, Any] = {"content": delta} if delta or new_ids else {}
+                    finish_reason = c.finish_reason
+                elif c.finish_reason is None:   # tools: content as far as it is surely no call
+                    sendable = streamable_prefix(c.text, mode)
+                    delta = sendable[sent_text.get(c.index, 0):]
+                    sent_tokens[c.index] = len(c.token_ids)
+                    if not delta:
+                        continue
+                    sent_text[c.index] = len(sendable)
+                    body, finish_reason = {"content": delta}, None
+                else:
+                    body, finish_reason = _final_delta(mode, c.text, sent_text.get(c.index, 0), c.finish_reason)
+                sent_tokens[c.index] = len(c.token_ids)
                 if c.finish_reason is not None:
                     finished.add(c.index)
                 positions = (c.logprobs or [])[start_tok:]
                 chunk = _chunk(request_id, model, created, [{
-                    "index": c.index, "delta": {"content": delta} if delta or new_ids else {},
-                    "logprobs": _logprobs(state, req, new_ids, positions),
-                    "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}])
+                    "index": c.index, "delta": body,
+                    "logprobs": _logprobs(state, req, new_ids, positions) if mode.kind == "none" else None,
+                    "finish_reason": finish_reason, "stop_reason": c.stop_reason}])
                 if continuous:
                     chunk["usage"] = usage(prompt_tokens, sum(sent_tokens.values()))
                 yield sse(chunk)

@@ -128,6 +128,8 @@ def run_server(args: argparse.Namespace) -> int:
         model = args.model or default_model()
         keys = load_keys(args.api_key, args.api_keys_file)
         template = Path(args.chat_template).read_text(encoding="utf-8") if args.chat_template else None
+        if args.enable_auto_tool_choice and not args.tool_call_parser:
+            raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
     except (KeyFileError, OSError, ValueError) as exc:
         print(f"kvfleet serve: error: {exc}", file=sys.stderr)
         return 2
@@ -135,7 +137,8 @@ def run_server(args: argparse.Namespace) -> int:
     state = ServerState(model_name=name, model_path=model, keys=keys, max_queue_len=args.max_queue_len,
                         chat_template=template, log_requests=not args.disable_log_requests,
                         block_size=args.block_size, max_request_bytes=args.max_request_bytes,
-                        metrics_port=args.metrics_port)
+                        metrics_port=args.metrics_port,
+                        tool_parser=args.tool_call_parser if args.enable_auto_tool_choice else None)
     kwargs = engine_kwargs(args)
 
     def load_engine() -> Any:

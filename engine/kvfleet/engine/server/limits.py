@@ -59,8 +59,10 @@ def resolve_max_tokens(requested: int | None, prompt_len: int, max_model_len: in
 
 
 def sampling_kwargs(req: SamplingFields, max_tokens: int, logprobs: int | None,
-                    prompt_logprobs: int | None = None) -> dict[str, Any]:
-    """`SamplingParams(**kwargs)` for a request; unset OpenAI fields keep the engine's defaults."""
+                    prompt_logprobs: int | None = None,
+                    tool_constraint: StructuredOutputsParams | None = None) -> dict[str, Any]:
+    """`SamplingParams(**kwargs)` for a request; unset OpenAI fields keep the engine's defaults. `tool_constraint`:
+    a named or required tool choice's structured output (the request has no other)."""
     kwargs: dict[str, Any] = {
         "n": req.n,
         "max_tokens": max_tokens,
@@ -86,7 +88,7 @@ def sampling_kwargs(req: SamplingFields, max_tokens: int, logprobs: int | None,
         raise RequestError("stop: stop strings must be non-empty", "stop")
     if req.logit_bias:
         kwargs["logit_bias"] = logit_bias_ids(req.logit_bias)
-    structured = structured_outputs_params(req)
+    structured = tool_constraint or structured_outputs_params(req)
     if structured is not None:
         kwargs["structured_outputs"] = structured
     return kwargs
@@ -114,11 +116,13 @@ _RESPONSE_FORMAT_SPELLING = (("structured_outputs.json_object", "response_format
                              ("structured_outputs", "response_format"))
 
 
-def structured_outputs_error(message: str, req: SamplingFields) -> tuple[str, str] | None:
-    """(message, param) for an engine error about the request's constraint, in the request's own words; None if
-    the error is about something else."""
+def structured_outputs_error(message: str, req: SamplingFields, via_tools: bool = False) -> tuple[str, str] | None:
+    """(message, param) for an engine error about the request's constraint, in the request's own words (`via_tools`:
+    the constraint is a tool choice's); None if the error is about something else."""
     if not message.startswith("structured_outputs"):
         return None
+    if via_tools:
+        return "tools: a function's parameters" + message[message.find(":"):], "tools"
     fmt = req.response_format
     if fmt is None or fmt.type == "text":
         return message, "structured_outputs"

@@ -161,10 +161,55 @@ class TextPart(StrictModel):
     text: str
 
 
+ToolName = Annotated[str, Field(pattern=r"^[a-zA-Z0-9_.-]{1,64}$")]
+
+
+class FunctionDefinition(StrictModel):
+    name: ToolName
+    description: str | None = None
+    parameters: dict[str, Any] | None = None   # a JSON schema (none: no parameters)
+    strict: bool | None = None
+
+
+class Tool(StrictModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(StrictModel):
+    name: ToolName
+
+
+class NamedToolChoice(StrictModel):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class FunctionCall(StrictModel):
+    name: str
+    arguments: str   # JSON text, as the model wrote it
+
+
+class ToolCallMessage(StrictModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(StrictModel):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Union[str, list[TextPart], None] = None
     name: str | None = None
+    tool_calls: list[ToolCallMessage] | None = None   # an assistant's earlier calls
+    tool_call_id: str | None = None                   # a tool's result: the call it answers
+
+    @model_validator(mode="after")
+    def _tool_fields_by_role(self) -> "ChatMessage":
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError("messages: only an assistant message has tool_calls")
+        if (self.role == "tool") != (self.tool_call_id is not None):
+            raise ValueError("messages: a tool message needs tool_call_id, and only a tool message has one")
+        return self
 
     def text(self) -> str:
         if self.content is None:
@@ -181,11 +226,19 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     add_generation_prompt: bool = True
+    tools: Annotated[list[Tool], Field(min_length=1, max_length=128)] | None = None
+    tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
+    parallel_tool_calls: bool = True
 
     @model_validator(mode="after")
     def _top_logprobs_need_logprobs(self) -> "ChatCompletionRequest":
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs: requires logprobs to be true")
+        forced = self.tool_choice == "required" or isinstance(self.tool_choice, NamedToolChoice)
+        if forced and (self.structured_outputs is not None
+                       or (self.response_format is not None and self.response_format.type != "text")):
+            raise ValueError("tool_choice: a required or named tool call is a structured output already; "
+                             "give it or response_format / structured_outputs, not both")
         return self
 
 

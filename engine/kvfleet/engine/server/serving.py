@@ -9,7 +9,7 @@ from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from kvfleet.engine.llm_engine import EngineInputs
-from kvfleet.engine.sampling_params import SamplingParams
+from kvfleet.engine.sampling_params import SamplingParams, StructuredOutputsParams
 from kvfleet.engine.server.errors import APIError, value_error_param
 from kvfleet.engine.server.generation import REQUEST_FIELDS
 from kvfleet.engine.server.limits import (
@@ -60,7 +60,8 @@ def check_model(state: ServerState, model: str | None) -> str:
 
 def build_inputs(state: ServerState, req: SamplingFields, prompt_ids: list[int], requested_max: int | None,
                  prompt_field: str, max_field: str, logprobs: int | None,
-                 prompt_logprobs: int | None = None, prompt_text: str | None = None) -> EngineInputs:
+                 prompt_logprobs: int | None = None, prompt_text: str | None = None,
+                 tool_constraint: StructuredOutputsParams | None = None) -> EngineInputs:
     """One prompt's request with validated SamplingParams, checked by the engine's own rules as well (once:
     `AsyncLLM.generate` takes it as it is); any problem is a 400 naming the field."""
     try:
@@ -68,33 +69,37 @@ def build_inputs(state: ServerState, req: SamplingFields, prompt_ids: list[int],
         max_tokens = resolve_max_tokens(requested_max, len(prompt_ids), state.max_model_len, prompt_field,
                                         max_field, state.kv_capacity_tokens)
         check_prompt_ids(prompt_ids, state.vocab_size, prompt_field)
-        kwargs = sampling_kwargs(req, max_tokens, logprobs, prompt_logprobs)
+        kwargs = sampling_kwargs(req, max_tokens, logprobs, prompt_logprobs, tool_constraint)
         params = SamplingParams(**kwargs).validate(state.vocab_size)
     except RequestError as exc:
         raise APIError(400, exc.message, exc.param, "invalid_value") from None
     except ValueError as exc:  # SamplingParams.validate: "field: reason"
         message = str(exc)
-        structured = structured_outputs_error(message, req)
+        structured = structured_outputs_error(message, req, tool_constraint is not None)
         if structured is not None:
             raise APIError(400, structured[0], structured[1], "invalid_value") from None
         field = message.split(":", 1)[0].strip()
         raise APIError(400, message, field if field.isidentifier() else None, "invalid_value") from None
-    return check_engine_inputs(state, req, prompt_ids, params, prompt_field, max_field, prompt_text)
+    return check_engine_inputs(state, req, prompt_ids, params, prompt_field, max_field, prompt_text,
+                               tool_constraint is not None)
 
 
 async def build_inputs_async(state: ServerState, req: SamplingFields, prompt_ids: list[int],
                              requested_max: int | None, prompt_field: str, max_field: str, logprobs: int | None,
-                             prompt_logprobs: int | None = None, prompt_text: str | None = None) -> EngineInputs:
+                             prompt_logprobs: int | None = None, prompt_text: str | None = None,
+                             tool_constraint: StructuredOutputsParams | None = None) -> EngineInputs:
     """`build_inputs`, off the event loop for a request with structured outputs: compiling its constraint takes
     milliseconds, and the first one builds the tokenizer's token table (about a second)."""
-    args = (state, req, prompt_ids, requested_max, prompt_field, max_field, logprobs, prompt_logprobs, prompt_text)
-    if structured_outputs_params(req) is None:
+    args = (state, req, prompt_ids, requested_max, prompt_field, max_field, logprobs, prompt_logprobs, prompt_text,
+            tool_constraint)
+    if tool_constraint is None and structured_outputs_params(req) is None:
         return build_inputs(*args)
     return await state.off_loop(build_inputs, *args)
 
 
 def check_engine_inputs(state: ServerState, req: SamplingFields, prompt_ids: list[int], params: SamplingParams,
-                        prompt_field: str, max_field: str, prompt_text: str | None = None) -> EngineInputs:
+                        prompt_field: str, max_field: str, prompt_text: str | None = None,
+                        via_tools: bool = False) -> EngineInputs:
     """The engine's own admission rules (n or best_of over max_num_seqs, a request that can never fit the
     KV cache, a constraint that does not compile, ...), checked now: once a stream has sent its headers an error
     could only go in-band under a 200."""
@@ -102,7 +107,7 @@ def check_engine_inputs(state: ServerState, req: SamplingFields, prompt_ids: lis
         return state.loaded_engine().process_inputs({"prompt": prompt_text, "prompt_token_ids": prompt_ids}, params)
     except ValueError as exc:
         message = str(exc)
-        structured = structured_outputs_error(message, req)
+        structured = structured_outputs_error(message, req, via_tools)
         if structured is not None:
             raise APIError(400, structured[0], structured[1], "invalid_value") from None
         param = value_error_param(message, REQUEST_FIELDS)

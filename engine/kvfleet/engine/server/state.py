@@ -42,6 +42,7 @@ class ServerState:
     block_size: int = 16
     max_request_bytes: int = 32 * 2**20   # larger bodies get 413 before they are read
     metrics_port: int | None = None       # /metrics only there (and only /metrics there)
+    tool_parser: str | None = None        # tool_choice "auto" is served, its calls read with this parser
     engine: AsyncLLM | None = None   # once loaded
     ready: bool = False           # loaded and one step has run
     load_error: str | None = None
@@ -128,11 +129,12 @@ class ServerState:
         # Without a tokenizer, name the token the way vLLM's return_tokens_as_token_ids does.
         return self.tokenizer.decode([token_id]) if self.tokenizer is not None else f"token_id:{token_id}"
 
-    def render_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> str:
+    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool,
+                    tools: list[dict[str, Any]] | None = None) -> str:
         tok = self.tokenizer
         if tok is None:
             raise APIError(400, "messages: this model has no tokenizer (and no chat template)", "messages",
                            "no_tokenizer")
         template = self.chat_template or getattr(tok, "chat_template", None) or FALLBACK_CHAT_TEMPLATE
         return tok.apply_chat_template(messages, chat_template=template, tokenize=False,
-                                       add_generation_prompt=add_generation_prompt)
+                                       add_generation_prompt=add_generation_prompt, tools=tools)

@@ -1,0 +1,197 @@
+"""Tool calling for chat completions (pure): OpenAI's `tools` and `tool_choice`, served as vLLM serves them.
+
+- `none`: the model answers in text (the tools are still shown to the chat template, as vLLM does by default).
+- a named function (`{"type": "function", "function": {"name": ...}}`): the output is constrained to that function's
+  parameters schema (structured outputs) and returned as one tool call.
+- `required`: constrained to a JSON list of `{"name", "parameters"}` objects, one schema per tool (at most one call
+  unless `parallel_tool_calls`), returned as tool calls, `finish_reason` `tool_calls`.
+- `auto` (the default when tools are given): the model decides; its text is parsed for calls in its chat template's
+  format, which needs `--enable-auto-tool-choice --tool-call-parser NAME` (vLLM's flags). Parser: `hermes`
+  (`<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, the format of Qwen2.5, Qwen3 and Hermes templates).
+
+Arguments are compact JSON (no whitespace between tokens, as OpenAI's): a model cannot spend its budget on
+whitespace inside a call.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass
+from typing import Any, Literal, Sequence
+
+from kvfleet.engine.sampling_params import StructuredOutputsParams
+from kvfleet.engine.server.protocol import ChatMessage, NamedToolChoice, Tool
+
+TOOL_CALL_PARSERS = ("hermes",)
+HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
+_HERMES_CALL = re.compile(re.escape(HERMES_OPEN) + r"\s*(.*?)\s*(?:" + re.escape(HERMES_CLOSE) + r"|$)", re.DOTALL)
+
+
+@dataclass(frozen=True)
+class ToolMode:
+    """How a chat request's answer is read: plain text, one named call, required calls, or the model's choice."""
+
+    kind: Literal["none", "named", "required", "auto"]
+    name: str | None = None          # named: the function
+    parser: str | None = None        # auto: the server's --tool-call-parser
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    name: str
+    arguments: str                   # JSON text
+
+    def to_openai(self, index: int | None = None) -> dict[str, Any]:
+        call: dict[str, Any] = {"id": f"chatcmpl-tool-{uuid.uuid4().hex}", "type": "function",
+                                "function": {"name": self.name, "arguments": self.arguments}}
+        return call if index is None else {"index": index, **call}
+
+
+@dataclass(frozen=True)
+class ParsedAnswer:
+    content: str | None
+    tool_calls: list[ToolCall]
+
+
+class ToolChoiceError(ValueError):
+    """A request's tools and tool_choice cannot be served as given (a 400 naming `tool_choice`)."""
+
+
+def tool_mode(tools: Sequence[Tool] | None, choice: str | NamedToolChoice | None, parser: str | None) -> ToolMode:
+    """The mode of a request (ToolChoiceError if it cannot be served)."""
+    if not tools:
+        if choice not in (None, "none"):
+            raise ToolChoiceError("tool_choice: needs tools")
+        return ToolMode("none")
+    if choice is None:
+        choice = "auto"
+    if isinstance(choice, NamedToolChoice):
+        name = choice.function.name
+        if name not in {t.function.name for t in tools}:
+            raise ToolChoiceError(f"tool_choice: function {name!r} is not among the tools")
+        return ToolMode("named", name=name)
+    if choice == "auto":
+        if parser is None:
+            raise ToolChoiceError('tool_choice: "auto" tool choice (the default with tools) requires '
+                                  "--enable-auto-tool-choice and --tool-call-parser to be set; use \"required\", "
+                                  "a named function or \"none\"")
+        return ToolMode("auto", parser=parser)
+    return ToolMode("required") if choice == "required" else ToolMode("none")
+
+
+def _parameters(tool: Tool) -> dict[str, Any]:
+    return tool.function.parameters or {"type": "object", "properties": {}}
+
+
+def tool_constraint(tools: Sequence[Tool], mode: ToolMode, parallel: bool) -> StructuredOutputsParams | None:
+    """The structured output a named or required tool choice generates under (None for none and auto)."""
+    if mode.kind == "named":
+        tool = next(t for t in tools if t.function.name == mode.name)
+        return StructuredOutputsParams(json=_parameters(tool), disable_any_whitespace=True)
+    if mode.kind != "required":
+        return None
+    one_of = [{"type": "object", "properties": {"name": {"const": t.function.name}, "parameters": _parameters(t)},
+               "required": ["name", "parameters"], "additionalProperties": False} for t in tools]
+    calls: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": one_of}}
+    if not parallel:
+        calls["maxItems"] = 1
+    return StructuredOutputsParams(json=calls, disable_any_whitespace=True)
+
+
+def template_tools(tools: Sequence[Tool] | None) -> list[dict[str, Any]] | None:
+    """The tools as chat templates take them (OpenAI's shape, parameters defaulted)."""
+    if not tools:
+        return None
+    return [{"type": "function", "function": {
+        "name": t.function.name, "description": t.function.description or "", "parameters": _parameters(t)}}
+        for t in tools]
+
+
+def template_messages(messages: Sequence[ChatMessage]) -> list[dict[str, Any]]:
+    """Messages as chat templates take them: text content; an assistant's tool calls with their arguments as
+    objects (templates render them as JSON; OpenAI sends them as text); a tool result with its call's id."""
+    out = []
+    for m in messages:
+        msg: dict[str, Any] = {"role": m.role, "content": m.text()}
+        if m.tool_calls:
+            msg["tool_calls"] = [{"id": c.id, "type": "function", "function": {
+                "name": c.function.name, "arguments": _arguments_object(c.function.arguments)}} for c in m.tool_calls]
+        if m.tool_call_id is not None:
+            msg["tool_call_id"] = m.tool_call_id
+        if m.name is not None:
+            msg["name"] = m.name
+        out.append(msg)
+    return out
+
+
+def _arguments_object(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text   # a template shows it as it came
+
+
+def _compact(value: Any) -> str:
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+
+
+def parse_answer(text: str, mode: ToolMode, complete: bool) -> ParsedAnswer:
+    """The answer's content and tool calls. A constrained answer cut off by max_tokens (not `complete`) is returned
+    as content: its JSON is unfinished."""
+    if mode.kind == "none":
+        return ParsedAnswer(text, [])
+    if mode.kind == "named":
+        assert mode.name is not None
+        return ParsedAnswer(None, [ToolCall(mode.name, text)]) if complete else ParsedAnswer(text, [])
+    if mode.kind == "required":
+        if not complete:
+            return ParsedAnswer(text, [])
+        return ParsedAnswer(None, [ToolCall(str(c["name"]), _compact(c["parameters"])) for c in json.loads(text)])
+    return parse_hermes(text)
+
+
+def parse_hermes(text: str) -> ParsedAnswer:
+    """Hermes-format calls (`<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, any number) and the text
+    before the first as content. A block that is no such JSON object stays text: the answer is not lost."""
+    start = text.find(HERMES_OPEN)
+    if start < 0:
+        return ParsedAnswer(text, [])
+    calls = []
+    for match in _HERMES_CALL.finditer(text, start):
+        try:
+            call = json.loads(match.group(1))
+        except ValueError:
+            return ParsedAnswer(text, [])
+        if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+            return ParsedAnswer(text, [])
+        arguments = call.get("arguments", call.get("parameters", {}))
+        calls.append(ToolCall(call["name"], arguments if isinstance(arguments, str) else _compact(arguments)))
+    content = text[:start].strip()
+    return ParsedAnswer(content or None, calls)
+
+
+def streamable_prefix(text: str, mode: ToolMode) -> str:
+    """How much of a growing answer may be streamed as content now: all of it without tools; nothing of a named or
+    required call (sent whole at the end); for auto, the text before anything that is or may become a tool call's
+    opening tag."""
+    if mode.kind == "none":
+        return text
+    if mode.kind != "auto":
+        return ""
+    start = text.find(HERMES_OPEN)
+    if start >= 0:
+        return text[:start]
+    for keep in range(min(len(HERMES_OPEN) - 1, len(text)), 0, -1):   # a tag cut between two chunks
+        if HERMES_OPEN.startswith(text[-keep:]):
+            return text[:-keep]
+    return text
+
+
+def streamed_content(text: str, mode: ToolMode, answer: ParsedAnswer) -> str:
+    """All of the answer a stream sends as content (the non-streamed answer's content, unstripped): the text,
+    or the part before its calls."""
+    if not answer.tool_calls:
+        return text
+    return text[:text.find(HERMES_OPEN)] if mode.kind == "auto" else ""

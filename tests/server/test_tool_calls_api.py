@@ -1,0 +1,119 @@
+"""Tool calling over HTTP through the real `openai` client against real `kvfleet serve` processes (tiny random
+model): a named or required tool choice is answered with tool calls whose arguments match the function's schema
+(streamed too), what the request's tools and earlier calls look like to the chat template, and `auto`, which needs
+the server's tool-call parser (a 400 naming tool_choice without it, vLLM's rule)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Iterator
+
+import openai
+import pytest
+
+from server_proc import Server, start_server
+
+WEATHER: Any = {"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather of a city",
+    "parameters": {"type": "object", "properties": {"unit": {"enum": ["C", "F"]}, "rain": {"type": "boolean"}},
+                   "required": ["unit", "rain"], "additionalProperties": False}}}
+CLOCK: Any = {"type": "function", "function": {"name": "now"}}
+ASK: Any = [{"role": "user", "content": "what is the weather"}]
+# A template that shows tools and earlier calls (as Qwen's does, shorter): what the model is shown is visible in
+# the prompt's token count.
+TEMPLATE = (
+    "{% if tools %}<|im_start|>system\n{% for t in tools %}{{ t | tojson }}\n{% endfor %}<|im_end|>\n{% endif %}"
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{% if m.tool_calls %}{% for c in m.tool_calls %}<tool_call>"
+    "{{ {'name': c.function.name, 'arguments': c.function.arguments} | tojson }}</tool_call>{% endfor %}"
+    "{% else %}{{ m.content }}{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def check_weather_call(call: Any) -> None:
+    assert call.type == "function" and call.function.name == "get_weather" and call.id.startswith("chatcmpl-tool-")
+    args = json.loads(call.function.arguments)
+    assert set(args) == {"unit", "rain"} and args["unit"] in ("C", "F") and isinstance(args["rain"], bool)
+
+
+def test_a_named_function_is_called_with_arguments_of_its_schema(client: openai.OpenAI) -> None:
+    named: Any = {"type": "function", "function": {"name": "get_weather"}}
+    got = client.chat.completions.create(model="tiny", messages=ASK, max_tokens=40, temperature=0,
+                                         tools=[WEATHER, CLOCK], tool_choice=named)
+    message = got.choices[0].message
+    assert message.content is None and len(message.tool_calls or []) == 1 and got.choices[0].finish_reason == "stop"
+    check_weather_call((message.tool_calls or [])[0])
+    stream = client.chat.completions.create(model="tiny", messages=ASK, max_tokens=40, temperature=0,
+                                            tools=[WEATHER, CLOCK], tool_choice=named, stream=True)
+    chunks = list(stream)
+    calls = [tc for c in chunks for tc in (c.choices[0].delta.tool_calls or []) if c.choices]
+    assert len(calls) == 1 and calls[0].function.arguments == (message.tool_calls or [])[0].function.arguments
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == ""
+
+
+def test_required_calls_are_one_or_more_of_the_tools(client: openai.OpenAI) -> None:
+    got = client.chat.completions.create(model="tiny", messages=ASK, max_tokens=60, temperature=0,
+                                         tools=[WEATHER, CLOCK], tool_choice="required", parallel_tool_calls=False)
+    calls = got.choices[0].message.tool_calls or []
+    assert len(calls) == 1 and got.choices[0].finish_reason == "tool_calls"
+    if calls[0].function.name == "get_weather":
+        check_weather_call(calls[0])
+    else:
+        assert calls[0].function.name == "now" and json.loads(calls[0].function.arguments) == {}
+
+
+def test_auto_needs_the_servers_parser_and_bad_choices_name_the_field(client: openai.OpenAI) -> None:
+    for extra, says in (({"tools": [WEATHER]}, "--enable-auto-tool-choice"),
+                        ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+                         "'nope' is not among the tools"),
+                        ({"tool_choice": "required"}, "needs tools"),
+                        ({"tools": [WEATHER], "tool_choice": "required",
+                          "response_format": {"type": "json_object"}}, "not both")):
+        with pytest.raises(openai.BadRequestError) as info:
+            client.chat.completions.create(model="tiny", messages=ASK, max_tokens=4, **extra)
+        assert info.value.param == "tool_choice" and says in info.value.body["message"], info.value.body
+    bad_schema: Any = {"type": "function", "function": {"name": "f", "parameters": {"type": "nope"}}}
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model="tiny", messages=ASK, max_tokens=4, tools=[bad_schema],
+                                       tool_choice="required")
+    assert info.value.param == "tools" and info.value.body["message"].startswith("tools: a function's parameters")
+    # none: text, as without tools
+    plain = client.chat.completions.create(model="tiny", messages=ASK, max_tokens=6, temperature=0)
+    none = client.chat.completions.create(model="tiny", messages=ASK, max_tokens=6, temperature=0, tools=[WEATHER],
+                                          tool_choice="none")
+    assert none.choices[0].message.content == plain.choices[0].message.content
+    assert none.choices[0].message.tool_calls is None
+
+
+@pytest.fixture(scope="module")
+def auto_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    logs = tmp_path_factory.mktemp("auto-tools")
+    (logs / "template.jinja").write_text(TEMPLATE)
+    server = start_server(tiny_model_dir, logs, "--max-model-len", "512", "--enable-auto-tool-choice",
+                          "--tool-call-parser", "hermes", "--chat-template", str(logs / "template.jinja"))
+    yield server
+    server.stop()
+
+
+def test_auto_with_the_hermes_parser_and_what_the_template_is_shown(auto_server: Server) -> None:
+    """`auto` is served with the parser (the random model writes no call: its text is the content); the template
+    is shown the tools and an earlier call with its arguments as an object."""
+    auto = openai.OpenAI(base_url=auto_server.url + "/v1", api_key="none", max_retries=0, timeout=60)
+    bare = auto.chat.completions.create(model="tiny", messages=ASK, max_tokens=8, temperature=0)
+    with_tools = auto.chat.completions.create(model="tiny", messages=ASK, max_tokens=8, temperature=0,
+                                              tools=[WEATHER])
+    assert with_tools.choices[0].message.tool_calls is None and with_tools.choices[0].message.content is not None
+    assert with_tools.choices[0].finish_reason in ("stop", "length")
+    shown = json.dumps(WEATHER)   # the template writes each tool as JSON: its tokens are in the prompt
+    assert (with_tools.usage.prompt_tokens - bare.usage.prompt_tokens) >= len(shown) // 4
+    history: Any = ASK + [
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"unit": "C"}'}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "rain"}]
+    follow = auto.chat.completions.create(model="tiny", messages=history, max_tokens=8, temperature=0,
+                                          tools=[WEATHER])
+    assert follow.usage.prompt_tokens > with_tools.usage.prompt_tokens
+    stream = auto.chat.completions.create(model="tiny", messages=ASK, max_tokens=8, temperature=0,
+                                          tools=[WEATHER], stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == \
+        with_tools.choices[0].message.content
