@@ -37,7 +37,9 @@ def test_top_level_help_is_light() -> None:
 
 @pytest.mark.parametrize("argv, needle", [(["serve", "--api-key", "a", "--api-keys-file", "b"], "exclusive"),
                                           (["serve", "--block-size", "0"], "--block-size"),
-                                          (["serve", "--device", "tpu"], "--device")])
+                                          (["serve", "--device", "tpu"], "--device"),
+                                          (["serve", "--enable-auto-tool-choice"], "needs --tool-call-parser"),
+                                          (["serve", "--tool-call-parser", "pythonic"], "--tool-call-parser")])
 def test_bad_flags_exit_2_naming_the_flag(argv: list[str], needle: str) -> None:
     out = run(*argv)
     assert out.returncode == 2 and needle in out.stderr
