@@ -97,8 +97,10 @@ def test_a_vllm_model_takes_what_vllm_serves_and_the_gateway_reads_only_its_part
     assert req.body == VLLM_CHAT and req.model == "m" and req.stream and req.wants_usage
     assert upstream_body(req, "m", raw) == raw   # untouched: the replica checks what the gateway did not
     # the estimate reads the text only: 4 messages' overhead + the system and user texts (the image is not text)
+    # + the tools as JSON (the template shows them)
     prompt, _ = token_estimate(req)
-    assert prompt == (len("Use the tool.") + len("What is in this picture?") + len("a cat")) / 4 + 16
+    text = len("Use the tool.") + len("What is in this picture?") + len("a cat") + len(json.dumps(VLLM_CHAT["tools"]))
+    assert prompt == text / 4 + 16
     # what the gateway reads is still checked, naming the field
     for bad, field in (({"temperature": "hot"}, "temperature"), ({"messages": "hi"}, "messages"),
                        ({"stream_options": {"include_usage": "yes"}}, "stream_options")):

@@ -8,12 +8,15 @@ import json
 
 import pytest
 
+from kvfleet.engine.server.args import SERVE_FLAGS
 from kvfleet.engine.server.protocol import ChatMessage, NamedToolChoice, Tool
 from kvfleet.engine.server.tools import (
+    TOOL_CALL_PARSERS,
     ToolChoiceError,
     ToolMode,
     parse_answer,
     parse_hermes,
+    parse_llama3_json,
     streamable_prefix,
     streamed_content,
     template_messages,
@@ -111,3 +114,25 @@ def test_templates_get_tools_and_earlier_calls_as_objects() -> None:
         ChatMessage.model_validate({"role": "tool", "content": "rain"})
     with pytest.raises(ValueError, match="only an assistant message has tool_calls"):
         ChatMessage.model_validate({"role": "user", "content": "x", "tool_calls": []})
+
+
+def test_llama3_json_parser_on_what_llama_models_write() -> None:
+    one = parse_llama3_json('{"name": "get_weather", "parameters": {"city": "Paris"}}')
+    assert one.content is None and [(c.name, json.loads(c.arguments)) for c in one.tool_calls] == [
+        ("get_weather", {"city": "Paris"})]
+    two = parse_llama3_json('<|python_tag|>{"name": "now", "parameters": {}}; {"name": "get_weather", '
+                            '"arguments": {"city": "Rome"}}')
+    assert [c.name for c in two.tool_calls] == ["now", "get_weather"]
+    for text in ("The weather is fine.", '{"name": "now", "parameters": {}} and more', '{"city": "x"}',
+                 '{"name": "now", "parameters": '):
+        assert parse_llama3_json(text).tool_calls == [] and parse_llama3_json(text).content == text
+    llama = ToolMode("auto", parser="llama3_json")
+    assert streamable_prefix("  ", llama) == "" and streamable_prefix('{"na', llama) == ""
+    assert streamable_prefix("<|python", llama) == "" and streamable_prefix("It is", llama) == "It is"
+    text = '{"name": "now", "parameters": {}}'
+    assert streamed_content(text, llama, parse_answer(text, llama, True)) == ""
+
+
+def test_the_servers_parser_choices_are_the_formats_read() -> None:
+    (flag,) = [f for f in SERVE_FLAGS if f.name == "--tool-call-parser"]
+    assert flag.choices == TOOL_CALL_PARSERS

@@ -132,14 +132,17 @@ MAX_COMPLETION_ESTIMATE = 4096
 
 def token_estimate(req: ClientRequest) -> tuple[float, float]:
     """(prompt, completion) tokens a request is expected to use, before the engine says (fair queuing's charge;
-    corrected by the usage when it ends). Text counts a token per 4 characters; token ids count as they are.
-    (De)tokenizing runs no model: it costs nothing."""
+    corrected by the usage when it ends). Text counts a token per 4 characters, a chat's tools by their JSON;
+    token ids count as they are. (De)tokenizing runs no model: it costs nothing."""
     parsed = req.generation
     if parsed is None:
         return 0.0, 0.0
     n = max(1, parsed.n)
     if isinstance(parsed, ChatCompletionRequest):
         prompt = sum(len(m.text()) for m in parsed.messages) / CHARS_PER_TOKEN + 4 * len(parsed.messages)
+        tools = req.body.get("tools")   # the chat template shows them to the model (as sent: vLLM's may be wider)
+        if isinstance(tools, list) and tools:
+            prompt += len(json.dumps(tools)) / CHARS_PER_TOKEN
         limit = parsed.max_completion_tokens or parsed.max_tokens
     else:
         prompts = parsed.prompt if isinstance(parsed.prompt, list) and parsed.prompt and not isinstance(

@@ -6,8 +6,10 @@
 - `required`: constrained to a JSON list of `{"name", "parameters"}` objects, one schema per tool (at most one call
   unless `parallel_tool_calls`), returned as tool calls, `finish_reason` `tool_calls`.
 - `auto` (the default when tools are given): the model decides; its text is parsed for calls in its chat template's
-  format, which needs `--enable-auto-tool-choice --tool-call-parser NAME` (vLLM's flags). Parser: `hermes`
-  (`<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, the format of Qwen2.5, Qwen3 and Hermes templates).
+  format, which needs `--enable-auto-tool-choice --tool-call-parser NAME` (vLLM's flags). Parsers: `hermes`
+  (`<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, the format of Qwen2.5, Qwen3 and Hermes templates)
+  and `llama3_json` (an answer that is `{"name": ..., "parameters": {...}}` objects, separated by `;`, as Llama
+  3.1-3.3 templates ask for).
 
 Arguments are compact JSON (no whitespace between tokens, as OpenAI's): a model cannot spend its budget on
 whitespace inside a call.
@@ -19,13 +21,13 @@ import json
 import re
 import uuid
 from dataclasses import dataclass
-from typing import Any, Literal, Sequence
+from typing import Any, Callable, Literal, Sequence
 
 from kvfleet.engine.sampling_params import StructuredOutputsParams
 from kvfleet.engine.server.protocol import ChatMessage, NamedToolChoice, Tool
 
-TOOL_CALL_PARSERS = ("hermes",)
 HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
+LLAMA_TAG = "<|python_tag|>"   # Llama 3's tool-call start (a special token: gone when special tokens are skipped)
 _HERMES_CALL = re.compile(re.escape(HERMES_OPEN) + r"\s*(.*?)\s*(?:" + re.escape(HERMES_CLOSE) + r"|$)", re.DOTALL)
 
 
@@ -149,7 +151,15 @@ def parse_answer(text: str, mode: ToolMode, complete: bool) -> ParsedAnswer:
         if not complete:
             return ParsedAnswer(text, [])
         return ParsedAnswer(None, [ToolCall(str(c["name"]), _compact(c["parameters"])) for c in json.loads(text)])
-    return parse_hermes(text)
+    return _format(mode).parse(text)
+
+
+def _call(obj: Any) -> ToolCall | None:
+    """A `{"name": ..., "arguments" | "parameters": ...}` object as a call; None if it is none."""
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        return None
+    arguments = obj.get("arguments", obj.get("parameters", {}))
+    return ToolCall(obj["name"], arguments if isinstance(arguments, str) else _compact(arguments))
 
 
 def parse_hermes(text: str) -> ParsedAnswer:
@@ -161,25 +171,40 @@ def parse_hermes(text: str) -> ParsedAnswer:
     calls = []
     for match in _HERMES_CALL.finditer(text, start):
         try:
-            call = json.loads(match.group(1))
+            call = _call(json.loads(match.group(1)))
         except ValueError:
             return ParsedAnswer(text, [])
-        if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+        if call is None:
             return ParsedAnswer(text, [])
-        arguments = call.get("arguments", call.get("parameters", {}))
-        calls.append(ToolCall(call["name"], arguments if isinstance(arguments, str) else _compact(arguments)))
+        calls.append(call)
     content = text[:start].strip()
     return ParsedAnswer(content or None, calls)
 
 
-def streamable_prefix(text: str, mode: ToolMode) -> str:
-    """How much of a growing answer may be streamed as content now: all of it without tools; nothing of a named or
-    required call (sent whole at the end); for auto, the text before anything that is or may become a tool call's
-    opening tag."""
-    if mode.kind == "none":
-        return text
-    if mode.kind != "auto":
-        return ""
+def parse_llama3_json(text: str) -> ParsedAnswer:
+    """Llama 3's calls: an answer that is (after an optional `<|python_tag|>`) one or more `{"name": ...,
+    "parameters": {...}}` objects separated by `;`. Anything else, or anything that does not parse, is content."""
+    body = text.strip()
+    if body.startswith(LLAMA_TAG):
+        body = body[len(LLAMA_TAG):].lstrip()
+    if not body.startswith("{"):
+        return ParsedAnswer(text, [])
+    decoder, calls, at = json.JSONDecoder(), [], 0
+    while at < len(body):
+        try:
+            obj, at = decoder.raw_decode(body, at)
+        except ValueError:
+            return ParsedAnswer(text, [])
+        call = _call(obj)
+        if call is None:
+            return ParsedAnswer(text, [])
+        calls.append(call)
+        while at < len(body) and (body[at].isspace() or body[at] == ";"):
+            at += 1
+    return ParsedAnswer(None, calls)
+
+
+def _hermes_streamable(text: str) -> str:
     start = text.find(HERMES_OPEN)
     if start >= 0:
         return text[:start]
@@ -189,9 +214,48 @@ def streamable_prefix(text: str, mode: ToolMode) -> str:
     return text
 
 
+def _llama3_streamable(text: str) -> str:
+    head = text.lstrip()
+    if not head or head.startswith("{") or head.startswith(LLAMA_TAG) or LLAMA_TAG.startswith(head):
+        return ""   # a call (all of the answer is one) or not known yet
+    return text
+
+
+@dataclass(frozen=True)
+class CallFormat:
+    """A chat template's way of writing tool calls: how to read them, and what of a growing answer is surely
+    content (a stream may send it)."""
+
+    parse: Callable[[str], ParsedAnswer]
+    streamable: Callable[[str], str]
+    content_before_calls: Callable[[str], str]   # of an answer with calls: the content a stream sent
+
+
+CALL_FORMATS: dict[str, CallFormat] = {
+    "hermes": CallFormat(parse_hermes, _hermes_streamable, lambda text: text[:text.find(HERMES_OPEN)]),
+    "llama3_json": CallFormat(parse_llama3_json, _llama3_streamable, lambda text: ""),
+}
+TOOL_CALL_PARSERS = tuple(CALL_FORMATS)
+
+
+def _format(mode: ToolMode) -> CallFormat:
+    assert mode.parser is not None
+    return CALL_FORMATS[mode.parser]
+
+
+def streamable_prefix(text: str, mode: ToolMode) -> str:
+    """How much of a growing answer may be streamed as content now: all of it without tools; nothing of a named or
+    required call (sent whole at the end); for auto, the text before anything that is or may become a call."""
+    if mode.kind == "none":
+        return text
+    if mode.kind != "auto":
+        return ""
+    return _format(mode).streamable(text)
+
+
 def streamed_content(text: str, mode: ToolMode, answer: ParsedAnswer) -> str:
     """All of the answer a stream sends as content (the non-streamed answer's content, unstripped): the text,
     or the part before its calls."""
     if not answer.tool_calls:
         return text
-    return text[:text.find(HERMES_OPEN)] if mode.kind == "auto" else ""
+    return _format(mode).content_before_calls(text) if mode.kind == "auto" else ""
