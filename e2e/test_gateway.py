@@ -144,8 +144,9 @@ def test_tenants_keys_and_models(setup: Setup, gateway: GatewayProcess) -> None:
 
 
 def test_structured_outputs_reach_the_engine_and_its_errors_come_back(setup: Setup, gateway: GatewayProcess) -> None:
-    """A tenant's constrained request through the gateway to a real engine pod: the answer matches its regex, and a
-    JSON schema the engine cannot compile is the engine's 400 naming the field, passed through."""
+    """A tenant's constrained request through the gateway to a real engine pod: the answer matches its regex, a
+    JSON schema the engine cannot compile is the engine's 400 naming the field, passed through, and a named tool
+    call comes back with arguments of its schema."""
     b = client(gateway, setup.key_b)
     got = b.chat.completions.create(model="chat", messages=MSG, max_tokens=12, temperature=0,
                                     extra_body={"structured_outputs": {"regex": "[a-z]{3}-[0-9]{2}"}})
@@ -156,6 +157,14 @@ def test_structured_outputs_reach_the_engine_and_its_errors_come_back(setup: Set
             "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "no-such-type"}}})
     assert err.value.param == "response_format"
     assert err.value.body["message"].startswith("response_format.json_schema.schema: "), err.value.body
+    # a named tool call: its arguments are a structured output of the function's schema
+    tool: Any = {"type": "function", "function": {"name": "pick", "parameters": {
+        "type": "object", "properties": {"color": {"enum": ["red", "blue"]}}, "required": ["color"],
+        "additionalProperties": False}}}
+    called = b.chat.completions.create(model="chat", messages=MSG, max_tokens=16, temperature=0, tools=[tool],
+                                       tool_choice={"type": "function", "function": {"name": "pick"}})
+    (call,) = called.choices[0].message.tool_calls or []
+    assert call.function.name == "pick" and json.loads(call.function.arguments)["color"] in ("red", "blue")
 
 
 def test_a_client_that_leaves_aborts_the_engine_request(setup: Setup, gateway: GatewayProcess) -> None:

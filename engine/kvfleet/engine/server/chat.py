@@ -109,15 +109,26 @@ def _answer(mode: ToolMode, text: str, finish_reason: str | None) -> dict[str, A
     return {"message": message, "finish_reason": finish_reason if mode.kind == "named" else "tool_calls"}
 
 
-def _final_delta(mode: ToolMode, text: str, sent: int, finish_reason: str | None) -> tuple[dict[str, Any], str | None]:
-    """A streamed choice's last delta (the content not sent yet, its tool calls) and finish_reason."""
-    answer = parse_answer(text, mode, complete=finish_reason == "stop")
-    rest = streamed_content(text, mode, answer)[sent:]
-    delta: dict[str, Any] = {"content": rest} if rest else {}
-    if not answer.tool_calls:
-        return delta, finish_reason
-    delta["tool_calls"] = [call.to_openai(i) for i, call in enumerate(answer.tool_calls)]
-    return delta, finish_reason if mode.kind == "named" else "tool_calls"
+def _delta(mode: ToolMode, text: str, sent: int, finish_reason: str | None,
+           new_tokens: bool) -> tuple[dict[str, Any], str | None, int] | None:
+    """What a stream sends of a choice now: (delta, finish_reason, characters of its text sent by then); None:
+    nothing yet. With tools, content goes as far as it is surely no call, and the calls go whole at the end."""
+    if finish_reason is not None and mode.kind != "none":
+        answer = parse_answer(text, mode, complete=finish_reason == "stop")
+        rest = streamed_content(text, mode, answer)[sent:]
+        body: dict[str, Any] = {"content": rest} if rest else {}
+        if answer.tool_calls:
+            body["tool_calls"] = [call.to_openai(i) for i, call in enumerate(answer.tool_calls)]
+            finish_reason = finish_reason if mode.kind == "named" else "tool_calls"
+        return body, finish_reason, len(text)
+    sendable = streamable_prefix(text, mode)
+    delta = sendable[sent:]
+    if mode.kind != "none":
+        return ({"content": delta}, None, len(sendable)) if delta else None
+    if not delta and not new_tokens and finish_reason is None:
+        return None
+    # tokens without text yet (a character cut between tokens) still carry their logprobs
+    return ({"content": delta} if delta or new_tokens else {}), finish_reason, len(sendable)
 
 
 def _chunk(request_id: str, model: str, created: int, choices: list[dict[str, Any]]) -> dict[str, Any]:
@@ -146,24 +157,11 @@ async def _stream(state: ServerState, req: ChatCompletionRequest, mode: ToolMode
                     continue
                 start_tok = sent_tokens.get(c.index, 0)
                 new_ids = c.token_ids[start_tok:]
-                if mode.kind == "none":
-                    delta = c.text[sent_text.get(c.index, 0):]
-                    if not delta and not new_ids and c.finish_reason is None:
-                        continue
-                    sent_text[c.index] = len(c.text)
-                    body: dict[str, Any] = {"content": delta} if delta or new_ids else {}
-                    finish_reason = c.finish_reason
-                elif c.finish_reason is None:   # tools: content as far as it is surely no call
-                    sendable = streamable_prefix(c.text, mode)
-                    delta = sendable[sent_text.get(c.index, 0):]
-                    sent_tokens[c.index] = len(c.token_ids)
-                    if not delta:
-                        continue
-                    sent_text[c.index] = len(sendable)
-                    body, finish_reason = {"content": delta}, None
-                else:
-                    body, finish_reason = _final_delta(mode, c.text, sent_text.get(c.index, 0), c.finish_reason)
+                step = _delta(mode, c.text, sent_text.get(c.index, 0), c.finish_reason, bool(new_ids))
                 sent_tokens[c.index] = len(c.token_ids)
+                if step is None:
+                    continue
+                body, finish_reason, sent_text[c.index] = step
                 if c.finish_reason is not None:
                     finished.add(c.index)
                 positions = (c.logprobs or [])[start_tok:]
