@@ -78,9 +78,13 @@ def test_hermes_parser_on_what_qwen_models_write() -> None:
                        '</tool_call>')
     assert one.content == "I will look." and [(c.name, json.loads(c.arguments)) for c in one.tool_calls] == [
         ("get_weather", {"city": "Paris"})]
-    two = parse_hermes('<tool_call>{"name": "now", "arguments": {}}</tool_call>\n<tool_call>{"name": "get_weather",'
-                       ' "arguments": {"city": "Rome"}}</tool_call>')
+    two_text = ('<tool_call>{"name": "now", "arguments": {}}</tool_call>\n<tool_call>{"name": "get_weather", '
+                '"arguments": {"city": "Rome"}}</tool_call>')
+    two = parse_hermes(two_text)
     assert two.content is None and [c.name for c in two.tool_calls] == ["now", "get_weather"]
+    single = ToolMode("auto", parser="hermes", parallel=False)   # parallel_tool_calls false: the first call only
+    assert [c.name for c in parse_answer(two_text, single, True).tool_calls] == ["now"]
+    assert tool_mode([WEATHER], None, "hermes", parallel=False) == single
     unclosed = parse_hermes('<tool_call>{"name": "now", "arguments": {}}')   # stopped before its closing tag
     assert [c.name for c in unclosed.tool_calls] == ["now"]
     for text in ("no calls here", '<tool_call>{"name": broken</tool_call>', "<tool_call>[1, 2]</tool_call>"):

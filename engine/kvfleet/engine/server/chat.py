@@ -67,7 +67,7 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
                                  tenant: str) -> Response:
     model = check_model(state, req.model)
     try:
-        mode = tool_mode(req.tools, req.tool_choice, state.tool_parser)
+        mode = tool_mode(req.tools, req.tool_choice, state.tool_parser, req.parallel_tool_calls)
     except ToolChoiceError as exc:
         raise APIError(400, str(exc), "tool_choice", "invalid_value") from None
     ids = await chat_prompt_ids(state, req.messages, req.add_generation_prompt, template_tools(req.tools))

@@ -38,6 +38,7 @@ class ToolMode:
     kind: Literal["none", "named", "required", "auto"]
     name: str | None = None          # named: the function
     parser: str | None = None        # auto: the server's --tool-call-parser
+    parallel: bool = True            # auto: parallel_tool_calls (false: the model's first call only)
 
 
 @dataclass(frozen=True)
@@ -61,7 +62,8 @@ class ToolChoiceError(ValueError):
     """A request's tools and tool_choice cannot be served as given (a 400 naming `tool_choice`)."""
 
 
-def tool_mode(tools: Sequence[Tool] | None, choice: str | NamedToolChoice | None, parser: str | None) -> ToolMode:
+def tool_mode(tools: Sequence[Tool] | None, choice: str | NamedToolChoice | None, parser: str | None,
+              parallel: bool = True) -> ToolMode:
     """The mode of a request (ToolChoiceError if it cannot be served)."""
     if not tools:
         if choice not in (None, "none"):
@@ -79,7 +81,7 @@ def tool_mode(tools: Sequence[Tool] | None, choice: str | NamedToolChoice | None
             raise ToolChoiceError('tool_choice: "auto" tool choice (the default with tools) requires '
                                   "--enable-auto-tool-choice and --tool-call-parser to be set; use \"required\", "
                                   "a named function or \"none\"")
-        return ToolMode("auto", parser=parser)
+        return ToolMode("auto", parser=parser, parallel=parallel)
     return ToolMode("required") if choice == "required" else ToolMode("none")
 
 
@@ -151,7 +153,9 @@ def parse_answer(text: str, mode: ToolMode, complete: bool) -> ParsedAnswer:
         if not complete:
             return ParsedAnswer(text, [])
         return ParsedAnswer(None, [ToolCall(str(c["name"]), _compact(c["parameters"])) for c in json.loads(text)])
-    return _format(mode).parse(text)
+    answer = _format(mode).parse(text)
+    # parallel_tool_calls false: one call at most (required is held to one by its schema, auto only here)
+    return answer if mode.parallel else ParsedAnswer(answer.content, answer.tool_calls[:1])
 
 
 def _call(obj: Any) -> ToolCall | None:
