@@ -32,8 +32,7 @@ import torch
 from llguidance import LLExecutor
 from llguidance.numpy import fill_next_token_bitmask_par
 
-from kvfleet.engine.core.request import Request
-from kvfleet.engine.core.scheduler import ScheduledRequest
+from kvfleet.engine.core.grammar import TokenGrammar
 from kvfleet.engine.model_runner import allowed_tokens
 from kvfleet.engine.sampling_params import StructuredOutputsParams
 from kvfleet.engine.structured_outputs import GrammarCompiler, GuidedGrammar
@@ -83,16 +82,15 @@ def main(argv: list[str] | None = None) -> int:
     biggest = max(int(b) for b in args.batches.split(","))
     grammars = [walked(compiler, rng, int(rng.integers(0, 41))) for _ in range(biggest)]
     words = grammars[0].bitmask_words()
-    scheduled = [ScheduledRequest(Request(f"r{i}", [1], max_tokens=64, grammar=g), 0, 1, [], True)
-                 for i, g in enumerate(grammars)]
     pool = LLExecutor()
     cpu = torch.device("cpu")
     rows: list[dict[str, Any]] = []
     for b in (int(x) for x in args.batches.split(",")):
-        batch, reqs, out = grammars[:b], scheduled[:b], np.zeros((b, words), dtype=np.int32)
+        batch, out = grammars[:b], np.zeros((b, words), dtype=np.int32)
+        constrained: list[tuple[int, TokenGrammar]] = list(enumerate(batch))
         pairs = [(g.matcher, j) for j, g in enumerate(batch)]
-        serial = timed(lambda: allowed_tokens(reqs, list(range(len(reqs))), cpu, False), args.rounds)   # noqa: B023
-        engine_mask = allowed_tokens(reqs, list(range(b)), cpu, False)
+        serial = timed(lambda: allowed_tokens(constrained, cpu, False), args.rounds)   # noqa: B023
+        engine_mask = allowed_tokens(constrained, cpu, False)
         pooled = timed(lambda: fill_next_token_bitmask_par(pool, pairs, out), args.rounds)   # noqa: B023
         assert engine_mask is not None and np.array_equal(out, engine_mask.bitmask.numpy()), "masks differ"
         rows.append({"batch": b, "one_by_one_ms": serial, "llguidance_pool_ms": pooled,

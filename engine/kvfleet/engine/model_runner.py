@@ -24,6 +24,7 @@ import torch
 from kvfleet.engine.async_step import InFlight, copy_to_host_async
 from kvfleet.engine.attention.metadata import AttentionMetadata, build_attention_metadata
 from kvfleet.engine.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
+from kvfleet.engine.core.grammar import TokenGrammar
 from kvfleet.engine.core.request import Request
 from kvfleet.engine.core.runner_output import ModelRunnerOutput, PromptLogprob, SampleLogprobs
 from kvfleet.engine.core.scheduler import ScheduledRequest, SchedulerOutput
@@ -119,19 +120,18 @@ def logit_bias(rows: list[SamplingRow], biased: list[int], dev: torch.device,
                      host_tensor(values, np.float32, dev, non_blocking))
 
 
-def allowed_tokens(reqs: list[ScheduledRequest], constrained: list[int], dev: torch.device,
+def allowed_tokens(constrained: list[tuple[int, TokenGrammar]], dev: torch.device,
                    non_blocking: bool) -> Optional[AllowedTokens]:
-    """Structured outputs: each `constrained` row's allowed next tokens, asked of its constraint now (host work);
-    None when no row is constrained (most steps)."""
+    """Structured outputs: the allowed next tokens of each constrained (row, constraint), asked of the constraint now
+    (host work); None when no row is constrained (most steps)."""
     if not constrained:
         return None
-    grammars = [g for g in (reqs[i].request.grammar for i in constrained) if g is not None]
-    bitmask = np.full((len(grammars), max(g.bitmask_words() for g in grammars)), -1, dtype=np.int32)
+    bitmask = np.full((len(constrained), max(g.bitmask_words() for _, g in constrained)), -1, dtype=np.int32)
     # One row at a time: 2-3 µs a row for a JSON schema over a 49k vocabulary; llguidance's thread pool was slower
     # up to 64 rows and 1.5x faster at 256 on two idle cores, 100x slower on busy ones (bench/structured_masks.py).
-    for j, grammar in enumerate(grammars):
+    for j, (_, grammar) in enumerate(constrained):
         grammar.fill_bitmask(bitmask, j)
-    return AllowedTokens(host_tensor(constrained, np.int64, dev, non_blocking),
+    return AllowedTokens(host_tensor([row for row, _ in constrained], np.int64, dev, non_blocking),
                          to_device(torch.from_numpy(bitmask), dev, non_blocking))
 
 
@@ -355,7 +355,7 @@ class ModelRunner:
         gens: dict[int, torch.Generator] = {}
         banned: list[tuple[int, frozenset[int]]] = []
         biased: list[int] = []   # rows with a logit_bias
-        constrained: list[int] = []   # rows with structured outputs
+        constrained: list[tuple[int, TokenGrammar]] = []   # rows with structured outputs
         pending: Optional[dict[str, int]] = None
         max_logprobs = -1
         for i, s in enumerate(reqs):
@@ -367,7 +367,7 @@ class ModelRunner:
             if row.bias_ids:
                 biased.append(i)
             if r.grammar is not None:
-                constrained.append(i)
+                constrained.append((i, r.grammar))
             if row.seeded and r.seed is not None:   # seeded: r.seed is set
                 gen = self._generators.get(r.request_id)
                 if gen is None:
@@ -408,7 +408,7 @@ class ModelRunner:
             output_tokens=(padded([s.request.output_token_ids for s in reqs])
                            if reps is not None or freqs is not None or press is not None else None),
             min_tokens_mask=min_mask, logit_bias=logit_bias(rows, biased, dev, nb),
-            allowed=allowed_tokens(reqs, constrained, dev, nb), generators=gens,
+            allowed=allowed_tokens(constrained, dev, nb), generators=gens,
             max_num_logprobs=max_logprobs,
             all_greedy=all(t < 1e-5 for t in temps),
         )

@@ -42,14 +42,18 @@ class StructuredOutputsParams:
 
     KINDS = ("json", "regex", "choice", "grammar", "json_object")
 
+    def given(self) -> list[str]:
+        """The constraints set, in KINDS' order."""
+        return [k for k in self.KINDS if getattr(self, k) not in (None, False)]
+
     @property
     def kind(self) -> str:
         """Which constraint is set (validated: exactly one)."""
-        return next(k for k in self.KINDS if getattr(self, k) not in (None, False))
+        return self.given()[0]
 
     def validate(self) -> None:
         field = "structured_outputs"
-        given = [k for k in self.KINDS if getattr(self, k) not in (None, False)]
+        given = self.given()
         if len(given) != 1:
             _fail(field, f"give exactly one of {', '.join(self.KINDS)}; got {', '.join(given) or 'none'}")
         if self.json is not None:

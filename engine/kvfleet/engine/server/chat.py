@@ -27,6 +27,7 @@ from kvfleet.engine.server.state import ENCODE_INLINE_CHARS, ServerState, logger
 from kvfleet.engine.server.tools import (
     ToolChoiceError,
     ToolMode,
+    finish_reason_with_calls,
     parse_answer,
     streamable_prefix,
     streamed_content,
@@ -105,8 +106,7 @@ def _answer(mode: ToolMode, text: str, finish_reason: str | None) -> dict[str, A
     if not answer.tool_calls:
         return {"message": message, "finish_reason": finish_reason}
     message["tool_calls"] = [call.to_openai() for call in answer.tool_calls]
-    # A named function is what the request asked for, as OpenAI answers it: "stop"; else the model's calls.
-    return {"message": message, "finish_reason": finish_reason if mode.kind == "named" else "tool_calls"}
+    return {"message": message, "finish_reason": finish_reason_with_calls(mode, finish_reason)}
 
 
 def _delta(mode: ToolMode, text: str, sent: int, finish_reason: str | None,
@@ -119,7 +119,7 @@ def _delta(mode: ToolMode, text: str, sent: int, finish_reason: str | None,
         body: dict[str, Any] = {"content": rest} if rest else {}
         if answer.tool_calls:
             body["tool_calls"] = [call.to_openai(i) for i, call in enumerate(answer.tool_calls)]
-            finish_reason = finish_reason if mode.kind == "named" else "tool_calls"
+            finish_reason = finish_reason_with_calls(mode, finish_reason)
         return body, finish_reason, len(text)
     sendable = streamable_prefix(text, mode)
     delta = sendable[sent:]

@@ -141,6 +141,12 @@ def _compact(value: Any) -> str:
     return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
 
 
+def finish_reason_with_calls(mode: ToolMode, finish_reason: str | None) -> str | None:
+    """A choice's finish_reason once calls were read from it: a named function is what the request asked for, as
+    OpenAI answers it ("stop" stays); else the model's calls ("tool_calls")."""
+    return finish_reason if mode.kind == "named" else "tool_calls"
+
+
 def parse_answer(text: str, mode: ToolMode, complete: bool) -> ParsedAnswer:
     """The answer's content and tool calls. A constrained answer cut off by max_tokens (not `complete`) is returned
     as content: its JSON is unfinished."""
