@@ -6,7 +6,8 @@ from typing import Optional
 
 import torch
 
-from kvfleet.engine.sampler import AllowedTokens, LogitBias, Sampler, SamplingBatch, unpack_bitmask
+from kvfleet.engine.kernels.token_bitmask import unpack_bitmask
+from kvfleet.engine.sampler import AllowedTokens, LogitBias, Sampler, SamplingBatch
 
 V = 8
 
@@ -144,3 +145,12 @@ def test_structured_rows_sample_only_allowed_tokens_and_their_logprobs_renormali
         gen = torch.Generator().manual_seed(seed)
         one = AllowedTokens(torch.tensor([0]), packed([[2, 3, 5]]))
         assert Sampler()(logits_rows(1), batch(1, [1.0], gens={0: gen}, allowed=one)).sampled.item() in (2, 3, 5)
+
+
+def test_structured_rows_leave_the_callers_float32_logits_as_they_were() -> None:
+    """The mask is written into the sampler's own copy: the runner's logits (prompt logprobs read other rows
+    of the same tensor) are not touched."""
+    logits = logits_rows(2)
+    before = logits.clone()
+    Sampler()(logits, batch(2, [0.0, 0.0], allowed=AllowedTokens(torch.tensor([0]), packed([[3]]))))
+    assert torch.equal(logits, before)

@@ -16,6 +16,8 @@ from typing import NamedTuple, Optional
 
 import torch
 
+from .kernels.token_bitmask import apply_token_bitmask_, apply_token_bitmask_ref_
+
 _NEG_INF = float("-inf")
 
 
@@ -126,25 +128,20 @@ def random_sample(probs: torch.Tensor, generators: dict[int, torch.Generator]) -
     return probs.div_(q).argmax(dim=-1)
 
 
-def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """bool [N, vocab_size] from packed int32 words (little-endian bits; words past the vocabulary ignored)."""
-    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
-    bits = (bitmask.unsqueeze(-1) >> shifts) & 1
-    return bits.flatten(1)[:, :vocab_size].bool()
-
-
-def apply_allowed(logits: torch.Tensor, allowed: AllowedTokens) -> torch.Tensor:
-    """`logits` with every token the constrained rows may not take at -inf (a new tensor)."""
-    rows = logits.index_select(0, allowed.rows)
-    rows = rows.masked_fill(~unpack_bitmask(allowed.bitmask, logits.shape[-1]), _NEG_INF)
-    return logits.index_copy(0, allowed.rows, rows)
+def apply_allowed_(logits: torch.Tensor, allowed: AllowedTokens) -> None:
+    """Every token the constrained rows may not take at -inf, in place (one Triton pass on a GPU)."""
+    if logits.is_cuda:
+        apply_token_bitmask_(logits, allowed.bitmask, allowed.rows)
+    else:
+        apply_token_bitmask_ref_(logits, allowed.bitmask, allowed.rows)
 
 
 class Sampler:
     def __call__(self, logits: torch.Tensor, b: SamplingBatch) -> SamplerOutput:
-        logits = logits.float()
+        # a float32 copy the sampler owns (structured outputs write into it; the caller's rows stay as they were)
+        logits = logits.float() if logits.dtype != torch.float32 or b.allowed is None else logits.clone()
         if b.allowed is not None:
-            logits = apply_allowed(logits, b.allowed)
+            apply_allowed_(logits, b.allowed)
         raw_logprobs = logits.log_softmax(dim=-1) if b.max_num_logprobs >= 0 else None
         if b.min_tokens_mask is not None:
             logits = logits.masked_fill(b.min_tokens_mask, _NEG_INF)
