@@ -17,6 +17,7 @@ from kvfleet.engine.server.tools import (
     parse_answer,
     parse_hermes,
     parse_llama3_json,
+    parse_pythonic,
     streamable_prefix,
     streamed_content,
     template_messages,
@@ -135,6 +136,27 @@ def test_llama3_json_parser_on_what_llama_models_write() -> None:
     assert streamable_prefix("<|python", llama) == "" and streamable_prefix("It is", llama) == "It is"
     text = '{"name": "now", "parameters": {}}'
     assert streamed_content(text, llama, parse_answer(text, llama, True)) == ""
+
+
+def test_pythonic_parser_on_what_llama_models_write() -> None:
+    """Llama 3.2's and 4's pythonic calls: keyword arguments with literals (JSON's true/false/null too) become
+    JSON arguments; anything that is not a list of such calls stays content, and nothing is evaluated."""
+    one = parse_pythonic('[get_weather(city="Paris", days=3, hourly=True, units=None, tags=["a", 1.5], '
+                         "where={'lat': 48.8, 'ok': true})]")
+    assert one.content is None and [(c.name, json.loads(c.arguments)) for c in one.tool_calls] == [
+        ("get_weather", {"city": "Paris", "days": 3, "hourly": True, "units": None, "tags": ["a", 1.5],
+                         "where": {"lat": 48.8, "ok": True}})]
+    two = parse_pythonic("<|python_start|>[now(), get_weather(city='Rome')]<|python_end|>")
+    assert [c.name for c in two.tool_calls] == ["now", "get_weather"] and two.tool_calls[0].arguments == "{}"
+    for text in ("The weather is fine.", "[1, 2]", "[]", "[now(1)]", "[now(**kw)]", "[os.system('x')]",
+                 "[now(x=__import__('os'))]", "[now(x={1, 2})]", "[now(x=b'1')]", "[now(x=", "[now()] and more",
+                 "[" * 1000):
+        assert parse_pythonic(text).tool_calls == [] and parse_pythonic(text).content == text
+    pythonic = ToolMode("auto", parser="pythonic")
+    assert streamable_prefix(" ", pythonic) == "" and streamable_prefix("[get_", pythonic) == ""
+    assert streamable_prefix("<|python", pythonic) == "" and streamable_prefix("It is", pythonic) == "It is"
+    text = "[now()]"
+    assert streamed_content(text, pythonic, parse_answer(text, pythonic, True)) == ""
 
 
 def test_the_servers_parser_choices_are_the_formats_read() -> None:

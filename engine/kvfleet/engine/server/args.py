@@ -79,7 +79,8 @@ SERVE_FLAGS: tuple[Flag, ...] = (
          "model's answer is parsed for tool calls with --tool-call-parser.", boolean=True, default=False),
     Flag("--tool-call-parser", "The format the model's chat template writes tool calls in (hermes: "
          "<tool_call>{...}</tool_call>, Qwen2.5, Qwen3, Hermes; llama3_json: {\"name\": ..., \"parameters\": ...}, "
-         "Llama 3.1-3.3).", choices=("hermes", "llama3_json"), metavar="NAME"),
+         "Llama 3.1-3.3; pythonic: [name(arg=value), ...], Llama 3.2 and 4's pythonic templates).",
+         choices=("hermes", "llama3_json", "pythonic"), metavar="NAME"),
     Flag("--api-key", "Single API key clients must send as `Authorization: Bearer KEY` (tenant `default`).",
          metavar="KEY"),
     Flag("--api-keys-file", "YAML or JSON file mapping API key -> tenant name; requests without a listed "

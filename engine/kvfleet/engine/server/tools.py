@@ -8,8 +8,9 @@
 - `auto` (the default when tools are given): the model decides; its text is parsed for calls in its chat template's
   format, which needs `--enable-auto-tool-choice --tool-call-parser NAME` (vLLM's flags). Parsers: `hermes`
   (`<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, the format of Qwen2.5, Qwen3 and Hermes templates)
-  and `llama3_json` (an answer that is `{"name": ..., "parameters": {...}}` objects, separated by `;`, as Llama
-  3.1-3.3 templates ask for).
+  `llama3_json` (an answer that is `{"name": ..., "parameters": {...}}` objects, separated by `;`, as Llama
+  3.1-3.3 templates ask for) and `pythonic` (an answer that is a Python list of calls with keyword arguments,
+  `[get_weather(city="Paris"), now()]`, as Llama 3.2's and 4's pythonic templates ask for).
 
 Arguments are compact JSON (no whitespace between tokens, as OpenAI's): a model cannot spend its budget on
 whitespace inside a call.
@@ -17,6 +18,7 @@ whitespace inside a call.
 
 from __future__ import annotations
 
+import ast
 import json
 import re
 import uuid
@@ -28,6 +30,7 @@ from kvfleet.engine.server.protocol import ChatMessage, NamedToolChoice, Tool
 
 HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
 LLAMA_TAG = "<|python_tag|>"   # Llama 3's tool-call start (a special token: gone when special tokens are skipped)
+PYTHON_START, PYTHON_END = "<|python_start|>", "<|python_end|>"   # Llama 4's, around pythonic calls
 _HERMES_CALL = re.compile(re.escape(HERMES_OPEN) + r"\s*(.*?)\s*(?:" + re.escape(HERMES_CLOSE) + r"|$)", re.DOTALL)
 
 
@@ -214,6 +217,44 @@ def parse_llama3_json(text: str) -> ParsedAnswer:
     return ParsedAnswer(None, calls)
 
 
+_JSON_NAMES = {"true": True, "false": False, "null": None}   # what a model trained on JSON may write
+
+
+def _literal(node: ast.expr) -> Any:
+    """A call argument's value: a Python literal, JSON's true/false/null written as names included."""
+    if isinstance(node, ast.Name) and node.id in _JSON_NAMES:
+        return _JSON_NAMES[node.id]
+    if isinstance(node, ast.List):
+        return [_literal(e) for e in node.elts]
+    if isinstance(node, ast.Dict):
+        if any(k is None for k in node.keys):
+            raise ValueError("** in a dict")
+        return {_literal(k): _literal(v) for k, v in zip(node.keys, node.values, strict=True) if k is not None}
+    return ast.literal_eval(node)
+
+
+def parse_pythonic(text: str) -> ParsedAnswer:
+    """Pythonic calls: an answer that is (between an optional `<|python_start|>` and `<|python_end|>`, Llama 4's)
+    a Python list of calls, `[name(arg=value, ...), ...]`, keyword arguments with literal values only. Anything
+    else, or anything that does not parse, is content. Nothing is evaluated: the text is read as a syntax tree."""
+    body = text.strip().removeprefix(PYTHON_START).removesuffix(PYTHON_END).strip()
+    if not body.startswith("["):
+        return ParsedAnswer(text, [])
+    try:
+        tree = ast.parse(body, mode="eval").body
+        if not isinstance(tree, ast.List) or not tree.elts:
+            return ParsedAnswer(text, [])
+        calls = []
+        for node in tree.elts:
+            if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and not node.args
+                    and all(k.arg is not None for k in node.keywords)):
+                return ParsedAnswer(text, [])
+            calls.append(ToolCall(node.func.id, _compact({k.arg: _literal(k.value) for k in node.keywords})))
+    except (SyntaxError, ValueError, TypeError, RecursionError):
+        return ParsedAnswer(text, [])
+    return ParsedAnswer(None, calls)
+
+
 def _hermes_streamable(text: str) -> str:
     start = text.find(HERMES_OPEN)
     if start >= 0:
@@ -231,6 +272,13 @@ def _llama3_streamable(text: str) -> str:
     return text
 
 
+def _pythonic_streamable(text: str) -> str:
+    head = text.lstrip()
+    if not head or head.startswith(("[", PYTHON_START)) or PYTHON_START.startswith(head):
+        return ""   # a call list (all of the answer is one) or not known yet
+    return text
+
+
 @dataclass(frozen=True)
 class CallFormat:
     """A chat template's way of writing tool calls: how to read them, and what of a growing answer is surely
@@ -244,6 +292,7 @@ class CallFormat:
 CALL_FORMATS: dict[str, CallFormat] = {
     "hermes": CallFormat(parse_hermes, _hermes_streamable, lambda text: text[:text.find(HERMES_OPEN)]),
     "llama3_json": CallFormat(parse_llama3_json, _llama3_streamable, lambda text: ""),
+    "pythonic": CallFormat(parse_pythonic, _pythonic_streamable, lambda text: ""),
 }
 TOOL_CALL_PARSERS = tuple(CALL_FORMATS)
 
