@@ -39,7 +39,7 @@ def test_top_level_help_is_light() -> None:
                                           (["serve", "--block-size", "0"], "--block-size"),
                                           (["serve", "--device", "tpu"], "--device"),
                                           (["serve", "--enable-auto-tool-choice"], "needs --tool-call-parser"),
-                                          (["serve", "--tool-call-parser", "pythonic"], "--tool-call-parser")])
+                                          (["serve", "--tool-call-parser", "no-such-format"], "--tool-call-parser")])
 def test_bad_flags_exit_2_naming_the_flag(argv: list[str], needle: str) -> None:
     out = run(*argv)
     assert out.returncode == 2 and needle in out.stderr

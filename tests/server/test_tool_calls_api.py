@@ -39,16 +39,23 @@ def check_weather_call(call: Any) -> None:
 def test_a_named_function_is_called_with_arguments_of_its_schema(client: openai.OpenAI) -> None:
     named: Any = {"type": "function", "function": {"name": "get_weather"}}
     got = client.chat.completions.create(model="tiny", messages=ASK, max_tokens=40, temperature=0,
-                                         tools=[WEATHER, CLOCK], tool_choice=named)
+                                         tools=[WEATHER, CLOCK], tool_choice=named, logprobs=True, top_logprobs=2)
     message = got.choices[0].message
     assert message.content is None and len(message.tool_calls or []) == 1 and got.choices[0].finish_reason == "stop"
     check_weather_call((message.tool_calls or [])[0])
     stream = client.chat.completions.create(model="tiny", messages=ASK, max_tokens=40, temperature=0,
-                                            tools=[WEATHER, CLOCK], tool_choice=named, stream=True)
+                                            tools=[WEATHER, CLOCK], tool_choice=named, stream=True,
+                                            logprobs=True, top_logprobs=2)
     chunks = list(stream)
     calls = [tc for c in chunks for tc in (c.choices[0].delta.tool_calls or []) if c.choices]
     assert len(calls) == 1 and calls[0].function.arguments == (message.tool_calls or [])[0].function.arguments
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == ""
+    # the call is held back until it is whole, its tokens' logprobs are not: they come with the chunk that is sent
+    streamed = [t for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.content or []]
+    whole = (got.choices[0].logprobs and got.choices[0].logprobs.content) or []
+    assert got.usage is not None and len(whole) == got.usage.completion_tokens > 0
+    assert [t.token for t in streamed] == [t.token for t in whole]
+    assert [t.logprob for t in streamed] == pytest.approx([t.logprob for t in whole], abs=1e-4)
 
 
 def test_required_calls_are_one_or_more_of_the_tools(client: openai.OpenAI) -> None:

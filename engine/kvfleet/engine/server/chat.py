@@ -140,7 +140,9 @@ async def _stream(state: ServerState, req: ChatCompletionRequest, mode: ToolMode
                   streams: list[AsyncGenerator[Any, None]], request_id: str, model: str,
                   created: int) -> AsyncIterator[str]:
     sent_text: dict[int, int] = {}
-    sent_tokens: dict[int, int] = {}
+    sent_tokens: dict[int, int] = {}      # tokens generated so far (usage)
+    logprobs_sent: dict[int, int] = {}    # tokens whose logprobs were sent: a chunk held back (a possible tool
+    #                                       call) passes its tokens' logprobs on to the next one sent
     finished: set[int] = set()
     prompt_tokens = 0
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -155,19 +157,19 @@ async def _stream(state: ServerState, req: ChatCompletionRequest, mode: ToolMode
             for c in out.outputs:
                 if c.index in finished:
                     continue
-                start_tok = sent_tokens.get(c.index, 0)
-                new_ids = c.token_ids[start_tok:]
-                step = _delta(mode, c.text, sent_text.get(c.index, 0), c.finish_reason, bool(new_ids))
+                new_tokens = len(c.token_ids) > sent_tokens.get(c.index, 0)
+                step = _delta(mode, c.text, sent_text.get(c.index, 0), c.finish_reason, new_tokens)
                 sent_tokens[c.index] = len(c.token_ids)
                 if step is None:
                     continue
                 body, finish_reason, sent_text[c.index] = step
                 if c.finish_reason is not None:
                     finished.add(c.index)
-                positions = (c.logprobs or [])[start_tok:]
+                lp_start = logprobs_sent.get(c.index, 0)
+                logprobs_sent[c.index] = len(c.token_ids)
                 chunk = _chunk(request_id, model, created, [{
                     "index": c.index, "delta": body,
-                    "logprobs": _logprobs(state, req, new_ids, positions) if mode.kind == "none" else None,
+                    "logprobs": _logprobs(state, req, c.token_ids[lp_start:], (c.logprobs or [])[lp_start:]),
                     "finish_reason": finish_reason, "stop_reason": c.stop_reason}])
                 if continuous:
                     chunk["usage"] = usage(prompt_tokens, sum(sent_tokens.values()))
