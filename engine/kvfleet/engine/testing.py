@@ -138,8 +138,10 @@ def make_tiny_model(
     std: float = 0.1,
     max_position_embeddings: int = 1024,
     num_kv_heads: int = 2,
+    added_tokens: tuple[str, ...] = (),
 ) -> Path:
-    """Build (once) and save a tiny `arch` model with tokenizer under `path`; returns its folder."""
+    """Build (once) and save a tiny `arch` model with tokenizer under `path`; returns its folder. `added_tokens`:
+    single tokens added to the tokenizer, not special (kept in decoded text, as a reasoning model's <think>)."""
     if arch not in ARCHS:
         raise ValueError(f"arch: {arch!r} is not one of {', '.join(ARCHS)}")
     if num_layers < 1:
@@ -150,6 +152,8 @@ def make_tiny_model(
                 max_position_embeddings=max_position_embeddings, version=_BUILD_VERSION)
     if num_kv_heads != 2:  # keep the folder names of existing default builds
         spec["num_kv_heads"] = num_kv_heads
+    if added_tokens:
+        spec["added_tokens"] = list(added_tokens)
     digest = hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:10]
     folder = Path(path) / f"tiny-{arch}-{digest}"
     marker = folder / "kvfleet-tiny.json"
@@ -159,6 +163,7 @@ def make_tiny_model(
     import transformers
 
     tokenizer = build_tokenizer(vocab_size)
+    tokenizer.add_tokens(list(added_tokens))
     config = tiny_config(arch, len(tokenizer), num_layers, max_position_embeddings, num_kv_heads)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)

@@ -85,7 +85,7 @@ def vllm_view(path: str, body: dict[str, Any]) -> dict[str, Any]:
     the model, streaming, sampling counts and the text for its estimates and prefix routing."""
     # vLLM's versions of these have more members than our engine's: the replica checks them.
     known = set(ROUTES[path].model_fields) - {"response_format", "structured_outputs", "tools", "tool_choice",
-                                              "parallel_tool_calls"}
+                                              "parallel_tool_calls", "chat_template_kwargs"}
     view = {k: v for k, v in body.items() if k in known}
     if isinstance(view.get("messages"), list):
         view["messages"] = [_message_view(m) for m in view["messages"]]

@@ -22,6 +22,7 @@ from kvfleet.engine.server.completions import create_completion
 from kvfleet.engine.server.errors import APIError, error_body, install_error_handlers
 from kvfleet.engine.server.generation import shutdown_error
 from kvfleet.engine.server.metrics import CONTENT_TYPE
+from kvfleet.engine.server.reasoning import reasoning_parser
 from kvfleet.engine.server.serving import check_model
 from kvfleet.engine.server.state import ServerState
 from kvfleet.engine.server.textbound import tokenizer_chars_per_token
@@ -215,7 +216,8 @@ def build_app(state: ServerState, load_engine: Callable[[], AsyncLLM] | None = N
     async def tokenize(req: P.TokenizeRequest) -> dict[str, Any]:
         check_model(state, req.model)
         if req.messages is not None:
-            ids = await chat_prompt_ids(state, req.messages, req.add_generation_prompt)
+            ids = await chat_prompt_ids(state, req.messages, req.add_generation_prompt,
+                                        template_kwargs=req.chat_template_kwargs)
         else:
             ids = await state.encode_async(req.prompt or "", "prompt", add_special_tokens=req.add_special_tokens)
         return {"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids}
@@ -248,6 +250,8 @@ async def _load(state: ServerState, load_engine: Callable[[], AsyncLLM]) -> None
         engine = state.engine = await asyncio.to_thread(load_engine)
         if engine.tokenizer is not None:
             state.chars_per_token = tokenizer_chars_per_token(engine.tokenizer)
+        if state.reasoning_parser is not None:
+            state.reasoning = reasoning_parser(state.reasoning_parser, engine.tokenizer)
         await _warm_up(engine)
     except Exception as exc:
         state.load_error = f"{exc.__class__.__name__}: {exc}"

@@ -81,6 +81,10 @@ SERVE_FLAGS: tuple[Flag, ...] = (
          "<tool_call>{...}</tool_call>, Qwen2.5, Qwen3, Hermes; llama3_json: {\"name\": ..., \"parameters\": ...}, "
          "Llama 3.1-3.3; pythonic: [name(arg=value), ...], Llama 3.2 and 4's pythonic templates).",
          choices=("hermes", "llama3_json", "pythonic"), metavar="NAME"),
+    Flag("--reasoning-parser", "Answer a thinking model's reasoning (between <think> and </think>) in the "
+         "message's `reasoning` field, apart from its content; tool calls and structured outputs apply to the "
+         "answer after it (deepseek_r1: DeepSeek-R1, QwQ; qwen3: Qwen3).", choices=("deepseek_r1", "qwen3"),
+         metavar="NAME"),
     Flag("--api-key", "Single API key clients must send as `Authorization: Bearer KEY` (tenant `default`).",
          metavar="KEY"),
     Flag("--api-keys-file", "YAML or JSON file mapping API key -> tenant name; requests without a listed "

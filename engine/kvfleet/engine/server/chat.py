@@ -3,6 +3,7 @@ read from the answers (kvfleet.engine.server.tools)."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Any, AsyncGenerator, AsyncIterator
 
@@ -13,6 +14,7 @@ from kvfleet.engine.server.errors import APIError, error_body
 from kvfleet.engine.server.generation import ClientGone, last_outputs, merge_streams, new_request_id, stream_request
 from kvfleet.engine.server.logprobs import chat_logprobs
 from kvfleet.engine.server.protocol import ChatCompletionRequest, ChatMessage
+from kvfleet.engine.server.reasoning import ReasoningReader, ReasoningSplit
 from kvfleet.engine.server.serving import (
     SSE_DONE,
     ManagedStream,
@@ -39,16 +41,18 @@ from kvfleet.engine.server.tools import (
 
 
 async def chat_prompt_ids(state: ServerState, messages: list[ChatMessage], add_generation_prompt: bool,
-                          tools: list[dict[str, Any]] | None = None) -> list[int]:
-    """Render the chat template (with the request's tools) and tokenize it (the template already holds any BOS
-    token)."""
+                          tools: list[dict[str, Any]] | None = None,
+                          template_kwargs: dict[str, Any] | None = None) -> list[int]:
+    """Render the chat template (with the request's tools and template variables) and tokenize it (the template
+    already holds any BOS token)."""
     conversation = template_messages(messages)
     size = sum(len(m["content"]) for m in conversation)
     try:
         if size < ENCODE_INLINE_CHARS:
-            text = state.render_chat(conversation, add_generation_prompt, tools)
+            text = state.render_chat(conversation, add_generation_prompt, tools, template_kwargs)
         else:   # a template copies long contents around: off the event loop too
-            text = await state.off_loop(state.render_chat, conversation, add_generation_prompt, tools)
+            text = await state.off_loop(state.render_chat, conversation, add_generation_prompt, tools,
+                                        template_kwargs)
     except APIError:
         raise
     except Exception as exc:  # a template may raise for conversations it does not support
@@ -71,19 +75,25 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
         mode = tool_mode(req.tools, req.tool_choice, state.tool_parser, req.parallel_tool_calls)
     except ToolChoiceError as exc:
         raise APIError(400, str(exc), "tool_choice", "invalid_value") from None
-    ids = await chat_prompt_ids(state, req.messages, req.add_generation_prompt, template_tools(req.tools))
+    ids = await chat_prompt_ids(state, req.messages, req.add_generation_prompt, template_tools(req.tools),
+                                req.chat_template_kwargs)
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     max_field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     constraint = tool_constraint(req.tools or [], mode, req.parallel_tool_calls)
     inputs = await build_inputs_async(state, req, ids, requested, "messages", max_field, logprobs,
                                       tool_constraint=constraint)
+    reader = None
+    if state.reasoning is not None:
+        reader = state.reasoning.reader(ids)
+        if inputs.grammar is not None:   # the constraint is the answer's, after the thinking
+            inputs = dataclasses.replace(inputs, grammar=state.reasoning.gate(inputs.grammar, reader.start))
     tickets = take_tickets(state, 1, tenant)
     request_id = new_request_id("chatcmpl")
     streams = [stream_request(state, tickets[0], inputs, request_id, tenant)]
     created = int(time.time())
     if req.stream:
-        return ManagedStream(_stream(state, req, mode, streams, request_id, model, created),
+        return ManagedStream(_stream(state, req, mode, reader, streams, request_id, model, created),
                              on_close=lambda: release_all(tickets))
     try:
         (out,) = await last_outputs(streams, request)
@@ -91,7 +101,7 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
         return Response(status_code=499)
     finally:
         release_all(tickets)
-    choices = [{"index": c.index, **_answer(mode, c.text, c.finish_reason),
+    choices = [{"index": c.index, **_answer(mode, reader, c.text, c.finish_reason),
                 "logprobs": _logprobs(state, req, c.token_ids, c.logprobs), "stop_reason": c.stop_reason}
                for c in out.outputs]
     completion_tokens = sum(len(c.token_ids) for c in out.outputs)
@@ -99,36 +109,61 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
                          "choices": choices, "usage": usage(len(out.prompt_token_ids), completion_tokens)})
 
 
-def _answer(mode: ToolMode, text: str, finish_reason: str | None) -> dict[str, Any]:
-    """A choice's message and finish_reason: its text, or the tool calls read from it."""
-    answer = parse_answer(text, mode, complete=finish_reason == "stop")
-    message: dict[str, Any] = {"role": "assistant", "content": answer.content}
+def _answer(mode: ToolMode, reader: ReasoningReader | None, text: str,
+            finish_reason: str | None) -> dict[str, Any]:
+    """A choice's message and finish_reason: its thinking (with a reasoning parser), and its text or the tool
+    calls read from the answer after the thinking."""
+    split = reader.split(text, final=True) if reader is not None else ReasoningSplit(None, text)
+    message: dict[str, Any] = {"role": "assistant", "content": None}
+    if reader is not None:
+        message["reasoning"] = split.reasoning
+    if split.content is None:   # cut off while thinking
+        return {"message": message, "finish_reason": finish_reason}
+    answer = parse_answer(split.content, mode, complete=finish_reason == "stop")
+    message["content"] = answer.content
     if not answer.tool_calls:
         return {"message": message, "finish_reason": finish_reason}
     message["tool_calls"] = [call.to_openai() for call in answer.tool_calls]
     return {"message": message, "finish_reason": finish_reason_with_calls(mode, finish_reason)}
 
 
-def _delta(mode: ToolMode, text: str, sent: int, finish_reason: str | None,
-           new_tokens: bool) -> tuple[dict[str, Any], str | None, int] | None:
-    """What a stream sends of a choice now: (delta, finish_reason, characters of its text sent by then); None:
-    nothing yet. With tools, content goes as far as it is surely no call, and the calls go whole at the end."""
-    if finish_reason is not None and mode.kind != "none":
-        answer = parse_answer(text, mode, complete=finish_reason == "stop")
-        rest = streamed_content(text, mode, answer)[sent:]
-        body: dict[str, Any] = {"content": rest} if rest else {}
-        if answer.tool_calls:
-            body["tool_calls"] = [call.to_openai(i) for i, call in enumerate(answer.tool_calls)]
+@dataclasses.dataclass(frozen=True)
+class Sent:
+    """How much of a choice a stream has sent: characters of its thinking, and of its answer's text."""
+
+    reasoning: int = 0
+    content: int = 0
+
+
+def _delta(mode: ToolMode, reader: ReasoningReader | None, text: str, sent: Sent, finish_reason: str | None,
+           new_tokens: bool) -> tuple[dict[str, Any], str | None, Sent] | None:
+    """What a stream sends of a choice now: (delta, finish_reason, what is sent by then); None: nothing yet.
+    Thinking goes as `reasoning`; with tools, the answer's content goes as far as it is surely no call, and the
+    calls go whole at the end."""
+    final = finish_reason is not None
+    split = reader.split(text, final) if reader is not None else ReasoningSplit(None, text)
+    thought = (split.reasoning or "")[sent.reasoning:]
+    body: dict[str, Any] = {"reasoning": thought} if thought else {}
+    answer = split.content
+    if final and mode.kind != "none":
+        parsed = parse_answer(answer, mode, complete=finish_reason == "stop") if answer is not None else None
+        rest = streamed_content(answer, mode, parsed)[sent.content:] if answer is not None and parsed else ""
+        if rest:
+            body["content"] = rest
+        if parsed is not None and parsed.tool_calls:
+            body["tool_calls"] = [call.to_openai(i) for i, call in enumerate(parsed.tool_calls)]
             finish_reason = finish_reason_with_calls(mode, finish_reason)
-        return body, finish_reason, len(text)
-    sendable = streamable_prefix(text, mode)
-    delta = sendable[sent:]
+        return body, finish_reason, Sent(sent.reasoning + len(thought), len(answer or ""))
+    sendable = streamable_prefix(answer, mode) if answer is not None else ""
+    if sendable[sent.content:]:
+        body["content"] = sendable[sent.content:]
+    now = Sent(sent.reasoning + len(thought), len(sendable))
     if mode.kind != "none":
-        return ({"content": delta}, None, len(sendable)) if delta else None
-    if not delta and not new_tokens and finish_reason is None:
+        return (body, None, now) if body else None
+    if not body and not new_tokens and not final:
         return None
     # tokens without text yet (a character cut between tokens) still carry their logprobs
-    return ({"content": delta} if delta or new_tokens else {}), finish_reason, len(sendable)
+    return (body or ({"content": ""} if new_tokens else {})), finish_reason, now
 
 
 def _chunk(request_id: str, model: str, created: int, choices: list[dict[str, Any]]) -> dict[str, Any]:
@@ -136,10 +171,10 @@ def _chunk(request_id: str, model: str, created: int, choices: list[dict[str, An
             "choices": choices}
 
 
-async def _stream(state: ServerState, req: ChatCompletionRequest, mode: ToolMode,
+async def _stream(state: ServerState, req: ChatCompletionRequest, mode: ToolMode, reader: ReasoningReader | None,
                   streams: list[AsyncGenerator[Any, None]], request_id: str, model: str,
                   created: int) -> AsyncIterator[str]:
-    sent_text: dict[int, int] = {}
+    sent_text: dict[int, Sent] = {}
     sent_tokens: dict[int, int] = {}      # tokens generated so far (usage)
     logprobs_sent: dict[int, int] = {}    # tokens whose logprobs were sent: a chunk held back (a possible tool
     #                                       call) passes its tokens' logprobs on to the next one sent
@@ -158,7 +193,7 @@ async def _stream(state: ServerState, req: ChatCompletionRequest, mode: ToolMode
                 if c.index in finished:
                     continue
                 new_tokens = len(c.token_ids) > sent_tokens.get(c.index, 0)
-                step = _delta(mode, c.text, sent_text.get(c.index, 0), c.finish_reason, new_tokens)
+                step = _delta(mode, reader, c.text, sent_text.get(c.index, Sent()), c.finish_reason, new_tokens)
                 sent_tokens[c.index] = len(c.token_ids)
                 if step is None:
                     continue

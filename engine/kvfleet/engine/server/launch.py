@@ -138,7 +138,8 @@ def run_server(args: argparse.Namespace) -> int:
                         chat_template=template, log_requests=not args.disable_log_requests,
                         block_size=args.block_size, max_request_bytes=args.max_request_bytes,
                         metrics_port=args.metrics_port,
-                        tool_parser=args.tool_call_parser if args.enable_auto_tool_choice else None)
+                        tool_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
+                        reasoning_parser=args.reasoning_parser)
     kwargs = engine_kwargs(args)
 
     def load_engine() -> Any:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
 NonNegInt = Annotated[int, Field(ge=0, le=2**31 - 1)]
 TokenIds = Annotated[list[NonNegInt], Field(min_length=1)]
@@ -196,17 +196,39 @@ class ToolCallMessage(StrictModel):
     function: FunctionCall
 
 
+# What the chat template's own call takes, or the template is given by the server: not a request's to set.
+RESERVED_TEMPLATE_KWARGS = frozenset({
+    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "sanitize_control_tokens", "padding", "truncation", "max_length",
+    "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs",
+})
+
+
+def _template_kwargs(value: dict[str, Any]) -> dict[str, Any]:
+    reserved = sorted(RESERVED_TEMPLATE_KWARGS.intersection(value))
+    if reserved:
+        raise ValueError(f"chat_template_kwargs.{reserved[0]}: is set by the server, not by a request")
+    return value
+
+
+# Extra variables for the chat template (vLLM's): `{"enable_thinking": false}` for Qwen3, ...
+ChatTemplateKwargs = Annotated[dict[str, Any], Field(max_length=64), AfterValidator(_template_kwargs)]
+
+
 class ChatMessage(StrictModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Union[str, list[TextPart], None] = None
     name: str | None = None
     tool_calls: list[ToolCallMessage] | None = None   # an assistant's earlier calls
     tool_call_id: str | None = None                   # a tool's result: the call it answers
+    reasoning: str | None = None                      # an assistant's earlier thinking (a reasoning parser's)
 
     @model_validator(mode="after")
     def _tool_fields_by_role(self) -> "ChatMessage":
         if self.tool_calls is not None and self.role != "assistant":
             raise ValueError("messages: only an assistant message has tool_calls")
+        if self.reasoning is not None and self.role != "assistant":
+            raise ValueError("messages: only an assistant message has reasoning")
         if (self.role == "tool") != (self.tool_call_id is not None):
             raise ValueError("messages: a tool message needs tool_call_id, and only a tool message has one")
         return self
@@ -229,6 +251,7 @@ class ChatCompletionRequest(SamplingFields):
     tools: Annotated[list[Tool], Field(min_length=1, max_length=128)] | None = None
     tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
     parallel_tool_calls: bool = True
+    chat_template_kwargs: ChatTemplateKwargs | None = None
 
     @model_validator(mode="after")
     def _top_logprobs_need_logprobs(self) -> "ChatCompletionRequest":
@@ -248,6 +271,7 @@ class TokenizeRequest(StrictModel):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    chat_template_kwargs: ChatTemplateKwargs | None = None
 
     @model_validator(mode="after")
     def _one_input(self) -> "TokenizeRequest":

@@ -16,6 +16,7 @@ from kvfleet.engine.server.auth import ApiKeys
 from kvfleet.engine.server.errors import APIError
 from kvfleet.engine.server.limits import Admission
 from kvfleet.engine.server.metrics import ServerMetrics
+from kvfleet.engine.server.reasoning import ReasoningParser
 
 logger = logging.getLogger("kvfleet.server")
 
@@ -43,6 +44,8 @@ class ServerState:
     max_request_bytes: int = 32 * 2**20   # larger bodies get 413 before they are read
     metrics_port: int | None = None       # /metrics only there (and only /metrics there)
     tool_parser: str | None = None        # tool_choice "auto" is served, its calls read with this parser
+    reasoning_parser: str | None = None   # --reasoning-parser: answers' thinking apart (bound to the tokenizer
+    reasoning: ReasoningParser | None = None   # as `reasoning` once the model is loaded)
     engine: AsyncLLM | None = None   # once loaded
     ready: bool = False           # loaded and one step has run
     load_error: str | None = None
@@ -130,11 +133,12 @@ class ServerState:
         return self.tokenizer.decode([token_id]) if self.tokenizer is not None else f"token_id:{token_id}"
 
     def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool,
-                    tools: list[dict[str, Any]] | None = None) -> str:
+                    tools: list[dict[str, Any]] | None = None, template_kwargs: dict[str, Any] | None = None) -> str:
         tok = self.tokenizer
         if tok is None:
             raise APIError(400, "messages: this model has no tokenizer (and no chat template)", "messages",
                            "no_tokenizer")
         template = self.chat_template or getattr(tok, "chat_template", None) or FALLBACK_CHAT_TEMPLATE
         return tok.apply_chat_template(messages, chat_template=template, tokenize=False,
-                                       add_generation_prompt=add_generation_prompt, tools=tools)
+                                       add_generation_prompt=add_generation_prompt, tools=tools,
+                                       **(template_kwargs or {}))

@@ -118,7 +118,8 @@ def template_tools(tools: Sequence[Tool] | None) -> list[dict[str, Any]] | None:
 
 def template_messages(messages: Sequence[ChatMessage]) -> list[dict[str, Any]]:
     """Messages as chat templates take them: text content; an assistant's tool calls with their arguments as
-    objects (templates render them as JSON; OpenAI sends them as text); a tool result with its call's id."""
+    objects (templates render them as JSON; OpenAI sends them as text) and its thinking; a tool result with its
+    call's id."""
     out = []
     for m in messages:
         msg: dict[str, Any] = {"role": m.role, "content": m.text()}
@@ -129,6 +130,8 @@ def template_messages(messages: Sequence[ChatMessage]) -> list[dict[str, Any]]:
             msg["tool_call_id"] = m.tool_call_id
         if m.name is not None:
             msg["name"] = m.name
+        if m.reasoning is not None:   # templates read it by either name (Qwen3's: reasoning_content)
+            msg["reasoning"] = msg["reasoning_content"] = m.reasoning
         out.append(msg)
     return out
 
