@@ -15,9 +15,7 @@ llguidance's own thread pool (`LLExecutor` with `fill_next_token_bitmask_par`) o
 
 (quiet-r1, r2: this 2-core machine idle; busy-r1: two `nice` CPU burners beside it.)
 
-On a GPU it also times applying the masks to float32 logits of Llama 3's 128,256 tokens (random words; the cost
-does not depend on what they allow): the Triton kernel the sampler uses against the plain-PyTorch way it replaced
-(unpack to an [N, V] mask, then masked_fill the rows), with each one's peak of extra device memory.
+Applying the masks on the GPU is bench/gpu_token_bitmask.py.
 """
 
 from __future__ import annotations
@@ -37,7 +35,6 @@ from llguidance import LLExecutor
 from llguidance.numpy import fill_next_token_bitmask_par
 
 from kvfleet.engine.core.grammar import TokenGrammar
-from kvfleet.engine.kernels.token_bitmask import apply_token_bitmask_, apply_token_bitmask_ref_
 from kvfleet.engine.model_runner import allowed_tokens
 from kvfleet.engine.sampling_params import StructuredOutputsParams
 from kvfleet.engine.structured_outputs import GrammarCompiler, GuidedGrammar
@@ -69,41 +66,6 @@ def timed(fn: Callable[[], None], rounds: int) -> float:
         fn()
         times.append(time.perf_counter() - t)
     return 1e3 * statistics.median(times)
-
-
-def device_rows(batches: list[int], rounds: int, vocab: int = 128_256) -> list[dict[str, Any]]:
-    """Per batch: the mask kernel and the plain-PyTorch way on the GPU, median ms (CUDA events) and peak MiB."""
-    dev = torch.device("cuda")
-    out = []
-    for b in batches:
-        logits = torch.randn(b, vocab, device=dev)
-        bitmask = torch.randint(-2**31, 2**31, (b, (vocab + 31) // 32), device=dev, dtype=torch.int64).int()
-        rows = torch.arange(b, device=dev)
-        row: dict[str, Any] = {"batch": b}
-        results = []
-        for name, fn in (("kernel", apply_token_bitmask_), ("torch", apply_token_bitmask_ref_)):
-            work = logits.clone()
-            fn(work, bitmask, rows)   # warm-up (compiles the kernel)
-            results.append(work)
-            torch.cuda.synchronize()
-            base = torch.cuda.memory_allocated()
-            torch.cuda.reset_peak_memory_stats()
-            times = []
-            for _ in range(rounds):
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                fn(work, bitmask, rows)
-                end.record()
-                end.synchronize()
-                times.append(start.elapsed_time(end))
-            row[f"{name}_ms"] = statistics.median(times)
-            row[f"{name}_peak_extra_mib"] = (torch.cuda.max_memory_allocated() - base) / 2**20
-        assert torch.equal(results[0], results[1]), "the kernel and the plain-PyTorch way differ"
-        row["speedup"] = row["torch_ms"] / row["kernel_ms"]
-        print(f"GPU B={b:4d}  kernel {row['kernel_ms']:.4f} ms ({row['kernel_peak_extra_mib']:.0f} MiB)   torch "
-              f"{row['torch_ms']:.4f} ms ({row['torch_peak_extra_mib']:.0f} MiB)   x{row['speedup']:.1f}")
-        out.append(row)
-    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -140,8 +102,6 @@ def main(argv: list[str] | None = None) -> int:
     result = {"label": args.label, "cpus": os.cpu_count(), "load": os.getloadavg(),
               "machine": platform.processor() or platform.machine(),
               "vocab": len(tok), "rounds": args.rounds, "schema": SCHEMA, "rows": rows,
-              "device_rows": device_rows([int(x) for x in args.batches.split(",")], args.rounds)
-              if torch.cuda.is_available() else [],
               "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     path = Path(args.out_dir) / f"structured-masks-{args.label}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
