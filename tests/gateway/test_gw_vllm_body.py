@@ -85,6 +85,10 @@ def test_vllm_features_reach_a_vllm_replica_as_sent(gateway: GatewayProcess) -> 
     with pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(model="small", messages=messages[:1], max_tokens=8)
     assert info.value.param == "messages"
+    with pytest.raises(openai.BadRequestError) as info:   # template variables a request may not set
+        client.chat.completions.create(model="small", messages=messages[2:], max_tokens=8,
+                                       extra_body={"chat_template_kwargs": {"tokenize": True}})
+    assert info.value.param == "chat_template_kwargs"
     # what the gateway reads is checked for vLLM models too
     with pytest.raises(openai.BadRequestError) as bad:
         client.chat.completions.create(model="big", messages=messages, max_tokens=8, temperature=-1, **extra)
