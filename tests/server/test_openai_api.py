@@ -204,6 +204,23 @@ def test_tokenize_detokenize(api_server: Server) -> None:
         assert resp.status_code == 400 and error_of(resp)["param"] in body, resp.text
 
 
+def test_continue_final_message_goes_on_from_the_assistants_text(api_server: Server, client: openai.OpenAI) -> None:
+    """The prompt ends inside the last (assistant) message, its turn left open: a prefix of the closed
+    conversation's prompt, and what a chat completion of it is given."""
+    h = {"Authorization": f"Bearer {ALPHA}"}
+    messages = CHAT + [{"role": "assistant", "content": "The answer is"}]
+    closed = httpx.post(api_server.url + "/tokenize", headers=h, json={
+        "messages": messages, "add_generation_prompt": False}).json()["tokens"]
+    open_turn = httpx.post(api_server.url + "/tokenize", headers=h, json={
+        "messages": messages, "add_generation_prompt": False, "continue_final_message": True}).json()["tokens"]
+    assert len(open_turn) < len(closed) and closed[:len(open_turn)] == open_turn
+    text = httpx.post(api_server.url + "/detokenize", headers=h, json={"tokens": open_turn}).json()["prompt"]
+    assert text.endswith("The answer is")
+    got = client.chat.completions.create(model="tiny", messages=messages, max_tokens=4, temperature=0,
+                                         extra_body={"add_generation_prompt": False, "continue_final_message": True})
+    assert got.usage and got.usage.prompt_tokens == len(open_turn)
+
+
 def post_json(url: str, body: dict[str, Any]) -> httpx.Response:
     """POST `body` as ASCII-escaped JSON, so even text that is no valid Unicode goes out as the client wrote it."""
     return httpx.post(url, content=json.dumps(body), headers={"Authorization": f"Bearer {ALPHA}",
@@ -278,6 +295,11 @@ def test_bad_input_gets_openai_error(api_server: Server, body: dict[str, Any], s
     ({}, 400, "messages"),
     ({"messages": [{"role": "user", "content": "\udfff"}]}, 400, "messages"),
     ({"messages": [{"role": "user", "content": [{"type": "text", "text": "\ud800"}]}]}, 400, "messages"),
+    ({"messages": CHAT + [{"role": "assistant", "content": "It"}], "continue_final_message": True}, 400,
+     "continue_final_message"),   # and add_generation_prompt (true by default): vLLM's rule
+    ({"messages": CHAT, "continue_final_message": True, "add_generation_prompt": False}, 400,
+     "continue_final_message"),   # the last message is no assistant's
+    ({"messages": CHAT, "chat_template_kwargs": {"chat_template": "{{ 1 }}"}}, 400, "chat_template_kwargs"),
 ])
 def test_bad_chat_input_gets_openai_error(api_server: Server, body: dict[str, Any], status: int,
                                           param: str) -> None:

@@ -24,7 +24,7 @@ from kvfleet.engine.server.generation import shutdown_error
 from kvfleet.engine.server.metrics import CONTENT_TYPE
 from kvfleet.engine.server.reasoning import reasoning_parser
 from kvfleet.engine.server.serving import check_model
-from kvfleet.engine.server.state import ServerState
+from kvfleet.engine.server.state import ServerState, TemplateCall
 from kvfleet.engine.server.textbound import tokenizer_chars_per_token
 
 logger = logging.getLogger("kvfleet.server")
@@ -216,8 +216,8 @@ def build_app(state: ServerState, load_engine: Callable[[], AsyncLLM] | None = N
     async def tokenize(req: P.TokenizeRequest) -> dict[str, Any]:
         check_model(state, req.model)
         if req.messages is not None:
-            ids = await chat_prompt_ids(state, req.messages, req.add_generation_prompt,
-                                        template_kwargs=req.chat_template_kwargs)
+            ids = await chat_prompt_ids(state, req.messages, TemplateCall(
+                req.add_generation_prompt, req.continue_final_message, kwargs=req.chat_template_kwargs))
         else:
             ids = await state.encode_async(req.prompt or "", "prompt", add_special_tokens=req.add_special_tokens)
         return {"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids}

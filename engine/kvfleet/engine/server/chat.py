@@ -25,7 +25,7 @@ from kvfleet.engine.server.serving import (
     take_tickets,
     usage,
 )
-from kvfleet.engine.server.state import ENCODE_INLINE_CHARS, ServerState, logger
+from kvfleet.engine.server.state import ENCODE_INLINE_CHARS, ServerState, TemplateCall, logger
 from kvfleet.engine.server.tools import (
     ToolChoiceError,
     ToolMode,
@@ -40,19 +40,16 @@ from kvfleet.engine.server.tools import (
 )
 
 
-async def chat_prompt_ids(state: ServerState, messages: list[ChatMessage], add_generation_prompt: bool,
-                          tools: list[dict[str, Any]] | None = None,
-                          template_kwargs: dict[str, Any] | None = None) -> list[int]:
+async def chat_prompt_ids(state: ServerState, messages: list[ChatMessage], call: TemplateCall) -> list[int]:
     """Render the chat template (with the request's tools and template variables) and tokenize it (the template
     already holds any BOS token)."""
     conversation = template_messages(messages)
     size = sum(len(m["content"]) for m in conversation)
     try:
         if size < ENCODE_INLINE_CHARS:
-            text = state.render_chat(conversation, add_generation_prompt, tools, template_kwargs)
+            text = state.render_chat(conversation, call)
         else:   # a template copies long contents around: off the event loop too
-            text = await state.off_loop(state.render_chat, conversation, add_generation_prompt, tools,
-                                        template_kwargs)
+            text = await state.off_loop(state.render_chat, conversation, call)
     except APIError:
         raise
     except Exception as exc:  # a template may raise for conversations it does not support
@@ -75,8 +72,8 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
         mode = tool_mode(req.tools, req.tool_choice, state.tool_parser, req.parallel_tool_calls)
     except ToolChoiceError as exc:
         raise APIError(400, str(exc), "tool_choice", "invalid_value") from None
-    ids = await chat_prompt_ids(state, req.messages, req.add_generation_prompt, template_tools(req.tools),
-                                req.chat_template_kwargs)
+    ids = await chat_prompt_ids(state, req.messages, TemplateCall(
+        req.add_generation_prompt, req.continue_final_message, template_tools(req.tools), req.chat_template_kwargs))
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     max_field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     logprobs = (req.top_logprobs or 0) if req.logprobs else None

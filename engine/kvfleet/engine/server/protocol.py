@@ -241,6 +241,17 @@ class ChatMessage(StrictModel):
         return "".join(part.text for part in self.content)
 
 
+def check_continue_final_message(messages: list[ChatMessage] | None, add_generation_prompt: bool,
+                                 continue_final_message: bool) -> None:
+    """vLLM's rule: continuing the conversation's last (assistant) message opens no new turn."""
+    if not continue_final_message:
+        return
+    if add_generation_prompt:
+        raise ValueError("continue_final_message: cannot be true with add_generation_prompt true (set it false)")
+    if messages and messages[-1].role != "assistant":
+        raise ValueError("continue_final_message: the last message must be the assistant's, to be continued")
+
+
 class ChatCompletionRequest(SamplingFields):
     messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=1024)]
     max_tokens: int | None = Field(None, ge=1, le=2**31 - 1)
@@ -248,6 +259,7 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     add_generation_prompt: bool = True
+    continue_final_message: bool = False   # the answer goes on from the last (assistant) message's text
     tools: Annotated[list[Tool], Field(min_length=1, max_length=128)] | None = None
     tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
     parallel_tool_calls: bool = True
@@ -262,6 +274,7 @@ class ChatCompletionRequest(SamplingFields):
                        or (self.response_format is not None and self.response_format.type != "text")):
             raise ValueError("tool_choice: a required or named tool call is a structured output already; "
                              "give it or response_format / structured_outputs, not both")
+        check_continue_final_message(self.messages, self.add_generation_prompt, self.continue_final_message)
         return self
 
 
@@ -271,12 +284,14 @@ class TokenizeRequest(StrictModel):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
     chat_template_kwargs: ChatTemplateKwargs | None = None
 
     @model_validator(mode="after")
     def _one_input(self) -> "TokenizeRequest":
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("prompt: give exactly one of prompt or messages")
+        check_continue_final_message(self.messages, self.add_generation_prompt, self.continue_final_message)
         return self
 
 

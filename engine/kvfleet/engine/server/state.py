@@ -32,6 +32,16 @@ FALLBACK_CHAT_TEMPLATE = (
 )
 
 
+@dataclass(frozen=True)
+class TemplateCall:
+    """How a request's conversation is rendered, beside its messages."""
+
+    add_generation_prompt: bool = True     # open the assistant's turn
+    continue_final_message: bool = False   # or go on from the last message's text
+    tools: list[dict[str, Any]] | None = None
+    kwargs: dict[str, Any] | None = None   # the request's chat_template_kwargs
+
+
 @dataclass
 class ServerState:
     model_name: str
@@ -132,13 +142,13 @@ class ServerState:
         # Without a tokenizer, name the token the way vLLM's return_tokens_as_token_ids does.
         return self.tokenizer.decode([token_id]) if self.tokenizer is not None else f"token_id:{token_id}"
 
-    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool,
-                    tools: list[dict[str, Any]] | None = None, template_kwargs: dict[str, Any] | None = None) -> str:
+    def render_chat(self, messages: list[dict[str, Any]], call: TemplateCall) -> str:
         tok = self.tokenizer
         if tok is None:
             raise APIError(400, "messages: this model has no tokenizer (and no chat template)", "messages",
                            "no_tokenizer")
         template = self.chat_template or getattr(tok, "chat_template", None) or FALLBACK_CHAT_TEMPLATE
         return tok.apply_chat_template(messages, chat_template=template, tokenize=False,
-                                       add_generation_prompt=add_generation_prompt, tools=tools,
-                                       **(template_kwargs or {}))
+                                       add_generation_prompt=call.add_generation_prompt,
+                                       continue_final_message=call.continue_final_message, tools=call.tools,
+                                       **(call.kwargs or {}))
