@@ -29,7 +29,8 @@ Where CUDA graphs were captured, the plan runs twice: replayed, then with every 
 that fit no graph (more prompts or tokens than a captured step with prefill takes) launch the kernels'
 eager variants (the narrow prefill tile above all), which the replays never compile.
 
-On CUDA the warm-up then computes logits once for every row count a step can sample (1..max_num_seqs): cuBLAS
+On CUDA the warm-up then launches the structured-output mask kernel once, and computes logits once for every row
+count a step can sample (1..max_num_seqs): cuBLAS
 picks its matmul kernel by the row count, and with CUDA's lazy module loading (the default since 12.2) the
 first launch of each kernel loads it, which waits for all the work queued on the device. Issue 16 measured
 this in the offline chat-mix run: each step that brought a new row count stalled ~350 ms in `compute_logits`,
@@ -171,6 +172,7 @@ def run_warmup(engine: Any, plan: list[Wave] | None = None) -> WarmupReport:
     if engine.device.type == "cuda":
         secs = warm_logits(runner.executor, engine.config.max_num_seqs, mc.hidden_size, mc.dtype, engine.device)
         logger.info("warm-up: logits for 1..%d rows in %.2f s", engine.config.max_num_seqs, secs)
+        warm_token_bitmask(mc.vocab_size, engine.device)
     hits = engine.kv.prefix_cache_hits
     _clean_up(engine)
     done = TRITON_COMPILES.count
@@ -203,6 +205,19 @@ def warm_logits(executor: ModelExecutor, max_rows: int, hidden_size: int, dtype:
     if hidden.device.type == "cuda":
         torch.cuda.synchronize(device)
     return time.monotonic() - t
+
+
+def warm_token_bitmask(vocab_size: int, device: torch.device) -> None:
+    """The structured-output mask kernel once, at the shapes the sampler gives it (float32 logits of the whole
+    vocabulary, one int32 word per 32 tokens): the first constrained request then compiles nothing. No
+    constraint is compiled (that needs the tokenizer's token table, built on the first such request)."""
+    import torch
+
+    from kvfleet.engine.kernels.token_bitmask import apply_token_bitmask_
+
+    logits = torch.zeros(1, vocab_size, dtype=torch.float32, device=device)
+    words = torch.full((1, -(-vocab_size // 32)), -1, dtype=torch.int32, device=device)
+    apply_token_bitmask_(logits, words, torch.zeros(1, dtype=torch.int64, device=device))
 
 
 def _clean_up(engine: Any) -> None:
