@@ -143,13 +143,14 @@ def _delta(mode: ToolMode, reader: ReasoningReader | None, text: str, sent: Sent
     body: dict[str, Any] = {"reasoning": thought} if thought else {}
     answer = split.content
     if final and mode.kind != "none":
-        parsed = parse_answer(answer, mode, complete=finish_reason == "stop") if answer is not None else None
-        rest = streamed_content(answer, mode, parsed)[sent.content:] if answer is not None and parsed else ""
-        if rest:
-            body["content"] = rest
-        if parsed is not None and parsed.tool_calls:
-            body["tool_calls"] = [call.to_openai(i) for i, call in enumerate(parsed.tool_calls)]
-            finish_reason = finish_reason_with_calls(mode, finish_reason)
+        if answer is not None:   # (None: cut off while thinking)
+            parsed = parse_answer(answer, mode, complete=finish_reason == "stop")
+            rest = streamed_content(answer, mode, parsed)[sent.content:]
+            if rest:
+                body["content"] = rest
+            if parsed.tool_calls:
+                body["tool_calls"] = [call.to_openai(i) for i, call in enumerate(parsed.tool_calls)]
+                finish_reason = finish_reason_with_calls(mode, finish_reason)
         return body, finish_reason, Sent(sent.reasoning + len(thought), len(answer or ""))
     sendable = streamable_prefix(answer, mode) if answer is not None else ""
     if sendable[sent.content:]:
