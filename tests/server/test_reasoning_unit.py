@@ -10,7 +10,7 @@ import pytest
 
 from kvfleet.engine.core.grammar import AfterReasoning
 from kvfleet.engine.server.args import SERVE_FLAGS
-from kvfleet.engine.server.chat import Sent, _delta
+from kvfleet.engine.server.chat import Sent, stream_delta
 from kvfleet.engine.server.protocol import RESERVED_TEMPLATE_KWARGS
 from kvfleet.engine.server.reasoning import (
     REASONING_FORMATS,
@@ -58,7 +58,7 @@ def test_a_stream_sends_every_character_once_and_in_its_place(text: str, fmt: An
     none = ToolMode("none")
     sent, reasoning, content = Sent(), "", ""
     for i in range(1, len(text) + 1):
-        step = _delta(none, reader, text[:i], sent, "stop" if i == len(text) else None, True)
+        step = stream_delta(none, reader, text[:i], sent, "stop" if i == len(text) else None, True)
         if step is None:
             continue
         body, _, sent = step

@@ -132,7 +132,7 @@ class Sent:
     content: int = 0
 
 
-def _delta(mode: ToolMode, reader: ReasoningReader | None, text: str, sent: Sent, finish_reason: str | None,
+def stream_delta(mode: ToolMode, reader: ReasoningReader | None, text: str, sent: Sent, finish_reason: str | None,
            new_tokens: bool) -> tuple[dict[str, Any], str | None, Sent] | None:
     """What a stream sends of a choice now: (delta, finish_reason, what is sent by then); None: nothing yet.
     Thinking goes as `reasoning`; with tools, the answer's content goes as far as it is surely no call, and the
@@ -172,7 +172,7 @@ def _chunk(request_id: str, model: str, created: int, choices: list[dict[str, An
 async def _stream(state: ServerState, req: ChatCompletionRequest, mode: ToolMode, reader: ReasoningReader | None,
                   streams: list[AsyncGenerator[Any, None]], request_id: str, model: str,
                   created: int) -> AsyncIterator[str]:
-    sent_text: dict[int, Sent] = {}
+    sent: dict[int, Sent] = {}
     sent_tokens: dict[int, int] = {}      # tokens generated so far (usage)
     logprobs_sent: dict[int, int] = {}    # tokens whose logprobs were sent: a chunk held back (a possible tool
     #                                       call) passes its tokens' logprobs on to the next one sent
@@ -191,11 +191,11 @@ async def _stream(state: ServerState, req: ChatCompletionRequest, mode: ToolMode
                 if c.index in finished:
                     continue
                 new_tokens = len(c.token_ids) > sent_tokens.get(c.index, 0)
-                step = _delta(mode, reader, c.text, sent_text.get(c.index, Sent()), c.finish_reason, new_tokens)
+                step = stream_delta(mode, reader, c.text, sent.get(c.index, Sent()), c.finish_reason, new_tokens)
                 sent_tokens[c.index] = len(c.token_ids)
                 if step is None:
                     continue
-                body, finish_reason, sent_text[c.index] = step
+                body, finish_reason, sent[c.index] = step
                 if c.finish_reason is not None:
                     finished.add(c.index)
                 lp_start = logprobs_sent.get(c.index, 0)
