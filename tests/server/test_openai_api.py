@@ -115,6 +115,18 @@ def test_logit_bias_bans_and_forces_tokens_like_offline(client: openai.OpenAI, o
     assert banned not in offline.generate(prompt, greedy(logit_bias={banned: -100.0}))[0].outputs[0].token_ids[:1]
 
 
+def test_allowed_token_ids_and_bad_words_reach_the_engine(client: openai.OpenAI, offline: Any) -> None:
+    """vLLM's allowed_token_ids and bad_words over HTTP: the offline engine's text with the same SamplingParams,
+    which differs from the plain one."""
+    prompt = "the cat the cat the dog the cat"
+    plain = offline.generate(prompt, greedy())[0].outputs[0]
+    word = plain.text.split()[0]
+    for extra in ({"allowed_token_ids": list(range(5, 300, 3))}, {"bad_words": [word]}):
+        expected = offline.generate(prompt, greedy(**extra))[0].outputs[0]
+        got = client.completions.create(model="tiny", prompt=prompt, max_tokens=12, temperature=0.0, extra_body=extra)
+        assert got.choices[0].text == expected.text and expected.text != plain.text, extra
+
+
 def test_openai_features_not_implemented_are_named_unsupported(client: openai.OpenAI) -> None:
     """OpenAI's deprecated `functions` and vLLM's old guided_* fields through the openai client: a 400 naming the
     field as unsupported (not as a typo); plain text, response_format's default, is served as without it (JSON modes:
@@ -258,6 +270,9 @@ def error_of(resp: httpx.Response) -> dict[str, Any]:
     ({"prompt": "x", "stop": [""]}, 400, "stop"),
     ({"prompt": "x", "min_tokens": 20, "max_tokens": 5}, 400, "min_tokens"),
     ({"prompt": "x", "min_p": 1.5}, 400, "min_p"),
+    ({"prompt": "x", "allowed_token_ids": [10**6]}, 400, "allowed_token_ids"),   # outside the vocabulary
+    ({"prompt": "x", "allowed_token_ids": []}, 400, "allowed_token_ids"),
+    ({"prompt": "x", "bad_words": [" "]}, 400, "bad_words"),
     ({"prompt": "x", "presence_penalty": 3}, 400, "presence_penalty"),
     ({"prompt": "x", "frequency_penalty": -3}, 400, "frequency_penalty"),
     ({"prompt": "x", "repetition_penalty": 0}, 400, "repetition_penalty"),

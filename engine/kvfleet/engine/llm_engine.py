@@ -30,6 +30,7 @@ from kvfleet.engine.core.scheduler import RequestUpdate, Scheduler, SchedulerOut
 from kvfleet.engine.model_config import ModelConfig
 from kvfleet.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from kvfleet.engine.sampling_params import SamplingParams, StructuredOutputsParams
+from kvfleet.engine.token_rules import all_of, token_rules
 from kvfleet.engine.warmup import WarmupReport, run_warmup
 
 if TYPE_CHECKING:
@@ -49,6 +50,7 @@ class EngineInputs:
     params: SamplingParams
     max_tokens: int
     grammar: Optional[TokenGrammar] = None   # structured outputs: the constraint's initial state, compiled
+    token_rules: Optional[TokenGrammar] = None   # allowed_token_ids and bad_words (token_rules.py)
 
 
 class StepError(RuntimeError):
@@ -152,7 +154,8 @@ class LLMEngine:
         max_tokens = check_prompt(ids, self.model_config.vocab_size, self.model_config.max_model_len,
                                   params.max_tokens, kv_tokens, beams, self.config.block_size)
         grammar = None if params.structured_outputs is None else self.compile_grammar(params.structured_outputs)
-        return EngineInputs(text, ids, params, max_tokens, grammar)
+        rules = token_rules(params, self.model_config.vocab_size, self.tokenizer)
+        return EngineInputs(text, ids, params, max_tokens, grammar, rules)
 
     def compile_grammar(self, spec: StructuredOutputsParams) -> TokenGrammar:
         """A structured-output constraint for this model's tokenizer (a ValueError names the field). The compiler,
@@ -201,7 +204,7 @@ class LLMEngine:
                            group_id=request_id, index=index, compute_limit=compute_limit,
                            external_tokens=external_tokens, sampling_params=params,
                            seed=None if params.seed is None else params.seed + index, num_logprobs=logprobs,
-                           grammar=None if inputs.grammar is None else inputs.grammar.fork())
+                           grammar=all_of([g.fork() for g in (inputs.grammar, inputs.token_rules) if g is not None]))
 
         if params.use_beam_search:
             # One beam to start; the engine picks every token from its top logprobs and stops it itself.

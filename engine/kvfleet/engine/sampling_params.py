@@ -14,6 +14,7 @@ from typing import Any, NoReturn, Optional, TypeGuard, Union
 
 _GREEDY_EPS = 1e-5  # vLLM treats temperature below this as greedy
 MAX_LOGIT_BIAS_ENTRIES = 1024  # a request's logit_bias entries: each is work in every step of the request
+MAX_BAD_WORDS = 1024        # a request's bad_words: each is matched against the output at every step
 
 
 def _fail(field_name: str, message: str) -> NoReturn:
@@ -106,6 +107,11 @@ class SamplingParams:
     # -100 bans a token, 100 all but forces it. Raw logprobs are read before it, as vLLM's.
     logit_bias: Optional[dict[int, float]] = None
     structured_outputs: Optional[StructuredOutputsParams] = None
+    # vLLM's: only these token ids may be sampled (EOS too only if listed) ...
+    allowed_token_ids: Optional[list[int]] = None
+    # ... and these words may not be written (the last token of each of their tokenizations is banned where the
+    # output ends with the rest of it)
+    bad_words: Optional[list[str]] = None
 
     def __post_init__(self) -> None:
         # Wrong types are left for validate() to name; nothing here may raise a TypeError.
@@ -224,6 +230,20 @@ class SamplingParams:
                     _fail("logit_bias", f"values must be numbers in [-100, 100], got {bias!r} for token {tok}")
         if not isinstance(self.early_stopping, bool) and self.early_stopping != "never":
             _fail("early_stopping", f"must be True, False or 'never', got {self.early_stopping!r}")
+        if self.allowed_token_ids is not None:
+            if not isinstance(self.allowed_token_ids, list) or not self.allowed_token_ids:
+                _fail("allowed_token_ids", f"must be a non-empty list of token ids, got {self.allowed_token_ids!r}")
+            for tok in self.allowed_token_ids:
+                if not is_int(tok) or tok < 0 or (vocab_size is not None and tok >= vocab_size):
+                    _fail("allowed_token_ids", f"must be token ids in [0, {vocab_size}), got {tok!r}")
+        if self.bad_words is not None:
+            if not isinstance(self.bad_words, list) or len(self.bad_words) > MAX_BAD_WORDS:
+                _fail("bad_words", f"must be a list of at most {MAX_BAD_WORDS} strings, got {self.bad_words!r}")
+            if any(not isinstance(w, str) or not w.strip() for w in self.bad_words):
+                _fail("bad_words", "must be words: strings with more than whitespace")
+        if (self.allowed_token_ids is not None or self.bad_words) and self.use_beam_search:
+            _fail("allowed_token_ids" if self.allowed_token_ids is not None else "bad_words",
+                  "is not supported with beam search")
         if self.structured_outputs is not None:
             if not isinstance(self.structured_outputs, StructuredOutputsParams):
                 _fail("structured_outputs", f"must be a StructuredOutputsParams, got {self.structured_outputs!r}")

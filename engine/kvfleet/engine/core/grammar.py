@@ -86,3 +86,100 @@ class AfterReasoning:
         if self.state == "either":
             word, bit = divmod(self.start_token_id, 32)
             bitmask[row, word] |= (1 << bit) - (1 << 32 if bit == 31 else 0)   # bit 31 is int32's sign bit
+
+
+def _full_row(bitmask: "NDArray[np.int32]", row: int) -> None:
+    bitmask[row] = -1   # every bit set: any token
+
+
+class TokenSet:
+    """vLLM's `allowed_token_ids`: only these tokens, at every step (a fixed row, packed once)."""
+
+    def __init__(self, words: "NDArray[np.int32]") -> None:
+        self.words = words   # int32 [W]: the packed set
+
+    def accept(self, token_id: int) -> bool:
+        word, bit = divmod(token_id, 32)
+        return word < len(self.words) and bool((int(self.words[word]) >> bit) & 1)
+
+    def is_terminated(self) -> bool:
+        return False
+
+    def fork(self) -> "TokenSet":
+        return self   # no state
+
+    def bitmask_words(self) -> int:
+        return len(self.words)
+
+    def fill_bitmask(self, bitmask: "NDArray[np.int32]", row: int) -> None:
+        _full_row(bitmask, row)
+        bitmask[row, :len(self.words)] = self.words
+
+
+class BannedSequences:
+    """vLLM's `bad_words` as token sequences: a sequence's last token is banned where the output so far ends with
+    the rest of it (a one-token sequence: always)."""
+
+    def __init__(self, sequences: "list[tuple[int, ...]]", words: int) -> None:
+        self.sequences = sequences
+        self.words = words
+        self.tail: tuple[int, ...] = ()   # the output's last tokens, as many as the longest prefix needs
+        self.keep = max((len(s) - 1 for s in sequences), default=0)
+
+    def accept(self, token_id: int) -> bool:
+        allowed = token_id not in self._banned()
+        if self.keep:
+            self.tail = (self.tail + (token_id,))[-self.keep:]
+        return allowed
+
+    def _banned(self) -> set[int]:
+        return {s[-1] for s in self.sequences
+                if len(s) == 1 or (len(self.tail) >= len(s) - 1 and self.tail[len(self.tail) - len(s) + 1:] == s[:-1])}
+
+    def is_terminated(self) -> bool:
+        return False
+
+    def fork(self) -> "BannedSequences":
+        twin = BannedSequences(self.sequences, self.words)
+        twin.tail = self.tail
+        return twin
+
+    def bitmask_words(self) -> int:
+        return self.words
+
+    def fill_bitmask(self, bitmask: "NDArray[np.int32]", row: int) -> None:
+        _full_row(bitmask, row)
+        for token in self._banned():
+            word, bit = divmod(token, 32)
+            bitmask[row, word] &= ~(1 << bit) if bit < 31 else 0x7FFFFFFF   # bit 31 is int32's sign bit
+
+
+class AllOf:
+    """Several constraints on one sequence: a token must be allowed by each; the output is complete when one
+    constraint's is (only structured outputs end one)."""
+
+    def __init__(self, parts: "list[TokenGrammar]") -> None:
+        self.parts = parts
+
+    def accept(self, token_id: int) -> bool:
+        return all([p.accept(token_id) for p in self.parts])   # a list: every part advances
+
+    def is_terminated(self) -> bool:
+        return any(p.is_terminated() for p in self.parts)
+
+    def fork(self) -> "AllOf":
+        return AllOf([p.fork() for p in self.parts])
+
+    def bitmask_words(self) -> int:
+        return max(p.bitmask_words() for p in self.parts)
+
+    def fill_bitmask(self, bitmask: "NDArray[np.int32]", row: int) -> None:
+        import numpy as np
+
+        first, *rest = self.parts
+        first.fill_bitmask(bitmask, row)
+        scratch = np.empty((1, bitmask.shape[1]), dtype=np.int32)
+        for part in rest:
+            scratch[0] = -1
+            part.fill_bitmask(scratch, 0)
+            bitmask[row] &= scratch[0]

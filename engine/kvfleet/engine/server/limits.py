@@ -88,6 +88,10 @@ def sampling_kwargs(req: SamplingFields, max_tokens: int, logprobs: int | None,
         raise RequestError("stop: stop strings must be non-empty", "stop")
     if req.logit_bias:
         kwargs["logit_bias"] = logit_bias_ids(req.logit_bias)
+    if req.allowed_token_ids is not None:
+        kwargs["allowed_token_ids"] = list(req.allowed_token_ids)
+    if req.bad_words:
+        kwargs["bad_words"] = list(req.bad_words)
     structured = tool_constraint or structured_outputs_params(req)
     if structured is not None:
         kwargs["structured_outputs"] = structured

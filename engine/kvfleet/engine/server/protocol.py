@@ -135,6 +135,9 @@ class SamplingFields(StrictModel):
     logit_bias: dict[str, float] | None = None
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
+    # vLLM's: only these tokens may be sampled; these words may not be written
+    allowed_token_ids: Annotated[list[NonNegInt], Field(min_length=1, max_length=2**20)] | None = None
+    bad_words: Annotated[list[str], Field(max_length=1024)] | None = None
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self) -> "SamplingFields":
