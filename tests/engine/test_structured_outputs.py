@@ -41,18 +41,6 @@ def assert_no_leak(llm: LLM) -> None:
     assert not llm.llm_engine.groups
 
 
-@pytest.fixture(scope="module")
-def hf_tiny(tiny_model_dir: Path) -> Any:
-    import transformers
-
-    return transformers.AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32).eval()
-
-
-@pytest.fixture(scope="module", params=[False, True], ids=["sync", "async"])
-def tiny(request: pytest.FixtureRequest, tiny_model_dir: Path) -> LLM:
-    return LLM(str(tiny_model_dir), num_kv_blocks=96, max_num_batched_tokens=64, async_scheduling=request.param)
-
-
 def test_greedy_under_a_constraint_is_transformers_argmax_over_allowed_tokens(tiny: LLM, hf_tiny: Any) -> None:
     """Choice, regex and Lark constraints batched with a free request: each constrained output is the reference's
     token for token, ends where the constraint is complete (finish_reason stop), and satisfies it; the free one is

@@ -5,7 +5,6 @@ they hold beside a structured output and in each of `n` samples; bad values are 
 from __future__ import annotations
 
 import re
-from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
@@ -28,18 +27,6 @@ def hf_greedy(hf: Any, prompt: list[int], max_new: int, banned: Callable[[list[i
             out.append(int(logits.argmax()))
             ids.append(out[-1])
     return out
-
-
-@pytest.fixture(scope="module")
-def hf_tiny(tiny_model_dir: Path) -> Any:
-    import transformers
-
-    return transformers.AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32).eval()
-
-
-@pytest.fixture(scope="module", params=[False, True], ids=["sync", "async"])
-def tiny(request: pytest.FixtureRequest, tiny_model_dir: Path) -> LLM:
-    return LLM(str(tiny_model_dir), num_kv_blocks=96, max_num_batched_tokens=64, async_scheduling=request.param)
 
 
 def test_allowed_token_ids_and_bad_words_are_transformers_argmax_with_them_masked(tiny: LLM, hf_tiny: Any) -> None:
