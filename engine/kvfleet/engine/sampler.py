@@ -139,7 +139,7 @@ def apply_allowed_(logits: torch.Tensor, allowed: AllowedTokens) -> None:
 class Sampler:
     def __call__(self, logits: torch.Tensor, b: SamplingBatch) -> SamplerOutput:
         # a float32 copy the sampler owns (structured outputs write into it; the caller's rows stay as they were)
-        logits = logits.float() if logits.dtype != torch.float32 or b.allowed is None else logits.clone()
+        logits = logits.clone() if b.allowed is not None and logits.dtype == torch.float32 else logits.float()
         if b.allowed is not None:
             apply_allowed_(logits, b.allowed)
         raw_logprobs = logits.log_softmax(dim=-1) if b.max_num_logprobs >= 0 else None

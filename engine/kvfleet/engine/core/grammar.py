@@ -42,6 +42,16 @@ class TokenGrammar(Protocol):
 ReasoningStart = Literal["thinking", "answering", "either"]
 
 
+def _full_row(bitmask: "NDArray[np.int32]", row: int) -> None:
+    bitmask[row] = -1   # every bit set: any token
+
+
+def _bit(token_id: int) -> tuple[int, int]:
+    """(word, int32 value with only token_id's bit set): bit 31 is the int32's sign bit."""
+    word, bit = divmod(token_id, 32)
+    return word, (1 << bit) - (1 << 32 if bit == 31 else 0)
+
+
 class AfterReasoning:
     """A constraint that holds only for the answer after a reasoning model's thinking (vLLM's rule with a reasoning
     parser): any token while the model thinks, the constraint from the token after its end marker on.
@@ -80,16 +90,12 @@ class AfterReasoning:
 
     def fill_bitmask(self, bitmask: "NDArray[np.int32]", row: int) -> None:
         if self.state == "thinking":
-            bitmask[row] = -1   # every bit set: any token
+            _full_row(bitmask, row)
             return
         self.inner.fill_bitmask(bitmask, row)
         if self.state == "either":
-            word, bit = divmod(self.start_token_id, 32)
-            bitmask[row, word] |= (1 << bit) - (1 << 32 if bit == 31 else 0)   # bit 31 is int32's sign bit
-
-
-def _full_row(bitmask: "NDArray[np.int32]", row: int) -> None:
-    bitmask[row] = -1   # every bit set: any token
+            word, value = _bit(self.start_token_id)
+            bitmask[row, word] |= value
 
 
 class TokenSet:
@@ -150,8 +156,8 @@ class BannedSequences:
     def fill_bitmask(self, bitmask: "NDArray[np.int32]", row: int) -> None:
         _full_row(bitmask, row)
         for token in self._banned():
-            word, bit = divmod(token, 32)
-            bitmask[row, word] &= ~(1 << bit) if bit < 31 else 0x7FFFFFFF   # bit 31 is int32's sign bit
+            word, value = _bit(token)
+            bitmask[row, word] &= ~value
 
 
 class AllOf:

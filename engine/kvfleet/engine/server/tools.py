@@ -268,18 +268,16 @@ def _hermes_streamable(text: str) -> str:
     return text
 
 
-def _llama3_streamable(text: str) -> str:
-    head = text.lstrip()
-    if not head or head.startswith("{") or head.startswith(LLAMA_TAG) or LLAMA_TAG.startswith(head):
-        return ""   # a call (all of the answer is one) or not known yet
-    return text
+def _whole_answer_streamable(opener: str, tag: str) -> Callable[[str], str]:
+    """For formats whose calls are the whole answer (after an optional special `tag`): a stream holds back an
+    answer that starts with `opener` or the tag, or may still become one, and sends any other as it grows."""
+    def streamable(text: str) -> str:
+        head = text.lstrip()
+        if not head or head.startswith((opener, tag)) or tag.startswith(head):
+            return ""   # a call (all of the answer is one) or not known yet
+        return text
 
-
-def _pythonic_streamable(text: str) -> str:
-    head = text.lstrip()
-    if not head or head.startswith(("[", PYTHON_START)) or PYTHON_START.startswith(head):
-        return ""   # a call list (all of the answer is one) or not known yet
-    return text
+    return streamable
 
 
 @dataclass(frozen=True)
@@ -294,8 +292,8 @@ class CallFormat:
 
 CALL_FORMATS: dict[str, CallFormat] = {
     "hermes": CallFormat(parse_hermes, _hermes_streamable, lambda text: text[:text.find(HERMES_OPEN)]),
-    "llama3_json": CallFormat(parse_llama3_json, _llama3_streamable, lambda text: ""),
-    "pythonic": CallFormat(parse_pythonic, _pythonic_streamable, lambda text: ""),
+    "llama3_json": CallFormat(parse_llama3_json, _whole_answer_streamable("{", LLAMA_TAG), lambda text: ""),
+    "pythonic": CallFormat(parse_pythonic, _whole_answer_streamable("[", PYTHON_START), lambda text: ""),
 }
 TOOL_CALL_PARSERS = tuple(CALL_FORMATS)
 
