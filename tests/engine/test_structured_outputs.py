@@ -10,6 +10,7 @@ outputs must satisfy their constraint; bad constraints are a ValueError naming t
 from __future__ import annotations
 
 import json
+import logging
 import re
 import shutil
 from pathlib import Path
@@ -105,7 +106,24 @@ def test_a_model_without_a_tokenizer_refuses_constraints(tiny_model_dir: Path, t
     llm = LLM(str(tmp_path), load_format="dummy", num_kv_blocks=16)
     with pytest.raises(ValueError, match="structured_outputs: this model has no tokenizer"):
         llm.generate([[3, 4]], SamplingParams(max_tokens=4, structured_outputs=Structured(regex="a")))
+    assert llm.llm_engine.prepare_structured_outputs() is False
     assert llm.generate([[3, 4]], SamplingParams(max_tokens=4))[0].outputs[0].token_ids
+
+
+def test_the_token_table_is_built_once_before_the_first_constrained_request(
+        tiny_model_dir: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """`prepare_structured_outputs` (the server calls it before /health turns ready) builds llguidance's token table;
+    constrained requests after it use that table instead of building one on their own time."""
+    llm = LLM(str(tiny_model_dir), num_kv_blocks=32)
+    with caplog.at_level(logging.INFO, logger="kvfleet.engine.structured_outputs"):
+        assert llm.llm_engine.prepare_structured_outputs() is True
+        built = [r for r in caplog.records if r.getMessage() == "structured outputs: token table built"]
+        assert len(built) == 1
+        out = llm.generate([[3, 4, 5]], SamplingParams(temperature=0.0, max_tokens=40,
+                                                      structured_outputs=Structured(choice=CHOICES)))
+        assert out[0].outputs[0].text in CHOICES
+        assert llm.llm_engine.prepare_structured_outputs() is True
+    assert [r for r in caplog.records if r.getMessage() == "structured outputs: token table built"] == built
 
 
 @pytest.mark.slow

@@ -21,7 +21,7 @@ from pydantic import BaseModel
 
 from kvfleet.engine.sampling_params import SamplingParams, StructuredOutputsParams
 
-from server_proc import start_server
+from server_proc import Server, start_server
 
 CHAT: Any = [{"role": "user", "content": "the weather report"}]
 SCHEMA = {"type": "object", "properties": {"sky": {"enum": ["clear", "cloudy", "rain"]},
@@ -54,6 +54,14 @@ def test_json_schema_and_json_object(client: openai.OpenAI, offline: Any) -> Non
     value = json.loads(compact.choices[0].message.content or "")
     assert value["sky"] in ("clear", "cloudy", "rain") and isinstance(value["windy"], bool)
     assert set(value) == {"sky", "windy"} and compact.choices[0].finish_reason == "stop"
+
+
+def test_the_token_table_is_built_before_the_server_is_ready(api_server: Server) -> None:
+    """llguidance's view of the tokenizer is built during start-up, before /health turns 200, so the first
+    constrained request does not pay for it."""
+    log = api_server.log.read_text(errors="replace")
+    assert "token table built" in log and "model ready" in log, api_server.log_tail()
+    assert log.index("token table built") < log.index("model ready")
 
 
 @pytest.mark.slow

@@ -84,6 +84,10 @@ class AsyncLLM:
     def is_running(self) -> bool:
         return self._thread.is_alive()
 
+    def prepare_structured_outputs(self) -> bool:
+        """Build the structured-outputs token table now (kvfleet.engine.llm_engine.LLMEngine)."""
+        return self.engine.prepare_structured_outputs()
+
     # --- requests ------------------------------------------------------------------
     def process_inputs(self, prompt: PromptType, sampling_params: Optional[SamplingParams] = None) -> EngineInputs:
         """The request checked as `generate` would (the engine's admission rules: n or best_of over max_num_seqs, a

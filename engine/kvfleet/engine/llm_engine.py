@@ -158,8 +158,21 @@ class LLMEngine:
         return EngineInputs(text, ids, params, max_tokens, grammar, rules)
 
     def compile_grammar(self, spec: StructuredOutputsParams) -> TokenGrammar:
-        """A structured-output constraint for this model's tokenizer (a ValueError names the field). The compiler,
-        and llguidance with it, is loaded on the first constrained request."""
+        """A structured-output constraint for this model's tokenizer (a ValueError names the field)."""
+        return self._grammar_compiler().compile(spec)
+
+    def prepare_structured_outputs(self) -> bool:
+        """Build the structured-outputs token table now (0.3 s for a 49k vocabulary, ~1 s for 128k, on one core)
+        rather than on the first constrained request's time; the server runs it beside its warm-up. False
+        when this model cannot constrain outputs (no tokenizer, or no llguidance): its requests say why."""
+        try:
+            self._grammar_compiler().token_table()
+        except ValueError:
+            return False
+        return True
+
+    def _grammar_compiler(self) -> "GrammarCompiler":
+        """The compiler, and llguidance with it, loaded on first use."""
         with self._grammars_lock:
             if self._grammars is None:
                 try:
@@ -169,8 +182,7 @@ class LLMEngine:
                                      "install llguidance") from None
                 self._grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size,
                                                  self.eos_token_ids)
-            compiler = self._grammars
-        return compiler.compile(spec)
+            return self._grammars
 
     def add_request(self, request_id: str, prompt: PromptType, params: Optional[SamplingParams] = None,
                     priority: int = 0, arrival_time: Optional[float] = None,

@@ -253,6 +253,9 @@ async def _load(state: ServerState, load_engine: Callable[[], AsyncLLM]) -> None
         if state.reasoning_parser is not None:
             state.reasoning = reasoning_parser(state.reasoning_parser, engine.tokenizer)
         await _warm_up(engine)
+        # After the warm-up, not beside it: building the table holds the GIL (~0.3-1 s) and the first
+        # constrained request would otherwise wait that long for its first token.
+        await asyncio.to_thread(engine.prepare_structured_outputs)
     except Exception as exc:
         state.load_error = f"{exc.__class__.__name__}: {exc}"
         logger.exception("model load failed")
