@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import openai
 import pytest
@@ -124,3 +124,87 @@ def test_auto_with_the_hermes_parser_and_what_the_template_is_shown(auto_server:
                                           tools=[WEATHER], stream=True)
     assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == \
         with_tools.choices[0].message.content
+
+
+# Mistral's way, shorter: tools in [AVAILABLE_TOOLS], calls after the special [TOOL_CALLS] token with their ids, and
+# its templates' rule that every call id is 9 letters and digits.
+MISTRAL_TEMPLATE = (
+    "{% if tools %}[AVAILABLE_TOOLS]{{ tools | tojson }}[/AVAILABLE_TOOLS]{% endif %}"
+    "{% for m in messages %}{% if m.role == 'user' %}[INST]{{ m.content }}[/INST]"
+    "{% elif m.role == 'assistant' and m.tool_calls %}[TOOL_CALLS][{% for c in m.tool_calls %}"
+    "{% if c.id is not defined or c.id | length != 9 %}"
+    "{{ raise_exception('Tool call IDs should be alphanumeric strings with length 9!') }}{% endif %}"
+    "{{ {'name': c.function.name, 'arguments': c.function.arguments, 'id': c.id} | tojson }}"
+    "{% if not loop.last %}, {% endif %}{% endfor %}]</s>"
+    "{% elif m.role == 'assistant' %}{{ m.content }}</s>"
+    "{% elif m.role == 'tool' %}{% if m.tool_call_id | length != 9 %}"
+    "{{ raise_exception('Tool call IDs should be alphanumeric strings with length 9!') }}{% endif %}"
+    "[TOOL_RESULTS]{{ {'content': m.content, 'call_id': m.tool_call_id} | tojson }}[/TOOL_RESULTS]"
+    "{% endif %}{% endfor %}")
+CALL_TEXT = '{"name": "get_weather", "arguments": {"unit": "C", "rain": true}}'
+
+
+@pytest.fixture(scope="module")
+def mistral_client(tiny_model_factory: Callable[..., Path],
+                   tmp_path_factory: pytest.TempPathFactory) -> Iterator[openai.OpenAI]:
+    """A server with the mistral parser on a tiny model whose tokenizer has [TOOL_CALLS] as a special token."""
+    logs = tmp_path_factory.mktemp("mistral-tools")
+    (logs / "template.jinja").write_text(MISTRAL_TEMPLATE)
+    model = tiny_model_factory("llama", special_tokens=("[TOOL_CALLS]",))
+    server = start_server(model, logs, "--max-model-len", "512", "--enable-auto-tool-choice",
+                          "--tool-call-parser", "mistral", "--chat-template", str(logs / "template.jinja"))
+    yield openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=60)
+    server.stop()
+
+
+def mistral_call_grammar(client: openai.OpenAI) -> dict[str, Any]:
+    """A Lark grammar (vLLM's structured_outputs extra) that makes the random model write what a Mistral model
+    writes for a call: the [TOOL_CALLS] token itself (by id), then the JSON list."""
+    (tag,) = client.post("/../tokenize", body={"prompt": "[TOOL_CALLS]", "add_special_tokens": False},
+                         cast_to=dict)["tokens"]
+    literal = json.dumps(" [" + CALL_TEXT + "]")
+    return {"structured_outputs": {"grammar": f"start: <[{tag}]> {literal}"}}
+
+
+def test_mistral_calls_are_read_with_mistral_ids_and_sent_back(mistral_client: openai.OpenAI) -> None:
+    """An auto answer that is [TOOL_CALLS] and a JSON list comes back as a call (the special token is kept for the
+    parser, vLLM's rule) with a 9-character id, streamed the same; the conversation with that call and its result
+    renders under Mistral's id rule, and one with another server's id is a 400 naming messages."""
+    grammar = mistral_call_grammar(mistral_client)
+    got = mistral_client.chat.completions.create(model="tiny", messages=ASK, max_tokens=60, temperature=0,
+                                                 tools=[WEATHER, CLOCK], extra_body=grammar)
+    choice = got.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None, choice
+    (call,) = choice.message.tool_calls or []
+    assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"unit": "C", "rain": True}
+    assert len(call.id) == 9 and call.id.isalnum(), call.id
+    chunks = list(mistral_client.chat.completions.create(model="tiny", messages=ASK, max_tokens=60, temperature=0,
+                                                         tools=[WEATHER, CLOCK], extra_body=grammar, stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == ""
+    streamed = [tc for c in chunks if c.choices for tc in c.choices[0].delta.tool_calls or []]
+    assert [(tc.function.name if tc.function else None, tc.function.arguments if tc.function else None)
+            for tc in streamed] == [("get_weather", call.function.arguments)]
+    assert streamed[0].id is not None and len(streamed[0].id) == 9 and streamed[0].id.isalnum()
+    history: Any = ASK + [
+        {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+        {"role": "tool", "tool_call_id": call.id, "content": "rain, 12 C"}]
+    follow = mistral_client.chat.completions.create(model="tiny", messages=history, max_tokens=4, temperature=0,
+                                                    tools=[WEATHER])
+    assert follow.usage is not None and got.usage is not None
+    assert follow.usage.prompt_tokens > got.usage.prompt_tokens
+    history[1]["tool_calls"][0]["id"] = history[2]["tool_call_id"] = "chatcmpl-tool-0123456789abcdef"
+    with pytest.raises(openai.BadRequestError) as info:
+        mistral_client.chat.completions.create(model="tiny", messages=history, max_tokens=4, tools=[WEATHER])
+    assert info.value.param == "messages" and "length 9" in info.value.body["message"], info.value.body
+
+
+def test_mistral_special_tokens_are_kept_only_for_auto_tool_answers(mistral_client: openai.OpenAI) -> None:
+    """Without tools (or with tool_choice none) the same output is decoded as always, special tokens skipped: no
+    [TOOL_CALLS] text and no call."""
+    grammar = mistral_call_grammar(mistral_client)
+    for extra in ({}, {"tools": [WEATHER], "tool_choice": "none"}):
+        got = mistral_client.chat.completions.create(model="tiny", messages=ASK, max_tokens=60, temperature=0,
+                                                     extra_body=grammar, **extra)
+        message = got.choices[0].message
+        assert message.tool_calls is None and message.content == " [" + CALL_TEXT + "]", (extra, message)
+        assert got.choices[0].finish_reason == "stop"

@@ -14,9 +14,11 @@ from kvfleet.engine.server.tools import (
     TOOL_CALL_PARSERS,
     ToolChoiceError,
     ToolMode,
+    new_call_id,
     parse_answer,
     parse_hermes,
     parse_llama3_json,
+    parse_mistral,
     parse_pythonic,
     streamable_prefix,
     streamed_content,
@@ -39,6 +41,10 @@ def test_modes_and_what_cannot_be_served() -> None:
     assert tool_mode([WEATHER, CLOCK], NAMED, None) == ToolMode("named", name="now")
     assert tool_mode([WEATHER], "required", None) == ToolMode("required")
     assert tool_mode([WEATHER], None, "hermes") == ToolMode("auto", parser="hermes")   # auto: the default
+    assert tool_mode([WEATHER], "required", "mistral") == ToolMode("required", parser="mistral")
+    assert ToolMode("auto", parser="mistral").keeps_special_tokens
+    assert not ToolMode("required", parser="mistral").keeps_special_tokens
+    assert not ToolMode("auto", parser="hermes").keeps_special_tokens
     for tools, choice, says in (([WEATHER], None, "--enable-auto-tool-choice"), ([WEATHER], "auto", "auto"),
                                 ([WEATHER], NAMED, "'now' is not among the tools"), (None, "required", "needs tools")):
         with pytest.raises(ToolChoiceError, match=says):
@@ -70,8 +76,10 @@ def test_answers_read_back() -> None:
         ("get_weather", {"city": "Åre"}), ("now", {})]
     cut = parse_answer('[{"name":"get_w', ToolMode("required"), complete=False)   # max_tokens: no call, the text
     assert cut.content == '[{"name":"get_w' and cut.tool_calls == []
-    call = named.tool_calls[0].to_openai(0)
+    call = named.tool_calls[0].to_openai(new_call_id(ToolMode("named", name="now", parser="hermes")), 0)
     assert call["index"] == 0 and call["id"].startswith("chatcmpl-tool-") and call["type"] == "function"
+    ids = {new_call_id(ToolMode("required", parser="mistral")) for _ in range(50)}
+    assert len(ids) == 50 and all(len(i) == 9 and i.isalnum() and i.isascii() for i in ids)   # Mistral's rule
 
 
 def test_hermes_parser_on_what_qwen_models_write() -> None:
@@ -157,6 +165,57 @@ def test_pythonic_parser_on_what_llama_models_write() -> None:
     assert streamable_prefix("<|python", pythonic) == "" and streamable_prefix("It is", pythonic) == "It is"
     text = "[now()]"
     assert streamed_content(text, pythonic, parse_answer(text, pythonic, True)) == ""
+
+
+def test_mistral_parser_on_what_mistral_models_write() -> None:
+    """Mistral's formats: a JSON list after [TOOL_CALLS] (before v11), `name[ARGS]{...}` per tag (v11 on, a call id
+    too in later ones), a list whose tag was skipped as a special token; content before the tag is content, and
+    anything that does not parse whole stays text."""
+    old = parse_mistral('[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris"}}, '
+                        '{"name": "now", "arguments": {}}]')
+    assert old.content is None and [(c.name, json.loads(c.arguments)) for c in old.tool_calls] == [
+        ("get_weather", {"city": "Paris"}), ("now", {})]
+    new = parse_mistral('Checking.[TOOL_CALLS]get_weather[ARGS]{"city": "Rome"}[TOOL_CALLS]now[ARGS]{}')
+    assert new.content == "Checking." and [(c.name, c.arguments) for c in new.tool_calls] == [
+        ("get_weather", '{"city":"Rome"}'), ("now", "{}")]
+    with_id = parse_mistral('[TOOL_CALLS]now[CALL_ID]a1b2c3d4e[ARGS]{"tz": "UTC"}')
+    assert [(c.name, c.arguments) for c in with_id.tool_calls] == [("now", '{"tz":"UTC"}')]
+    skipped = parse_mistral(' [{"name": "now", "arguments": {}}]')
+    assert skipped.content is None and [c.name for c in skipped.tool_calls] == ["now"]
+    for text in ("The weather is fine.", "[1, 2]", "[]", "[TOOL_CALLS]", '[TOOL_CALLS] [{"name": "now"',
+                 '[TOOL_CALLS]now[ARGS]{"a": 1} and more', '[TOOL_CALLS]not a name[ARGS]{}',
+                 '[TOOL_CALLS]now[ARGS][1]', '[{"name": "now", "arguments": {}}] and more', "[" * 5000):
+        assert parse_mistral(text).tool_calls == [] and parse_mistral(text).content == text, text
+    mistral = ToolMode("auto", parser="mistral")
+    assert streamable_prefix(" ", mistral) == "" and streamable_prefix("[TOOL", mistral) == ""
+    assert streamable_prefix('[{"na', mistral) == "" and streamable_prefix("It is", mistral) == "It is"
+    assert streamable_prefix("It is [TOO", mistral) == "It is " and streamable_prefix("It [x]", mistral) == "It [x]"
+    text = 'Sure.[TOOL_CALLS][{"name": "now", "arguments": {}}]'
+    assert streamed_content(text, mistral, parse_answer(text, mistral, True)) == "Sure."
+    text = '[{"name": "now", "arguments": {}}]'
+    assert streamed_content(text, mistral, parse_answer(text, mistral, True)) == ""
+
+
+def test_a_stream_sends_what_the_whole_answer_says_in_every_format() -> None:
+    """For each parser, an answer streamed one character at a time: what may be sent only grows (nothing sent is
+    taken back), and at the end the content sent is the non-streamed answer's content (up to its stripping)."""
+    answers = {
+        "hermes": ['Sure.<tool_call>{"name": "now", "arguments": {}}</tool_call>', "plain <b>text</b>"],
+        "llama3_json": ['{"name": "now", "parameters": {}}', "plain {text}"],
+        "pythonic": ["[now()]", "plain [text]", "[not a call"],
+        "mistral": ['Sure.[TOOL_CALLS][{"name": "now", "arguments": {}}]', '[TOOL_CALLS]now[ARGS]{}',
+                    "[1] a list", "plain text [TOOL"],
+    }
+    for parser, texts in answers.items():
+        mode = ToolMode("auto", parser=parser)
+        for text in texts:
+            sent = [streamable_prefix(text[:i], mode) for i in range(len(text) + 1)]
+            assert all(text.startswith(x) for x in sent), (parser, text)
+            assert all(b.startswith(a) for a, b in zip(sent[:-1], sent[1:], strict=True)), (parser, text)
+            answer = parse_answer(text, mode, True)
+            final = streamed_content(text, mode, answer)
+            assert final.startswith(sent[-1]), (parser, text)
+            assert final.strip() == (answer.content or "").strip(), (parser, text)
 
 
 def test_the_servers_parser_choices_are_the_formats_read() -> None:

@@ -139,9 +139,12 @@ def make_tiny_model(
     max_position_embeddings: int = 1024,
     num_kv_heads: int = 2,
     added_tokens: tuple[str, ...] = (),
+    special_tokens: tuple[str, ...] = (),
 ) -> Path:
     """Build (once) and save a tiny `arch` model with tokenizer under `path`; returns its folder. `added_tokens`:
-    single tokens added to the tokenizer, not special (kept in decoded text, as a reasoning model's <think>)."""
+    single tokens added to the tokenizer, not special (kept in decoded text, as a reasoning model's <think>);
+    `special_tokens`: single special tokens (gone from text decoded with skip_special_tokens, as Mistral's
+    [TOOL_CALLS])."""
     if arch not in ARCHS:
         raise ValueError(f"arch: {arch!r} is not one of {', '.join(ARCHS)}")
     if num_layers < 1:
@@ -154,6 +157,8 @@ def make_tiny_model(
         spec["num_kv_heads"] = num_kv_heads
     if added_tokens:
         spec["added_tokens"] = list(added_tokens)
+    if special_tokens:
+        spec["special_tokens"] = list(special_tokens)
     digest = hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:10]
     folder = Path(path) / f"tiny-{arch}-{digest}"
     marker = folder / "kvfleet-tiny.json"
@@ -164,6 +169,8 @@ def make_tiny_model(
 
     tokenizer = build_tokenizer(vocab_size)
     tokenizer.add_tokens(list(added_tokens))
+    if special_tokens:
+        tokenizer.add_special_tokens({"additional_special_tokens": list(special_tokens)})
     config = tiny_config(arch, len(tokenizer), num_layers, max_position_embeddings, num_kv_heads)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)

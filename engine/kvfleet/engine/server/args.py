@@ -79,8 +79,9 @@ SERVE_FLAGS: tuple[Flag, ...] = (
          "model's answer is parsed for tool calls with --tool-call-parser.", boolean=True, default=False),
     Flag("--tool-call-parser", "The format the model's chat template writes tool calls in (hermes: "
          "<tool_call>{...}</tool_call>, Qwen2.5, Qwen3, Hermes; llama3_json: {\"name\": ..., \"parameters\": ...}, "
-         "Llama 3.1-3.3; pythonic: [name(arg=value), ...], Llama 3.2 and 4's pythonic templates).",
-         choices=("hermes", "llama3_json", "pythonic"), metavar="NAME"),
+         "Llama 3.1-3.3; pythonic: [name(arg=value), ...], Llama 3.2 and 4's pythonic templates; mistral: "
+         "[TOOL_CALLS] then a JSON list or name[ARGS]{...}, Mistral's templates, with 9-character call ids).",
+         choices=("hermes", "llama3_json", "pythonic", "mistral"), metavar="NAME"),
     Flag("--reasoning-parser", "Answer a thinking model's reasoning (between <think> and </think>) in the "
          "message's `reasoning` field, apart from its content; tool calls and structured outputs apply to the "
          "answer after it (deepseek_r1: DeepSeek-R1, QwQ; qwen3: Qwen3).", choices=("deepseek_r1", "qwen3"),

@@ -30,6 +30,7 @@ from kvfleet.engine.server.tools import (
     ToolChoiceError,
     ToolMode,
     finish_reason_with_calls,
+    new_call_id,
     parse_answer,
     streamable_prefix,
     streamed_content,
@@ -72,6 +73,8 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
         mode = tool_mode(req.tools, req.tool_choice, state.tool_parser, req.parallel_tool_calls)
     except ToolChoiceError as exc:
         raise APIError(400, str(exc), "tool_choice", "invalid_value") from None
+    if mode.keeps_special_tokens and req.skip_special_tokens:   # the call tag is a special token (vLLM's rule)
+        req = req.model_copy(update={"skip_special_tokens": False})
     ids = await chat_prompt_ids(state, req.messages, TemplateCall(
         req.add_generation_prompt, req.continue_final_message, template_tools(req.tools), req.chat_template_kwargs))
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
@@ -120,7 +123,7 @@ def _answer(mode: ToolMode, reader: ReasoningReader | None, text: str,
     message["content"] = answer.content
     if not answer.tool_calls:
         return {"message": message, "finish_reason": finish_reason}
-    message["tool_calls"] = [call.to_openai() for call in answer.tool_calls]
+    message["tool_calls"] = [call.to_openai(new_call_id(mode)) for call in answer.tool_calls]
     return {"message": message, "finish_reason": finish_reason_with_calls(mode, finish_reason)}
 
 
@@ -149,7 +152,7 @@ def stream_delta(mode: ToolMode, reader: ReasoningReader | None, text: str, sent
             if rest:
                 body["content"] = rest
             if parsed.tool_calls:
-                body["tool_calls"] = [call.to_openai(i) for i, call in enumerate(parsed.tool_calls)]
+                body["tool_calls"] = [call.to_openai(new_call_id(mode), i) for i, call in enumerate(parsed.tool_calls)]
                 finish_reason = finish_reason_with_calls(mode, finish_reason)
         return body, finish_reason, Sent(sent.reasoning + len(thought), len(answer or ""))
     sendable = streamable_prefix(answer, mode) if answer is not None else ""

@@ -10,7 +10,11 @@
   (`<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, the format of Qwen2.5, Qwen3 and Hermes templates)
   `llama3_json` (an answer that is `{"name": ..., "parameters": {...}}` objects, separated by `;`, as Llama
   3.1-3.3 templates ask for) and `pythonic` (an answer that is a Python list of calls with keyword arguments,
-  `[get_weather(city="Paris"), now()]`, as Llama 3.2's and 4's pythonic templates ask for).
+  `[get_weather(city="Paris"), now()]`, as Llama 3.2's and 4's pythonic templates ask for) and `mistral`
+  (`[TOOL_CALLS]` then a JSON list of `{"name": ..., "arguments": {...}}` objects, Mistral's tokenizers before v11,
+  or `[TOOL_CALLS]name[ARGS]{...}` per call, v11 on). With `mistral` an auto request's text keeps special tokens,
+  `[TOOL_CALLS]` among them (vLLM does the same), and call ids are Mistral's: 9 letters and digits, which its chat
+  templates require of the calls sent back to them.
 
 Arguments are compact JSON (no whitespace between tokens, as OpenAI's): a model cannot spend its budget on
 whitespace inside a call.
@@ -21,6 +25,8 @@ from __future__ import annotations
 import ast
 import json
 import re
+import secrets
+import string
 import uuid
 from dataclasses import dataclass
 from typing import Any, Callable, Literal, Sequence
@@ -31,6 +37,9 @@ from kvfleet.engine.server.protocol import ChatMessage, NamedToolChoice, Tool
 HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
 LLAMA_TAG = "<|python_tag|>"   # Llama 3's tool-call start (a special token: gone when special tokens are skipped)
 PYTHON_START, PYTHON_END = "<|python_start|>", "<|python_end|>"   # Llama 4's, around pythonic calls
+MISTRAL_CALLS, MISTRAL_ARGS, MISTRAL_CALL_ID = "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"   # special tokens
+_MISTRAL_NAME = re.compile(r"[A-Za-z0-9_.:-]{1,256}")
+_ID_CHARS = string.ascii_letters + string.digits
 _HERMES_CALL = re.compile(re.escape(HERMES_OPEN) + r"\s*(.*?)\s*(?:" + re.escape(HERMES_CLOSE) + r"|$)", re.DOTALL)
 
 
@@ -40,8 +49,13 @@ class ToolMode:
 
     kind: Literal["none", "named", "required", "auto"]
     name: str | None = None          # named: the function
-    parser: str | None = None        # auto: the server's --tool-call-parser
+    parser: str | None = None        # the server's --tool-call-parser (auto reads calls with it)
     parallel: bool = True            # auto: parallel_tool_calls (false: the model's first call only)
+
+    @property
+    def keeps_special_tokens(self) -> bool:
+        """Whether the answer must be decoded with special tokens: a format whose call tag is one."""
+        return self.kind == "auto" and self.parser == "mistral"
 
 
 @dataclass(frozen=True)
@@ -49,10 +63,18 @@ class ToolCall:
     name: str
     arguments: str                   # JSON text
 
-    def to_openai(self, index: int | None = None) -> dict[str, Any]:
-        call: dict[str, Any] = {"id": f"chatcmpl-tool-{uuid.uuid4().hex}", "type": "function",
+    def to_openai(self, call_id: str, index: int | None = None) -> dict[str, Any]:
+        call: dict[str, Any] = {"id": call_id, "type": "function",
                                 "function": {"name": self.name, "arguments": self.arguments}}
         return call if index is None else {"index": index, **call}
+
+
+def new_call_id(mode: ToolMode) -> str:
+    """A call's id: vLLM's `chatcmpl-tool-<hex>`, or with the mistral parser 9 letters and digits (Mistral's
+    templates refuse other ids in the conversation sent back)."""
+    if mode.parser == "mistral":
+        return "".join(secrets.choice(_ID_CHARS) for _ in range(9))
+    return f"chatcmpl-tool-{uuid.uuid4().hex}"
 
 
 @dataclass(frozen=True)
@@ -78,14 +100,14 @@ def tool_mode(tools: Sequence[Tool] | None, choice: str | NamedToolChoice | None
         name = choice.function.name
         if name not in {t.function.name for t in tools}:
             raise ToolChoiceError(f"tool_choice: function {name!r} is not among the tools")
-        return ToolMode("named", name=name)
+        return ToolMode("named", name=name, parser=parser)
     if choice == "auto":
         if parser is None:
             raise ToolChoiceError('tool_choice: "auto" tool choice (the default with tools) requires '
                                   "--enable-auto-tool-choice and --tool-call-parser to be set; use \"required\", "
                                   "a named function or \"none\"")
         return ToolMode("auto", parser=parser, parallel=parallel)
-    return ToolMode("required") if choice == "required" else ToolMode("none")
+    return ToolMode("required", parser=parser) if choice == "required" else ToolMode("none")
 
 
 def _parameters(tool: Tool) -> dict[str, Any]:
@@ -258,14 +280,98 @@ def parse_pythonic(text: str) -> ParsedAnswer:
     return ParsedAnswer(None, calls)
 
 
-def _hermes_streamable(text: str) -> str:
-    start = text.find(HERMES_OPEN)
-    if start >= 0:
-        return text[:start]
-    for keep in range(min(len(HERMES_OPEN) - 1, len(text)), 0, -1):   # a tag cut between two chunks
-        if HERMES_OPEN.startswith(text[-keep:]):
-            return text[:-keep]
-    return text
+def _json_call_list(body: str) -> list[ToolCall] | None:
+    """`[{"name": ..., "arguments": {...}}, ...]` and nothing after it as calls; None if it is not that."""
+    if not body.startswith("["):
+        return None
+    try:
+        value, end = json.JSONDecoder().raw_decode(body)
+    except (ValueError, RecursionError):
+        return None
+    if body[end:].strip() or not isinstance(value, list) or not value:
+        return None
+    calls = [_call(obj) for obj in value]
+    return None if any(c is None for c in calls) else [c for c in calls if c is not None]
+
+
+def _mistral_named_call(part: str) -> ToolCall | None:
+    """v11 on: `name[ARGS]{...}` (`name[CALL_ID]id[ARGS]{...}` too; `name{...}` if [ARGS] was not kept)."""
+    if MISTRAL_ARGS in part:
+        name, args = part.split(MISTRAL_ARGS, 1)
+        name = name.split(MISTRAL_CALL_ID, 1)[0]
+    else:
+        brace = part.find("{")
+        name, args = (part[:brace], part[brace:]) if brace > 0 else (part, "")
+    name, args = name.strip(), args.strip()
+    if not _MISTRAL_NAME.fullmatch(name):
+        return None
+    try:
+        value, end = json.JSONDecoder().raw_decode(args)
+    except (ValueError, RecursionError):
+        return None
+    if args[end:].strip() or not isinstance(value, dict):
+        return None
+    return ToolCall(name, _compact(value))
+
+
+def parse_mistral(text: str) -> ParsedAnswer:
+    """Mistral's calls after `[TOOL_CALLS]`: a JSON list of `{"name", "arguments"}` objects (tokenizers before v11)
+    or `name[ARGS]{...}`, one per tag (v11 on); the text before the first tag is content. Without the tag (its
+    special token skipped), an answer that is such a JSON list. Anything that does not parse is content."""
+    start = text.find(MISTRAL_CALLS)
+    if start < 0:
+        listed = _json_call_list(text.strip())
+        return ParsedAnswer(None, listed) if listed else ParsedAnswer(text, [])
+    calls: list[ToolCall] = []
+    for part in text[start:].split(MISTRAL_CALLS)[1:]:
+        part = part.strip()
+        if not part:
+            continue
+        if part.startswith("["):
+            listed = _json_call_list(part)
+            if listed is None:
+                return ParsedAnswer(text, [])
+            calls += listed
+            continue
+        call = _mistral_named_call(part)
+        if call is None:
+            return ParsedAnswer(text, [])
+        calls.append(call)
+    if not calls:
+        return ParsedAnswer(text, [])
+    return ParsedAnswer(text[:start].strip() or None, calls)
+
+
+def _before_tag(tag: str) -> Callable[[str], str]:
+    """For formats whose calls follow a tag anywhere in the answer: a stream sends the text before the tag, and
+    holds back an end that may be the tag's start (a tag cut between two chunks)."""
+    def streamable(text: str) -> str:
+        start = text.find(tag)
+        if start >= 0:
+            return text[:start]
+        for keep in range(min(len(tag) - 1, len(text)), 0, -1):
+            if tag.startswith(text[-keep:]):
+                return text[:-keep]
+        return text
+
+    return streamable
+
+
+def _mistral_streamable(text: str) -> str:
+    """An answer that starts with `[` may be the tag or, the tag skipped, a call list: held back whole; else the
+    text before the tag."""
+    head = text.lstrip()
+    if not head or head.startswith("["):
+        return ""
+    return _before_tag(MISTRAL_CALLS)(text)
+
+
+def _text_before(tag: str) -> Callable[[str], str]:
+    def before(text: str) -> str:
+        start = text.find(tag)
+        return text[:start] if start >= 0 else ""
+
+    return before
 
 
 def _whole_answer_streamable(opener: str, tag: str) -> Callable[[str], str]:
@@ -291,9 +397,10 @@ class CallFormat:
 
 
 CALL_FORMATS: dict[str, CallFormat] = {
-    "hermes": CallFormat(parse_hermes, _hermes_streamable, lambda text: text[:text.find(HERMES_OPEN)]),
+    "hermes": CallFormat(parse_hermes, _before_tag(HERMES_OPEN), _text_before(HERMES_OPEN)),
     "llama3_json": CallFormat(parse_llama3_json, _whole_answer_streamable("{", LLAMA_TAG), lambda text: ""),
     "pythonic": CallFormat(parse_pythonic, _whole_answer_streamable("[", PYTHON_START), lambda text: ""),
+    "mistral": CallFormat(parse_mistral, _mistral_streamable, _text_before(MISTRAL_CALLS)),
 }
 TOOL_CALL_PARSERS = tuple(CALL_FORMATS)
 
