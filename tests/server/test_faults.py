@@ -126,6 +126,23 @@ def test_disconnect_streaming_aborts_and_frees_blocks(server: Server) -> None:
     assert server.metric("kvfleet:request_success_total", finished_reason="abort") - aborts == 1
 
 
+def test_disconnect_of_a_responses_stream_aborts_and_frees_blocks(server: Server) -> None:
+    """/v1/responses streams the same way: a client that leaves mid-stream aborts its request."""
+    idle = server.metric("kvfleet:kv_cache_usage_perc")
+    aborts = server.metric("kvfleet:request_success_total", finished_reason="abort")
+    body = {"model": "tiny", "input": "once upon a time", "max_output_tokens": 1000, "ignore_eos": True,
+            "stream": True}
+    with httpx.stream("POST", server.url + "/v1/responses", json=body, timeout=60) as resp:
+        deltas = 0
+        for line in resp.iter_lines():
+            deltas += line == "event: response.output_text.delta"
+            if deltas == 3:
+                assert busy(server, idle)
+                break
+    wait_until(lambda: back_to_idle(server, idle), 2, "KV blocks freed after the stream was closed")
+    assert server.metric("kvfleet:request_success_total", finished_reason="abort") - aborts == 1
+
+
 def test_disconnect_of_a_multi_prompt_stream_aborts_every_prompt(server: Server) -> None:
     """Two prompts in one streaming request: one runs, one waits (one sequence at a time); closing
     the stream aborts both, the waiting one included, and frees every block."""

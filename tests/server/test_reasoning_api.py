@@ -102,6 +102,24 @@ def test_a_structured_output_and_a_tool_call_constrain_the_answer_after_the_thin
     assert call.choices[0].message.to_dict()["reasoning"] == ""
 
 
+def test_the_responses_api_tells_the_thinking_as_a_reasoning_item(client: openai.OpenAI) -> None:
+    """/v1/responses on the same server: the thinking cut off by max_output_tokens is one reasoning item, the chat
+    answer's reasoning, every output token counted as reasoning; a stream's reasoning deltas join to it."""
+    chat = client.chat.completions.create(model="tiny", messages=ASK, max_tokens=12, temperature=0)
+    got = client.responses.create(model="tiny", input=ASK, max_output_tokens=12, temperature=0)
+    (item,) = got.output
+    assert item.type == "reasoning" and item.content is not None
+    assert item.content[0].text == chat.choices[0].message.to_dict()["reasoning"]
+    assert got.usage is not None and got.usage.output_tokens == 12 and got.status == "incomplete"
+    assert got.usage.output_tokens_details.reasoning_tokens == 12
+    events = list(client.responses.create(model="tiny", input=ASK, max_output_tokens=12, temperature=0,
+                                          stream=True))
+    assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == item.content[0].text
+    final = events[-1].response
+    assert [i.type for i in final.output] == ["reasoning"] and final.usage is not None
+    assert final.usage.output_tokens_details.reasoning_tokens == 12
+
+
 def test_a_tokenizer_without_the_markers_stops_the_server(tiny_model_dir: Path, tmp_path: Path) -> None:
     with pytest.raises(RuntimeError) as info:
         start_server(tiny_model_dir, tmp_path, "--reasoning-parser", "deepseek_r1", ready_timeout=120)

@@ -23,7 +23,8 @@ def test_openapi_schema_fuzz_finds_no_5xx(api_server: Server) -> None:
     schema = schemathesis.openapi.from_url(api_server.url + "/openapi.json")
     operations = [result.ok() for result in schema.get_all_operations()]
     paths = {op.path for op in operations}
-    assert {"/v1/completions", "/v1/chat/completions", "/v1/models", "/tokenize", "/detokenize"} <= paths
+    assert {"/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/models", "/tokenize",
+            "/detokenize"} <= paths
     failures: list[tuple[Any, ...]] = []
     calls = 0
     for op in operations:
@@ -50,7 +51,7 @@ def test_openapi_schema_fuzz_finds_no_5xx(api_server: Server) -> None:
     assert resp.status_code == 200 and resp.json()["usage"]["completion_tokens"] == 3
 
 
-@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/v1/responses"])
 def test_openapi_documents_errors(api_server: Server, path: str) -> None:
     spec = httpx.get(api_server.url + "/openapi.json").json()
     responses = spec["paths"][path]["post"]["responses"]

@@ -22,7 +22,9 @@ from kvfleet.engine.server.completions import create_completion
 from kvfleet.engine.server.errors import APIError, error_body, install_error_handlers
 from kvfleet.engine.server.generation import shutdown_error
 from kvfleet.engine.server.metrics import CONTENT_TYPE
+from kvfleet.engine.server.protocol_responses import ResponsesRequest
 from kvfleet.engine.server.reasoning import reasoning_parser
+from kvfleet.engine.server.responses_api import create_response
 from kvfleet.engine.server.serving import check_model
 from kvfleet.engine.server.state import ServerState, TemplateCall
 from kvfleet.engine.server.textbound import tokenizer_chars_per_token
@@ -211,6 +213,10 @@ def build_app(state: ServerState, load_engine: Callable[[], AsyncLLM] | None = N
     @app.post("/v1/chat/completions", response_model=P.ChatCompletionResponse, responses=ERRORS)
     async def chat_completions(req: P.ChatCompletionRequest, request: Request) -> Response:
         return await create_chat_completion(state, req, request, _tenant(request))
+
+    @app.post("/v1/responses", responses=ERRORS)
+    async def responses(req: ResponsesRequest, request: Request) -> Response:
+        return await create_response(state, req, request, _tenant(request))
 
     @app.post("/tokenize", response_model=P.TokenizeResponse, responses=ERRORS)
     async def tokenize(req: P.TokenizeRequest) -> dict[str, Any]:

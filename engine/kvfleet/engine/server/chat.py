@@ -3,15 +3,18 @@ read from the answers (kvfleet.engine.server.tools)."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
-from typing import Any, AsyncGenerator, AsyncIterator
+from typing import Any, AsyncGenerator, AsyncIterator, Callable
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from kvfleet.engine.outputs import RequestOutput
 from kvfleet.engine.server.errors import APIError, error_body
 from kvfleet.engine.server.generation import ClientGone, last_outputs, merge_streams, new_request_id, stream_request
+from kvfleet.engine.server.limits import Ticket
 from kvfleet.engine.server.logprobs import chat_logprobs
 from kvfleet.engine.server.protocol import ChatCompletionRequest, ChatMessage
 from kvfleet.engine.server.reasoning import ReasoningReader, ReasoningSplit
@@ -66,8 +69,26 @@ def _logprobs(state: ServerState, req: ChatCompletionRequest, token_ids: list[in
     return {"content": chat_logprobs(token_ids, positions, req.top_logprobs or 0, state.decode_one)}
 
 
-async def create_chat_completion(state: ServerState, req: ChatCompletionRequest, request: Request,
-                                 tenant: str) -> Response:
+@dataclasses.dataclass
+class ChatRun:
+    """A chat request admitted and started in the engine: what reading its answer needs."""
+
+    req: ChatCompletionRequest
+    mode: ToolMode
+    reader: ReasoningReader | None
+    streams: list[AsyncGenerator[Any, None]]
+    tickets: list[Ticket]
+    request_id: str
+    model: str
+    created: int
+
+    def release(self) -> None:
+        release_all(self.tickets)
+
+
+async def start_chat(state: ServerState, req: ChatCompletionRequest, tenant: str,
+                     id_prefix: str = "chatcmpl") -> ChatRun:
+    """Check a chat request (400s name its fields), render and tokenize it, admit it and start it in the engine."""
     model = check_model(state, req.model)
     try:
         mode = tool_mode(req.tools, req.tool_choice, state.tool_parser, req.parallel_tool_calls)
@@ -89,24 +110,45 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
         if inputs.grammar is not None:   # the constraint is the answer's, after the thinking
             inputs = dataclasses.replace(inputs, grammar=state.reasoning.gate(inputs.grammar, reader.start))
     tickets = take_tickets(state, 1, tenant)
-    request_id = new_request_id("chatcmpl")
+    request_id = new_request_id(id_prefix)
     streams = [stream_request(state, tickets[0], inputs, request_id, tenant)]
-    created = int(time.time())
-    if req.stream:
-        return ManagedStream(_stream(state, req, mode, reader, streams, request_id, model, created),
-                             on_close=lambda: release_all(tickets))
+    return ChatRun(req, mode, reader, streams, tickets, request_id, model, int(time.time()))
+
+
+@dataclasses.dataclass(frozen=True)
+class ChatResult:
+    """A finished chat request: the chat completion's body, and the engine's output it was made of."""
+
+    body: dict[str, Any]
+    output: RequestOutput
+
+
+async def chat_result(state: ServerState, run: ChatRun, request: Request) -> ChatResult:
+    """The whole answer of a started chat (ClientGone if the client left first); releases its admission."""
     try:
-        (out,) = await last_outputs(streams, request)
-    except ClientGone:
-        return Response(status_code=499)
+        (out,) = await last_outputs(run.streams, request)
     finally:
-        release_all(tickets)
-    choices = [{"index": c.index, **_answer(mode, reader, c.text, c.finish_reason),
+        run.release()
+    req = run.req
+    choices = [{"index": c.index, **_answer(run.mode, run.reader, c.text, c.finish_reason),
                 "logprobs": _logprobs(state, req, c.token_ids, c.logprobs), "stop_reason": c.stop_reason}
                for c in out.outputs]
     completion_tokens = sum(len(c.token_ids) for c in out.outputs)
-    return JSONResponse({"id": request_id, "object": "chat.completion", "created": created, "model": model,
-                         "choices": choices, "usage": usage(len(out.prompt_token_ids), completion_tokens)})
+    body = {"id": run.request_id, "object": "chat.completion", "created": run.created, "model": run.model,
+            "choices": choices, "usage": usage(len(out.prompt_token_ids), completion_tokens)}
+    return ChatResult(body, out)
+
+
+async def create_chat_completion(state: ServerState, req: ChatCompletionRequest, request: Request,
+                                 tenant: str) -> Response:
+    run = await start_chat(state, req, tenant)
+    if req.stream:
+        return ManagedStream(_stream(chat_chunks(state, run)), on_close=run.release)
+    try:
+        result = await chat_result(state, run, request)
+    except ClientGone:
+        return Response(status_code=499)
+    return JSONResponse(result.body)
 
 
 def _answer(mode: ToolMode, reader: ReasoningReader | None, text: str,
@@ -172,9 +214,19 @@ def _chunk(request_id: str, model: str, created: int, choices: list[dict[str, An
             "choices": choices}
 
 
-async def _stream(state: ServerState, req: ChatCompletionRequest, mode: ToolMode, reader: ReasoningReader | None,
-                  streams: list[AsyncGenerator[Any, None]], request_id: str, model: str,
-                  created: int) -> AsyncIterator[str]:
+async def _stream(chunks: AsyncGenerator[dict[str, Any], None]) -> AsyncIterator[str]:
+    async with contextlib.aclosing(chunks):   # a client that leaves closes the engine's stream now, not at GC
+        async for chunk in chunks:
+            yield sse(chunk)
+    yield SSE_DONE
+
+
+async def chat_chunks(state: ServerState, run: ChatRun,
+                      observe: Callable[[RequestOutput], None] | None = None) -> AsyncGenerator[dict[str, Any], None]:
+    """A started chat's stream: its chunks, the usage chunk if asked for, an error body if it failed. `observe` is
+    shown each engine output before the chunks made of it."""
+    req, mode, reader = run.req, run.mode, run.reader
+    request_id, model, created = run.request_id, run.model, run.created
     sent: dict[int, Sent] = {}
     sent_tokens: dict[int, int] = {}      # tokens generated so far (usage)
     logprobs_sent: dict[int, int] = {}    # tokens whose logprobs were sent: a chunk held back (a possible tool
@@ -185,10 +237,12 @@ async def _stream(state: ServerState, req: ChatCompletionRequest, mode: ToolMode
     continuous = bool(include_usage and req.stream_options and req.stream_options.continuous_usage_stats)
     try:
         # The first chunk of every choice carries the role, as OpenAI's does.
-        yield sse(_chunk(request_id, model, created, [
+        yield _chunk(request_id, model, created, [
             {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
-            for i in range(req.n)]))
-        async for _, out in merge_streams(streams):
+            for i in range(req.n)])
+        async for _, out in merge_streams(run.streams):
+            if observe is not None:
+                observe(out)
             prompt_tokens = len(out.prompt_token_ids)
             for c in out.outputs:
                 if c.index in finished:
@@ -209,14 +263,13 @@ async def _stream(state: ServerState, req: ChatCompletionRequest, mode: ToolMode
                     "finish_reason": finish_reason, "stop_reason": c.stop_reason}])
                 if continuous:
                     chunk["usage"] = usage(prompt_tokens, sum(sent_tokens.values()))
-                yield sse(chunk)
+                yield chunk
         if include_usage:
             final = _chunk(request_id, model, created, [])
             final["usage"] = usage(prompt_tokens, sum(sent_tokens.values()))
-            yield sse(final)
+            yield final
     except APIError as exc:
-        yield sse(error_body(exc.status, exc.message, exc.param, exc.code))
+        yield error_body(exc.status, exc.message, exc.param, exc.code)
     except Exception:
         logger.exception("chat stream %s failed", request_id)
-        yield sse(error_body(500, "Internal error while streaming", code="internal_error"))
-    yield SSE_DONE
+        yield error_body(500, "Internal error while streaming", code="internal_error")

@@ -64,6 +64,21 @@ class ReasoningParser:
         """How to read the output of this prompt."""
         return ReasoningReader(self.fmt, self.start(prompt_ids))
 
+    def thinking_tokens(self, token_ids: Sequence[int], start: ReasoningStart) -> int:
+        """How many of an output's tokens are its thinking (the markers included), read as the gate reads them."""
+        state, count = start, 0
+        for token in token_ids:
+            if state == "either":
+                if token != self.start_token_id:
+                    break
+                state = "thinking"
+            elif state != "thinking":
+                break
+            count += 1
+            if token == self.end_token_id:
+                state = "answering"
+        return count
+
     def gate(self, grammar: TokenGrammar, start: ReasoningStart) -> AfterReasoning:
         """The request's constraint, held for the answer after the thinking."""
         return AfterReasoning(grammar, self.start_token_id, self.end_token_id, start)
