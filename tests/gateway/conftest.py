@@ -1,7 +1,8 @@
-"""Fixtures of the gateway tests: a fast upstream process."""
+"""Fixtures of the gateway tests: fast upstream processes."""
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import sys
 from typing import Iterator
@@ -12,7 +13,9 @@ import pytest
 from kvfleet.gateway.testing import free_port, wait_until
 
 
-def _upstream(*extra: str) -> Iterator[str]:
+@contextlib.contextmanager
+def upstream(*extra: str) -> Iterator[str]:
+    """`python -m kvfleet.gateway.testing upstream` (3 events per stream) as a process; its base URL."""
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "kvfleet.gateway.testing", "upstream", "--port", str(port),  # noqa: S603
                              "--tokens", "3", *extra], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -35,10 +38,19 @@ def _upstream(*extra: str) -> Iterator[str]:
 @pytest.fixture
 def fast_upstream() -> Iterator[str]:
     """A fast OpenAI-shaped server (kvfleet.gateway.testing), as a process; its base URL."""
-    yield from _upstream()
+    with upstream() as url:
+        yield url
 
 
 @pytest.fixture
 def locked_upstream() -> Iterator[str]:
     """The same, wanting its own API key (as an engine of a ModelDeployment with apiKeySecretRef)."""
-    yield from _upstream("--api-key", "engine-own-key-0123456789")
+    with upstream("--api-key", "engine-own-key-0123456789") as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def fast_upstream_pair() -> Iterator[tuple[str, str]]:
+    """Two fast upstreams, shared by a module's tests (two replicas of one model)."""
+    with upstream() as first, upstream() as second:
+        yield first, second

@@ -72,6 +72,43 @@ def test_answers_through_the_gateway_equal_the_engines_own(fleet: tuple[GatewayP
     assert gw.metric("kvfleet_gateway_completion_tokens_total", tenant="team-a", model="tiny") >= 29
 
 
+RESPONSES_BAD = [
+    {"model": "tiny", "input": []},
+    {"model": "tiny", "input": "x", "stream_options": {"include_usage": True}},
+    {"model": "tiny", "input": "x", "max_output_tokens": 0},
+    {"model": "tiny", "input": "x", "previous_response_id": "resp_1"},
+    {"model": "tiny", "input": [{"type": "item_reference", "id": "msg_1"}]},
+]
+
+
+def test_responses_through_the_gateway_equal_the_engines_own(fleet: tuple[GatewayProcess, list[Engine]]) -> None:
+    """OpenAI's Responses API: the answer, its stream (whose last event's usage the gateway counts) and the 400s."""
+    gw, engines = fleet
+    direct = OpenAI(base_url=engines[0].url + "/v1", api_key="unused", max_retries=0)
+    via = client(gw)
+    kwargs: Any = {"model": "tiny", "instructions": "Be brief.", "input": "Say something.", "max_output_tokens": 12,
+                   "temperature": 0}
+    want = direct.responses.create(**kwargs)
+    got = via.responses.create(**kwargs)
+    assert (got.status, got.output_text) == (want.status, want.output_text)
+    assert got.usage is not None and want.usage is not None
+    assert (got.usage.input_tokens, got.usage.output_tokens) == (want.usage.input_tokens, want.usage.output_tokens)
+    before = gw.metric("kvfleet_gateway_completion_tokens_total", tenant="team-a", model="tiny")
+    events = list(via.responses.create(**kwargs, stream=True))
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == want.output_text
+    last = events[-1]
+    assert last.type == f"response.{want.status}" and last.response.usage is not None
+    assert last.response.usage.output_tokens == want.usage.output_tokens
+    wait_until("the stream's usage counted", lambda: gw.metric("kvfleet_gateway_completion_tokens_total",
+                                                              tenant="team-a", model="tiny") - before
+               == want.usage.output_tokens, timeout=10)
+    auth = {"Authorization": f"Bearer {KEY_A}"}
+    for body in RESPONSES_BAD:
+        mine = httpx.post(gw.url + "/v1/responses", json=body, headers=auth)
+        theirs = httpx.post(engines[0].url + "/v1/responses", json=body)
+        assert (mine.status_code, mine.json()) == (400, theirs.json()), body
+
+
 def test_tokenize_and_detokenize_reach_the_models_replicas(fleet: tuple[GatewayProcess, list[Engine]]) -> None:
     gw, engines = fleet
     auth = {"Authorization": f"Bearer {KEY_A}"}

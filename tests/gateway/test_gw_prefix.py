@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from kvfleet.engine.server.protocol import ChatCompletionRequest, CompletionRequest
+from kvfleet.engine.server.protocol_responses import ResponsesRequest
 from kvfleet.gateway.prefix import PrefixConfig, request_hashes, text_hashes, token_hashes
 
 CFG = PrefixConfig(block_chars=8, block_tokens=4, max_blocks=4)
@@ -37,3 +38,26 @@ def test_completion_prompt_kinds() -> None:
     for prompt in ("abcdefgh" * 2, ["abcdefgh" * 2, "other"], [1, 2, 3, 4, 5], [[1, 2, 3, 4], [9]]):
         req = CompletionRequest.model_validate({"model": "m", "prompt": prompt})
         assert len(request_hashes(req, CFG)) >= 1
+
+
+def test_a_responses_conversation_hashes_as_the_same_chat_does() -> None:
+    """Instructions first (the system message the engine makes of them), then the input in order: a Responses
+    request shares its leading blocks with the same conversation sent as a chat, and with its own follow-ups."""
+    system = "You are a helpful assistant for the ACME corporation."
+    chat = ChatCompletionRequest.model_validate({"model": "m", "messages": [
+        {"role": "system", "content": system}, {"role": "user", "content": "hi"}]})
+    for body in ({"instructions": system, "input": "hi"},
+                 {"instructions": system, "input": [{"role": "user", "content": [{"type": "input_text",
+                                                                                  "text": "hi"}]}]}):
+        req = ResponsesRequest.model_validate({"model": "m", **body})
+        assert request_hashes(req, CFG) == request_hashes(chat, CFG)
+    cfg = PrefixConfig(block_chars=8, block_tokens=4, max_blocks=64)
+    first = ResponsesRequest.model_validate({"model": "m", "instructions": system, "input": "hi"})
+    follow_up = ResponsesRequest.model_validate({"model": "m", "instructions": system, "input": [
+        {"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"},
+        {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "c1", "output": "done"}]})
+    h1, h2 = request_hashes(first, cfg), request_hashes(follow_up, cfg)
+    assert len(h2) > len(h1) and h2[:len(h1)] == h1
+    other = ResponsesRequest.model_validate({"model": "m", "instructions": "Be brief. " + system, "input": "hi"})
+    assert request_hashes(other, cfg)[1] != h1[1]   # (the first block is the role's header, `\x1esystem\x1f`)

@@ -124,3 +124,105 @@ def test_a_kvfleet_model_takes_json_modes_in_the_engines_shapes() -> None:
                        ({"structured_outputs": {"regex": 5}}, "structured_outputs"),
                        ({"guided_json": {}}, "guided_json")):
         assert refused(CHAT, json.dumps({"model": "m", "messages": msgs, **bad}).encode()).param == field
+
+
+# -- the Responses API ------------------------------------------------------------------------------------------
+
+RESPONSES = "/v1/responses"
+
+
+def test_responses_bodies_are_refused_naming_the_field_like_the_engine() -> None:
+    for body, field, code in (
+            ({"model": "m", "input": []}, "input", "invalid_value"),
+            ({"model": "m"}, "input", "missing_field"),
+            ({"input": "x"}, "model", "missing_field"),
+            ({"model": "m", "input": "x", "n": 2}, "n", "unknown_field"),   # one answer only
+            ({"model": "m", "input": "x", "stream_options": {"include_usage": True}}, "stream_options",
+             "unknown_field"),   # the API has no such field
+            ({"model": "m", "input": "x", "max_output_tokens": 0}, "max_output_tokens", "invalid_value"),
+            ({"model": "m", "input": "x", "stream": "yes"}, "stream", "invalid_value"),
+            ({"model": "m", "input": "x", "previous_response_id": "resp_1"}, "previous_response_id",
+             "invalid_value"),   # nothing is stored
+            ({"model": "m", "input": [{"type": "item_reference", "id": "msg_1"}]}, "input", "invalid_value"),
+            ({"model": "m", "input": "x", "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools",
+             "missing_field"),   # a chat-shaped tool: the Responses API's are flat
+    ):
+        err = refused(RESPONSES, json.dumps(body).encode())
+        assert (err.param, err.code) == (field, code), body
+
+
+def test_a_responses_stream_gets_its_usage_without_asking_and_its_body_is_the_clients() -> None:
+    raw = b'{"model": "m", "input": "hi", "stream": true}'
+    req = parse_request(RESPONSES, raw)
+    assert req.responses is req.parsed and req.generation is req.parsed
+    assert req.stream and req.wants_usage   # the last event carries it: nothing to add, nothing to strip
+    assert upstream_body(req, "m", raw) is raw
+    body = json.loads(upstream_body(req, "smollm2", raw))
+    assert body == {"model": "smollm2", "input": "hi", "stream": True}   # renamed; no stream_options
+    assert parse_request(CHAT, b'{"model": "m", "messages": [{"role": "user", "content": "x"}]}').responses is None
+
+
+TOOLS = [{"type": "function", "name": "lookup", "description": "Find it.", "parameters": {"type": "object"}}]
+CONVERSATION = {
+    "model": "m", "instructions": "I" * 40, "tools": TOOLS,
+    "input": [
+        {"role": "user", "content": "a" * 20},
+        {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "b" * 8},
+                                                             {"type": "output_text", "text": "c" * 4}]},
+        {"type": "reasoning", "summary": [{"type": "summary_text", "text": "s" * 100}],
+         "content": [{"type": "reasoning_text", "text": "r" * 12}]},
+        {"type": "function_call", "call_id": "c1", "name": "lookup", "arguments": '{"q": "abc"}'},
+        {"type": "function_call_output", "call_id": "c1", "output": "o" * 16},
+    ],
+}
+
+
+def test_the_responses_estimate_counts_every_text_of_the_conversation_and_the_tools() -> None:
+    req = parse_request(RESPONSES, json.dumps(CONVERSATION).encode())
+    prompt, completion = token_estimate(req)
+    # instructions, the messages' text parts, the reasoning's content (what the engine shows; its summary only
+    # without content), the call's arguments, its output; 4 per turn (6: the instructions are one) as a chat's
+    # messages; the tools as their JSON
+    text = 40 + 20 + 8 + 4 + 12 + len('{"q": "abc"}') + 16
+    assert prompt == text / 4 + 4 * 6 + len(json.dumps(TOOLS)) / 4
+    assert completion == 256.0   # no max_output_tokens: the chat's default
+    for limit, want in ((100, 100.0), (10**6, 4096.0)):
+        body = {"model": "m", "input": "hello", "max_output_tokens": limit}
+        assert token_estimate(parse_request(RESPONSES, json.dumps(body).encode())) == (5 / 4 + 4, want)
+
+
+VLLM_RESPONSES = {
+    "model": "m", "stream": True, "store": True, "previous_response_id": "resp_0",
+    "include": ["file_search_call.results"], "tools": [{"type": "web_search"}, *TOOLS],
+    "tool_choice": {"type": "web_search"}, "background": False,
+    "input": [
+        {"role": "user", "content": [{"type": "input_text", "text": "What is in this picture?"},
+                                     {"type": "input_image", "image_url": "data:image/png;base64,AAAA"}]},
+        {"type": "item_reference", "id": "msg_1"},
+        {"type": "web_search_call", "id": "ws_1", "status": "completed", "action": {"type": "search", "query": "q"}},
+        {"type": "reasoning", "id": "rs_1", "summary": [], "encrypted_content": "gAAAA"},
+        {"type": "function_call_output", "call_id": "c1",
+         "output": [{"type": "input_text", "text": "a cat"}, {"type": "input_image", "image_url": "x"}]},
+    ],
+}
+
+
+def test_a_vllm_model_takes_what_vllms_responses_api_serves_and_the_gateway_reads_only_its_text() -> None:
+    """Images, references, built-in tools and stored responses reach a vLLM replica as the client sent them (our
+    engine's model refuses them by name); what the gateway reads is still checked, naming the field."""
+    raw = json.dumps(VLLM_RESPONSES).encode()
+    assert refused(RESPONSES, raw).param == "input"
+    req = parse_request(RESPONSES, raw, vllm=True)
+    assert req.body == VLLM_RESPONSES and req.model == "m" and req.stream and req.wants_usage
+    assert upstream_body(req, "m", raw) == raw
+    prompt, _ = token_estimate(req)   # the texts only (3 turns the gateway reads), the tools as sent
+    assert prompt == (len("What is in this picture?") + len("a cat")) / 4 + 4 * 3 + len(
+        json.dumps(VLLM_RESPONSES["tools"])) / 4
+    only_others = {"model": "m", "input": [{"type": "item_reference", "id": "msg_1"}]}
+    assert parse_request(RESPONSES, json.dumps(only_others).encode(), vllm=True).body == only_others
+    for bad, field in (({"stream": "yes"}, "stream"), ({"max_output_tokens": 0}, "max_output_tokens"),
+                       ({"instructions": 5}, "instructions"), ({"input": 5}, "input"), ({"model": None}, "model"),
+                       ({"input": [{"type": "function_call", "call_id": "c2", "name": "f"}]}, "input")):
+        with pytest.raises(APIError) as info:
+            parse_request(RESPONSES, json.dumps({**VLLM_RESPONSES, **bad}).encode(), vllm=True)
+        assert info.value.param == field, bad

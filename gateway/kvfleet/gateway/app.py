@@ -6,6 +6,8 @@
 4. the tenant's limits (429), then dispatch: a replica now, or a wait in the model's queue (scaling from
    zero, or every replica saturated), and proxy.
 Unknown routes are 404 and known routes with another method 405, in OpenAI's error shape too.
+`/v1/responses` (OpenAI's Responses API) takes the chat's path: the same checks, limits, fair charge, prefix
+routing, waking and retries; its stream's typed events pass through whole, the usage in its last one.
 `/tokenize` and `/detokenize` (vLLM's) take the same path with the model's replicas' tokenizer: they count as
 requests against the tenant's limits and cost no tokens.
 """

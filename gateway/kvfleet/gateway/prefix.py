@@ -8,7 +8,9 @@ so two prompts share the first k hashes exactly when they share the first k bloc
 
 A chat request's text is its messages in order, each as role and content with separators no text
 contains: it stands in for the chat template, which the gateway does not have, and shares a prefix
-exactly when the rendered prompts do.
+exactly when the rendered prompts do. A Responses request's text is its conversation written the same way
+(`responses_api.turns`: the instructions as the system message, then the input's items in order), so a
+conversation of messages shares its prefix with the same conversation sent as a chat.
 """
 
 from __future__ import annotations
@@ -17,7 +19,10 @@ import hashlib
 from dataclasses import dataclass
 from typing import Sequence
 
-from kvfleet.engine.server.protocol import ChatCompletionRequest, CompletionRequest
+from kvfleet.engine.server.protocol import ChatCompletionRequest
+from kvfleet.engine.server.protocol_responses import ResponsesRequest
+from kvfleet.gateway.requests import Generation
+from kvfleet.gateway.responses_api import turns
 
 
 @dataclass(frozen=True)
@@ -52,10 +57,16 @@ def chat_text(req: ChatCompletionRequest) -> str:
     return "".join(f"\x1e{m.role}\x1f{m.text()}" for m in req.messages)
 
 
-def request_hashes(req: ChatCompletionRequest | CompletionRequest, cfg: PrefixConfig) -> tuple[int, ...]:
+def responses_text(req: ResponsesRequest) -> str:
+    return "".join(f"\x1e{t.role}\x1f{t.text}" for t in turns(req))
+
+
+def request_hashes(req: Generation, cfg: PrefixConfig) -> tuple[int, ...]:
     """The block hashes of a request's prompt (the first prompt of a batch of prompts)."""
     if isinstance(req, ChatCompletionRequest):
         return text_hashes(chat_text(req), cfg)
+    if isinstance(req, ResponsesRequest):
+        return text_hashes(responses_text(req), cfg)
     prompt = req.prompt
     if isinstance(prompt, str):
         return text_hashes(prompt, cfg)

@@ -3,10 +3,12 @@
 - Nothing goes to the client before the replica's first body byte, so a replica that fails before it
   (refused connection, died, 5xx, 503 while draining) is retried once on another; a draining one gets no
   new requests, one that does not answer is skipped for a few seconds.
-- A stream passes through event by event as it arrives (`sse.StreamTap`), never buffered whole.
+- A stream passes through event by event as it arrives (`sse.StreamTap`; a Responses API stream's typed events
+  through `sse.ResponsesTap`), never buffered whole.
 - The client leaving cancels the handler: the upstream connection is closed, so the engine aborts the
   request and frees its KV blocks.
-- A replica dying mid-stream ends the client's stream with an error event and `[DONE]`, not a hang; a
+- A replica dying mid-stream ends the client's stream with an error event and `[DONE]` (a Responses stream: its
+  `error` event, numbered after the last one, and no `[DONE]`, which that API does not have), not a hang; a
   replica silent for `read_timeout` counts as dead.
 - The client's API key never goes upstream; an engine that wants its own key (`spec.apiKeySecretRef`) gets it
   (`engine_key_store`), the next one of the Secret if it refuses one. The answer says which replica served it
@@ -34,7 +36,7 @@ from kvfleet.gateway.load import LoadBoard
 from kvfleet.gateway.metrics import GatewayMetrics, ModelSeries
 from kvfleet.gateway.requests import ClientRequest
 from kvfleet.gateway.snapshot import Snapshot
-from kvfleet.gateway.sse import StreamTap, Usage
+from kvfleet.gateway.sse import ResponsesTap, StreamTap, Tap, Usage, read_usage
 
 log = logging.getLogger("kvfleet.gateway")
 
@@ -58,11 +60,6 @@ def json_error(status: int, message: str, code: str, param: str | None = None,
                headers: dict[str, str] | None = None) -> web.Response:
     body = json.dumps(error_body(status, message, param, code), ensure_ascii=True, separators=(",", ":"))
     return web.Response(status=status, text=body, content_type="application/json", headers=headers)
-
-
-def sse_error(message: str, code: str) -> bytes:
-    body = {"error": {"message": message, "type": "server_error", "param": None, "code": code}}
-    return b"data: " + json.dumps(body).encode() + b"\n\ndata: [DONE]\n\n"
 
 
 @dataclass(frozen=True)
@@ -279,7 +276,7 @@ class Proxy:
         series.answered(status)
         box.value = Usage()
         if status == 200:
-            usage = _usage_of(data)
+            usage = body_usage(data)
             if usage is not None:
                 series.usage(usage.prompt_tokens, usage.completion_tokens)
                 box.value = usage
@@ -289,7 +286,7 @@ class Proxy:
 
     async def _stream(self, request: web.Request, resp: aiohttp.ClientResponse, first: bytes, req: ClientRequest,
                       replica: str, series: ModelSeries, box: "_UsageBox") -> web.StreamResponse:
-        tap = StreamTap(strip_usage=not req.wants_usage)
+        tap = stream_tap(req)
         out = web.StreamResponse(status=200, headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                                       "X-Accel-Buffering": "no", REPLICA_HEADER: replica})
         series.answered(200)
@@ -306,17 +303,17 @@ class Proxy:
                 except UPSTREAM_ERRORS:
                     break
             outcome = "ok" if tap.done else "upstream_disconnected"
-            if outcome != "ok":  # died, or closed without [DONE]: say so in-band, then end the stream
+            if outcome != "ok":  # died, or closed before its end: say so in-band, then end the stream
                 self.board.eject(replica)
                 log.warning("replica failed mid-stream", extra={"replica": replica})
                 rest = tap.flush()
-                await out.write((rest + b"\n\n" if rest.strip() else b"") + sse_error(
+                await out.write((rest + b"\n\n" if rest.strip() else b"") + tap.failure(
                     "The replica serving this stream failed before it ended; the answer is incomplete.",
                     "upstream_disconnected"))
             await out.write_eof()
         finally:
             if outcome == "client_disconnected" and tap.done:
-                outcome = "ok"  # it left after [DONE] (clients close at once): the answer was whole
+                outcome = "ok"  # it left after the stream's end (clients close at once): the answer was whole
             if outcome != "ok":
                 series.failed(outcome)
             elif tap.error is not None:
@@ -338,11 +335,15 @@ class _UsageBox:
         return self.value.prompt_tokens + self.value.completion_tokens if self.value is not None else 0
 
 
-def _usage_of(data: bytes) -> Usage | None:
+def stream_tap(req: ClientRequest) -> Tap:
+    """The tap for a request's stream: a Responses stream keeps every event (its usage is part of the API)."""
+    return ResponsesTap() if req.responses is not None else StreamTap(strip_usage=not req.wants_usage)
+
+
+def body_usage(data: bytes) -> Usage | None:
+    """The usage of a whole (non-streamed) answer: a completion's, a chat completion's or a response's."""
     try:
         usage: Any = json.loads(data).get("usage")
     except (ValueError, AttributeError):
         return None
-    if not isinstance(usage, dict):
-        return None
-    return Usage(int(usage.get("prompt_tokens") or 0), int(usage.get("completion_tokens") or 0))
+    return read_usage(usage)

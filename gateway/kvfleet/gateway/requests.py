@@ -1,6 +1,7 @@
 """A request body, checked with the engine's own shapes before any upstream call (pure).
 
-The gateway validates with the engine's pydantic models (`kvfleet.engine.server.protocol`) and
+The gateway validates with the engine's pydantic models (`kvfleet.engine.server.protocol`, and
+`protocol_responses` for OpenAI's Responses API) and
 answers with its error shapes (`error_shapes`), so a client sees the same 400 naming the field
 whether the gateway or an engine refused it. What needs the model (prompt length against the
 context, token ids against the vocabulary) is the engine's to check; its 400 passes through.
@@ -18,12 +19,16 @@ from pydantic import ValidationError
 
 from kvfleet.engine.server.error_shapes import APIError, describe_validation_errors
 from kvfleet.engine.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from kvfleet.engine.server.protocol_responses import ResponsesRequest
+from kvfleet.gateway import responses_api
 
-Generation = Union[ChatCompletionRequest, CompletionRequest]
-Parsed = Union[ChatCompletionRequest, CompletionRequest, TokenizeRequest, DetokenizeRequest]
+Generation = Union[ChatCompletionRequest, CompletionRequest, ResponsesRequest]
+Parsed = Union[ChatCompletionRequest, CompletionRequest, ResponsesRequest, TokenizeRequest, DetokenizeRequest]
+RESPONSES = "/v1/responses"
 ROUTES: dict[str, type[Parsed]] = {
     "/v1/chat/completions": ChatCompletionRequest,
     "/v1/completions": CompletionRequest,
+    RESPONSES: ResponsesRequest,   # OpenAI's Responses API: one answer, its stream typed events with usage at the end
     # vLLM's (unversioned) routes: the model's own tokenizer, on one of its replicas; nothing is generated
     "/tokenize": TokenizeRequest,
     "/detokenize": DetokenizeRequest,
@@ -39,9 +44,14 @@ class ClientRequest:
 
     @property
     def generation(self) -> Generation | None:
-        """The chat or completion request; None for /tokenize and /detokenize."""
+        """The chat, completion or Responses request; None for /tokenize and /detokenize."""
         parsed = self.parsed
-        return parsed if isinstance(parsed, (ChatCompletionRequest, CompletionRequest)) else None
+        return parsed if isinstance(parsed, (ChatCompletionRequest, CompletionRequest, ResponsesRequest)) else None
+
+    @property
+    def responses(self) -> ResponsesRequest | None:
+        """The Responses API request (its stream is typed events ending in the response, no `[DONE]`), else None."""
+        return self.parsed if isinstance(self.parsed, ResponsesRequest) else None
 
     @property
     def stream(self) -> bool:
@@ -50,8 +60,11 @@ class ClientRequest:
 
     @property
     def wants_usage(self) -> bool:
-        """Whether the client asked for the final usage chunk of a stream."""
+        """Whether the client gets a stream's usage: asked for (`stream_options`), or always (a Responses stream's
+        last event carries it: there is nothing to ask for, nor to drop)."""
         gen = self.generation
+        if isinstance(gen, ResponsesRequest):
+            return True
         opts = gen.stream_options if gen is not None else None
         return bool(opts and opts.include_usage)
 
@@ -83,6 +96,8 @@ def vllm_view(path: str, body: dict[str, Any]) -> dict[str, Any]:
     know, messages as role and text. vLLM serves more than our engine (tools, JSON mode and schemas, images, tool
     messages, its own extras): the replica gets the client's body whole and checks it itself; the gateway needs only
     the model, streaming, sampling counts and the text for its estimates and prefix routing."""
+    if path == RESPONSES:
+        return responses_api.vllm_view(body)
     # vLLM's versions of these have more members than our engine's: the replica checks them.
     known = set(ROUTES[path].model_fields) - {"response_format", "structured_outputs", "tools", "tool_choice",
                                               "parallel_tool_calls", "chat_template_kwargs"}
@@ -126,23 +141,25 @@ def parse_request(path: str, raw: bytes, vllm: bool = False) -> ClientRequest:
 
 
 CHARS_PER_TOKEN = 4  # a rough, tokenizer-free estimate for text
-DEFAULT_COMPLETION_ESTIMATE = 256  # a request without max_tokens (chat): what it is expected to generate at most
+DEFAULT_COMPLETION_ESTIMATE = 256  # no max_tokens (chat) or max_output_tokens: what it is expected to generate at most
 MAX_COMPLETION_ESTIMATE = 4096
 
 
 def token_estimate(req: ClientRequest) -> tuple[float, float]:
     """(prompt, completion) tokens a request is expected to use, before the engine says (fair queuing's charge;
-    corrected by the usage when it ends). Text counts a token per 4 characters, a chat's tools by their JSON;
-    token ids count as they are. (De)tokenizing runs no model: it costs nothing."""
+    corrected by the usage when it ends). Text counts a token per 4 characters, a chat's (or a Responses
+    request's) tools by their JSON; token ids count as they are. (De)tokenizing runs no model: it costs nothing."""
     parsed = req.generation
     if parsed is None:
         return 0.0, 0.0
+    if isinstance(parsed, ResponsesRequest):   # one answer (no `n`); a turn counts like a chat message
+        turns = responses_api.turns(parsed)
+        prompt = sum(len(t.text) for t in turns) / CHARS_PER_TOKEN + 4 * len(turns) + _tools_estimate(req)
+        return prompt, float(min(parsed.max_output_tokens or DEFAULT_COMPLETION_ESTIMATE, MAX_COMPLETION_ESTIMATE))
     n = max(1, parsed.n)
     if isinstance(parsed, ChatCompletionRequest):
         prompt = sum(len(m.text()) for m in parsed.messages) / CHARS_PER_TOKEN + 4 * len(parsed.messages)
-        tools = req.body.get("tools")   # the chat template shows them to the model (as sent: vLLM's may be wider)
-        if isinstance(tools, list) and tools:
-            prompt += len(json.dumps(tools)) / CHARS_PER_TOKEN
+        prompt += _tools_estimate(req)
         limit = parsed.max_completion_tokens or parsed.max_tokens
     else:
         prompts = parsed.prompt if isinstance(parsed.prompt, list) and parsed.prompt and not isinstance(
@@ -154,9 +171,16 @@ def token_estimate(req: ClientRequest) -> tuple[float, float]:
     return prompt, float(completion * n)
 
 
+def _tools_estimate(req: ClientRequest) -> float:
+    """The tools' tokens: the chat template shows them to the model (as sent: vLLM's may be wider)."""
+    tools = req.body.get("tools")
+    return len(json.dumps(tools)) / CHARS_PER_TOKEN if isinstance(tools, list) and tools else 0.0
+
+
 def upstream_body(req: ClientRequest, served_name: str, raw: bytes) -> bytes:
-    """What the replica gets: the client's body, with the engine's model name, and for a stream the final
-    usage chunk asked for (the token counts behind chargeback; dropped again if the client did not ask)."""
+    """What the replica gets: the client's body, with the engine's model name, and for a chat or completion stream
+    the final usage chunk asked for (the token counts behind chargeback; dropped again if the client did not ask).
+    A Responses body has no `stream_options` (the engine would refuse one): its stream ends with the usage anyway."""
     rename = req.model != served_name
     add_usage = req.stream and not req.wants_usage
     if not rename and not add_usage:

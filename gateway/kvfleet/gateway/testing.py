@@ -4,7 +4,8 @@
   with `KVFLEET_LOOPBACK_ONLY=1`, its log in a file, and its /metrics read back.
 - `start_engines`: real `kvfleet serve` processes (CPU) on loopback ports, returned once healthy.
 - `fast_upstream`: `python -m kvfleet.gateway.testing upstream --port N`, a minimal OpenAI-shaped server
-  that answers at once (a canned completion, or a stream of `--tokens` events): the "fast upstream" the
+  that answers at once (a canned completion, or a stream of `--tokens` events; on `/v1/responses` a canned
+  response, or its typed events ending in `response.completed` with the usage): the "fast upstream" the
   gateway's own overhead is measured against. It is a benchmark fixture, not an engine.
 """
 
@@ -20,7 +21,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Awaitable, Callable, Mapping, Sequence
 
 import httpx
 
@@ -181,13 +182,77 @@ def _completion(model: str, text: str) -> dict[str, Any]:
             "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}}
 
 
+RESPONSE_INPUT_TOKENS = 7  # a canned response's usage: these input tokens, and one output token per text event
+
+
+def _response(body: dict[str, Any], status: str, output: list[dict[str, Any]],
+              usage: dict[str, Any] | None) -> dict[str, Any]:
+    """A Responses API response object, as our engine writes one (fixed id and time: answers compare equal)."""
+    return {"id": "resp_fast", "object": "response", "created_at": 0, "status": status, "background": False,
+            "error": None, "incomplete_details": None, "instructions": body.get("instructions"),
+            "max_output_tokens": body.get("max_output_tokens"), "metadata": {}, "model": str(body.get("model", "m")),
+            "output": output, "parallel_tool_calls": True, "previous_response_id": None,
+            "reasoning": {"effort": None, "summary": None}, "store": False, "temperature": None,
+            "text": {"format": {"type": "text"}}, "tool_choice": "none", "tools": [], "top_logprobs": None,
+            "top_p": None, "truncation": "disabled", "usage": usage, "user": None}
+
+
+def _response_usage(output_tokens: int) -> dict[str, Any]:
+    return {"input_tokens": RESPONSE_INPUT_TOKENS, "input_tokens_details": {"cached_tokens": 0},
+            "output_tokens": output_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": RESPONSE_INPUT_TOKENS + output_tokens}
+
+
+def _message(text: str, status: str) -> dict[str, Any]:
+    done = status != "in_progress"
+    content = [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}] if done else []
+    return {"type": "message", "id": "msg_fast", "status": status, "role": "assistant", "content": content}
+
+
+def response_events(body: dict[str, Any], tokens: int) -> list[dict[str, Any]]:
+    """A canned Responses stream: `tokens` text deltas, then `response.completed` with the usage."""
+    text = "x" * tokens
+    start = _response(body, "in_progress", [], None)
+    where = {"item_id": "msg_fast", "output_index": 0, "content_index": 0}
+    part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+    events: list[dict[str, Any]] = [
+        {"type": "response.created", "response": start}, {"type": "response.in_progress", "response": start},
+        {"type": "response.output_item.added", "output_index": 0, "item": _message("", "in_progress")},
+        {"type": "response.content_part.added", "part": {**part, "text": ""}, **where},
+        *({"type": "response.output_text.delta", "delta": "x", "logprobs": [], **where} for _ in range(tokens)),
+        {"type": "response.output_text.done", "text": text, "logprobs": [], **where},
+        {"type": "response.content_part.done", "part": part, **where},
+        {"type": "response.output_item.done", "output_index": 0, "item": _message(text, "completed")},
+        {"type": "response.completed",
+         "response": _response(body, "completed", [_message(text, "completed")], _response_usage(tokens))},
+    ]
+    return [{"type": e["type"], "sequence_number": i, **e} for i, e in enumerate(events)]
+
+
 def fast_upstream_app(tokens: int = 1, api_key: str | None = None) -> Any:
     from aiohttp import web
 
-    async def completions(request: web.Request) -> web.StreamResponse:
+    def refused(request: web.Request) -> web.Response | None:
         if api_key is not None and request.headers.get("Authorization") != f"Bearer {api_key}":
             return web.json_response({"error": {"message": "Missing or invalid API key", "type": "authentication_error",
                                                 "param": None, "code": "invalid_api_key"}}, status=401)
+        return None
+
+    async def responses(request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        if "stream_options" in body:   # as our engine: the Responses API has no such field
+            return web.json_response({"error": {"message": "Unknown field 'stream_options'", "param": "stream_options",
+                                                "type": "invalid_request_error", "code": "unknown_field"}}, status=400)
+        if not body.get("stream"):
+            return web.json_response(_response(body, "completed", [_message("x", "completed")], _response_usage(1)))
+        out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await out.prepare(request)
+        for event in response_events(body, tokens):
+            await out.write(f"event: {event['type']}\ndata: {json.dumps(event)}\n\n".encode())
+        await out.write_eof()
+        return out
+
+    async def completions(request: web.Request) -> web.StreamResponse:
         body = await request.json()
         model = str(body.get("model", "m"))
         if not body.get("stream"):
@@ -209,9 +274,17 @@ def fast_upstream_app(tokens: int = 1, api_key: str | None = None) -> Any:
     async def metrics(_: web.Request) -> web.Response:
         return web.Response(text="kvfleet:num_requests_waiting 0\nkvfleet:num_requests_running 0\n")
 
+    def keyed(handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+              ) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
+        async def run(request: web.Request) -> web.StreamResponse:
+            return refused(request) or await handler(request)
+
+        return run
+
     app = web.Application()
-    app.router.add_post("/v1/completions", completions)
-    app.router.add_post("/v1/chat/completions", completions)
+    app.router.add_post("/v1/completions", keyed(completions))
+    app.router.add_post("/v1/chat/completions", keyed(completions))
+    app.router.add_post("/v1/responses", keyed(responses))
     app.router.add_get("/metrics", metrics)
     return app
 
