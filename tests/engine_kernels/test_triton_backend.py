@@ -53,7 +53,8 @@ def test_triton_op_matches_torch_op(q_lens: list[int], seq_lens: list[int], rota
 
 
 def test_prefill_kernel_choice() -> None:
-    assert prefill_kernel_choice("") == "v2" and prefill_kernel_choice(" v1 ") == "v1"
+    assert prefill_kernel_choice("") == "gluon-chunks" and prefill_kernel_choice(" v1 ") == "v1"
+    assert prefill_kernel_choice("v2") == "v2"
     assert prefill_kernel_choice("v2-paged") == "v2-paged" and prefill_kernel_choice("gluon") == "gluon"
     assert prefill_kernel_choice("gluon-chunks") == "gluon-chunks"
     with pytest.raises(ValueError, match="KVFLEET_PREFILL_KERNEL"):

@@ -21,7 +21,8 @@ real engine, so it covers what the model runner really launches:
 7. on CUDA, where the context and the step's token budget allow, while a 16-token prompt decodes, a prompt of more than
    2,048 tokens: a mixed step with the long-query tile (queries of 17..2,048 tokens take a tile of their own,
    `kernels.prefill_attention_v2.default_tile_v2`; a prefill-only step with it runs at start-up's profiling), and
-   with `KVFLEET_PREFILL_KERNEL=gluon`/`gluon-chunks` the Gluon kernel of fresh long prompts;
+   with the Gluon choices of `KVFLEET_PREFILL_KERNEL` (`gluon-chunks`, the default, or `gluon`) the Gluon kernel of
+   fresh long prompts;
 8. then that prompt again with 192 tokens more: a chunk over its cached prefix (a prefix-cache hit), the shape
    `gluon-chunks` sends to the paged Gluon kernel (`attention.fresh_prompts.long_prefix_chunks`).
 

@@ -85,14 +85,16 @@ GLUON_CHOICES = ("gluon", "gluon-chunks")
 
 
 def prefill_kernel_choice(raw: str) -> str:
-    """KVFLEET_PREFILL_KERNEL: "v2" (the default, `prefill_attention_v2`: split causal loop, heaviest-first
-    work, GQA-ordered grid, the new tokens' K/V from the step's projections by TMA on Hopper), "v2-paged" (v2
-    reading every key through the block table), "v1" (the first kernel), "gluon" (v2, but a step's fresh prompts
-    of `GLUON_MIN_QUERY_TOKENS` and more go to the Gluon FlashAttention-3-style kernel where it applies: a Hopper
-    GPU, 16-bit, head dim 64/128; eager steps only, captured ones keep v2) or "gluon-chunks" (as "gluon", and its
-    chunks over a cached prefix that `long_prefix_chunks` picks go to the kernel's paged form, on caches of blocks
-    shorter than its key tile); issue 16's A/B on the GPU."""
-    choice = raw.strip() or "v2"
+    """KVFLEET_PREFILL_KERNEL: "gluon-chunks" (the default: "gluon", and the chunks over a cached prefix that
+    `long_prefix_chunks` picks go to the Gluon kernel's paged form, on caches of blocks shorter than its key tile;
+    on an H100 in issue 16's lease 18 it beat "gluon" on long prompts and the shared-prefix row in two runs each,
+    +0.5 %, and "v2" by +1.7 % and +0.5-1.1 %), "gluon" (v2, but a step's fresh prompts of
+    `GLUON_MIN_QUERY_TOKENS` and more go to the Gluon FlashAttention-3-style kernel where it applies: a Hopper
+    GPU, 16-bit, head dim 64/128; eager steps only, captured ones keep v2), "v2" (`prefill_attention_v2` alone:
+    split causal loop, heaviest-first work, GQA-ordered grid, the new tokens' K/V from the step's projections by
+    TMA on Hopper; what every Gluon choice falls back to where it does not apply), "v2-paged" (v2 reading every key
+    through the block table) or "v1" (the first kernel)."""
+    choice = raw.strip() or "gluon-chunks"
     if choice not in PREFILL_KERNELS:
         raise ValueError(f"KVFLEET_PREFILL_KERNEL: expected one of {', '.join(PREFILL_KERNELS)}, got {raw!r}")
     return choice
