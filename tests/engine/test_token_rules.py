@@ -5,6 +5,7 @@ they hold beside a structured output and in each of `n` samples; bad values are 
 from __future__ import annotations
 
 import re
+from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
@@ -92,3 +93,29 @@ def test_banned_sequences_follow_the_output_and_all_of_intersects() -> None:
     assert twin.accept(7) and 31 in mask_of(twin)
     both = AllOf([TokenSet(pack_tokens([1, 31, 40, 63], 2)), BannedSequences([(40,)], 2)])
     assert mask_of(both) == [1, 31, 63] and both.accept(63) and not both.accept(40)
+    # A mask that is the same at every step lets the next step launch before this one's token is taken.
+    assert not TokenSet(pack_tokens([1], 2)).needs_last_token()
+    assert not BannedSequences([(40,), (41,)], 2).needs_last_token()
+    assert BannedSequences([(40,), (5, 6)], 2).needs_last_token()
+    assert not AllOf([TokenSet(pack_tokens([1], 2)), BannedSequences([(40,)], 2)]).needs_last_token()
+    assert AllOf([TokenSet(pack_tokens([1], 2)), BannedSequences([(5, 6)], 2)]).needs_last_token()
+
+
+def test_allowed_token_ids_launch_ahead_and_a_structured_output_waits(tiny_model_dir: Path, hf_tiny: Any) -> None:
+    """With async scheduling, rows whose only rule is allowed_token_ids are launched ahead (their mask does not
+    follow the output) and still equal transformers' argmax with the rest masked; a regex row's steps wait for the
+    token in flight, as its mask follows it."""
+    fast = LLM(str(tiny_model_dir), num_kv_blocks=96, max_num_batched_tokens=64, async_scheduling=True)
+    engine, vocab = fast.llm_engine, hf_tiny.config.vocab_size
+    prompts = [[5, 17, 29, 41], [7, 19, 3, 88, 120]]
+    sets = [list(range(3, vocab, 5)), list(range(4, vocab, 3))]
+    outs = fast.generate([{"prompt_token_ids": p} for p in prompts], [
+        SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, allowed_token_ids=s) for s in sets])
+    for prompt, allowed, out in zip(prompts, sets, outs, strict=True):
+        want = hf_greedy(hf_tiny, prompt, 10, lambda _, allowed=allowed: set(range(vocab)) - set(allowed))
+        assert out.outputs[0].token_ids == want
+    assert engine.num_launched_ahead >= 8
+    engine.num_launched_ahead = 0
+    regex = SamplingParams(max_tokens=10, temperature=0, structured_outputs=StructuredOutputsParams(regex="[a-f]{6}"))
+    assert re.fullmatch("[a-f]{6}", fast.generate([{"prompt_token_ids": prompts[0]}], regex)[0].outputs[0].text)
+    assert engine.num_launched_ahead == 0

@@ -108,6 +108,9 @@ class OnlyTokens:
         for t in self.allowed:
             bitmask[row, t // 32] |= np.array(1 << (t % 32), dtype=np.uint32).view(np.int32)
 
+    def needs_last_token(self) -> bool:
+        return True
+
 
 def allowed(grammar: Any) -> list[int]:
     mask = np.zeros((1, 2), dtype=np.int32)

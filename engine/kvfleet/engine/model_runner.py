@@ -288,16 +288,20 @@ class ModelRunner:
     @staticmethod
     def needs_token_values(sched: SchedulerOutput) -> bool:
         """Whether launching `sched` needs the sampled values of the step still in flight, so that it cannot
-        be launched ahead of them (kvfleet.engine.async_step): penalties count the output tokens, and a prompt's
-        logprobs are read back at launch (the launch would wait for the step it queued)."""
+        be launched ahead of them (kvfleet.engine.async_step): penalties count the output tokens, a constraint
+        whose mask follows the output (structured outputs, a reasoning gate, multi-token bad_words) needs the token
+        it has not taken yet, and a prompt's logprobs are read back at launch (the launch would wait for the step
+        it queued). allowed_token_ids and one-token bad_words mask the same tokens at every step: launched ahead."""
         for s in sched.scheduled:
             p = s.request.sampling_params
             if p is None:
                 continue
             if p.prompt_logprobs is not None and s.start < s.request.num_prompt_tokens - 1:
                 return True
+            grammar = s.request.grammar
             if s.needs_sample and (p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0
-                                   or p.presence_penalty != 0.0 or s.request.grammar is not None):
+                                   or p.presence_penalty != 0.0
+                                   or (grammar is not None and grammar.needs_last_token())):
                 return True   # (a constraint's next mask needs the token it has not taken yet)
         return False
 

@@ -84,6 +84,9 @@ class GuidedGrammar:
     def fill_bitmask(self, bitmask: NDArray[np.int32], row: int) -> None:
         fill_next_token_bitmask(self.matcher, bitmask, row)
 
+    def needs_last_token(self) -> bool:
+        return True
+
 
 class GrammarCompiler:
     """Compiles requests' constraints against one model's tokenizer (thread-safe: the server compiles on its

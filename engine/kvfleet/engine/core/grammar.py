@@ -38,6 +38,12 @@ class TokenGrammar(Protocol):
         `t // 32` set = token t allowed."""
         ...
 
+    def needs_last_token(self) -> bool:
+        """Whether the next mask depends on the tokens accepted so far. False (the same mask at every step): the
+        next step may be launched before the step in flight's token is accepted (async scheduling's launch
+        ahead), as for a sequence without a constraint."""
+        ...
+
 
 ReasoningStart = Literal["thinking", "answering", "either"]
 
@@ -97,6 +103,9 @@ class AfterReasoning:
             word, value = _bit(self.start_token_id)
             bitmask[row, word] |= value
 
+    def needs_last_token(self) -> bool:
+        return True   # </think> switches the mask
+
 
 class TokenSet:
     """vLLM's `allowed_token_ids`: only these tokens, at every step (a fixed row, packed once)."""
@@ -120,6 +129,9 @@ class TokenSet:
     def fill_bitmask(self, bitmask: "NDArray[np.int32]", row: int) -> None:
         _full_row(bitmask, row)
         bitmask[row, :len(self.words)] = self.words
+
+    def needs_last_token(self) -> bool:
+        return False
 
 
 class BannedSequences:
@@ -159,6 +171,9 @@ class BannedSequences:
             word, value = _bit(token)
             bitmask[row, word] &= ~value
 
+    def needs_last_token(self) -> bool:
+        return self.keep > 0   # one-token sequences only: the same tokens banned at every step
+
 
 class AllOf:
     """Several constraints on one sequence: a token must be allowed by each; the output is complete when one
@@ -189,3 +204,6 @@ class AllOf:
             scratch[0] = -1
             part.fill_bitmask(scratch, 0)
             bitmask[row] &= scratch[0]
+
+    def needs_last_token(self) -> bool:
+        return any(p.needs_last_token() for p in self.parts)
