@@ -59,6 +59,14 @@ class Tap(Protocol):
         ...
 
 
+def complete_events(buf: bytes) -> tuple[bytes, bytes]:
+    """(the events `buf` holds whole, each ending in a blank line; the start of the next one)."""
+    end = buf.rfind(b"\n\n")
+    if end < 0:
+        return b"", buf
+    return buf[:end + 2], buf[end + 2:]
+
+
 def _data(event: bytes) -> bytes | None:
     """The data of an event (single `data:` line events, as OpenAI servers send them)."""
     for line in event.split(b"\n"):
@@ -80,13 +88,9 @@ class StreamTap:
 
     def feed(self, data: bytes) -> bytes:
         """The bytes to send on now: every event completed by `data`."""
-        buf = self._pending + data
-        end = buf.rfind(b"\n\n")
-        if end < 0:
-            self._pending = buf
+        complete, self._pending = complete_events(self._pending + data)
+        if not complete:
             return b""
-        self._pending = buf[end + 2:]
-        complete = buf[:end + 2]
         if not self.strip_usage and b'"usage"' not in complete and b'"error"' not in complete:
             self._count_plain(complete)
             return complete
@@ -176,13 +180,7 @@ class ResponsesTap:
         self._last = b""   # the last event seen: the failure event's number follows its own
 
     def feed(self, data: bytes) -> bytes:
-        buf = self._pending + data
-        end = buf.rfind(b"\n\n")
-        if end < 0:
-            self._pending = buf
-            return b""
-        self._pending = buf[end + 2:]
-        complete = buf[:end + 2]
+        complete, self._pending = complete_events(self._pending + data)
         for event in complete.split(b"\n\n")[:-1]:
             self._observe(event)
         return complete
