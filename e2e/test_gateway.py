@@ -6,7 +6,8 @@ only) watches Tenants, ModelDeployments, pods and the key Secrets of its key nam
 or with a wrong key, each tenant sees and reaches only its own `chat` (404 for the other's), a key added to
 a Secret works and a removed one stops working without a restart, a client that leaves aborts the engine's
 request, a replica whose engine died is retried on the other, a replica killed mid-stream ends the stream
-with an error event, a constrained request (structured outputs) is answered within its constraint.
+with an error event, a constrained request (structured outputs) is answered within its constraint, and OpenAI's
+Responses API reaches the engine with its tokens counted.
 """
 from __future__ import annotations
 
@@ -165,6 +166,26 @@ def test_structured_outputs_reach_the_engine_and_its_errors_come_back(setup: Set
                                        tool_choice={"type": "function", "function": {"name": "pick"}})
     (call,) = called.choices[0].message.tool_calls or []
     assert call.function.name == "pick" and json.loads(call.function.arguments)["color"] in ("red", "blue")
+
+
+def test_the_responses_api_reaches_the_engine_and_its_tokens_count(setup: Setup, gateway: GatewayProcess) -> None:
+    """A tenant's `client.responses.create` through the gateway to a real engine pod: the answer is the chat
+    endpoint's for the same conversation, streamed as numbered events ending with the whole response, and the
+    gateway counts its tokens from the response's usage (the stream's from its last event)."""
+    b = client(gateway, setup.key_b)
+    before = gateway.metric("kvfleet_gateway_completion_tokens_total", namespace=setup.ns_b)
+    got = b.responses.create(model="chat", input=MSG, max_output_tokens=6, temperature=0)
+    chat = b.chat.completions.create(model="chat", messages=MSG, max_tokens=6, temperature=0)
+    assert got.output_text == chat.choices[0].message.content and got.usage is not None
+    events = list(b.responses.create(model="chat", input=MSG, max_output_tokens=6, temperature=0, stream=True))
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == got.output_text
+    last = events[-1]
+    assert last.type in ("response.completed", "response.incomplete") and last.response.usage is not None
+    counted = got.usage.output_tokens + (chat.usage.completion_tokens if chat.usage else 0) + \
+        last.response.usage.output_tokens
+    wait_for("the gateway counts the three answers' tokens", lambda: gateway.metric(
+        "kvfleet_gateway_completion_tokens_total", namespace=setup.ns_b) - before == counted, timeout=10)
 
 
 def test_a_client_that_leaves_aborts_the_engine_request(setup: Setup, gateway: GatewayProcess) -> None:
