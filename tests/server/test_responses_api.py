@@ -116,6 +116,25 @@ def test_function_tools_answer_function_call_items(client: openai.OpenAI) -> Non
     assert required.output and all(item.type == "function_call" for item in required.output)
 
 
+def test_a_conversation_goes_on_with_the_output_items_sent_back(client: openai.OpenAI) -> None:
+    """The way agents keep a stateless conversation: the response's own output items (a function call) sent back
+    as input with the call's output, then the next answer's message, then a new user turn: each turn renders (a
+    longer prompt every time) and is answered."""
+    history: list[Any] = [{"role": "user", "content": "weather?"}]
+    first = client.responses.create(model="tiny", input=history, max_output_tokens=30, temperature=0,
+                                    tools=[WEATHER], tool_choice={"type": "function", "name": "get_weather"})
+    (call,) = first.output
+    assert call.type == "function_call"
+    history += [*first.output, {"type": "function_call_output", "call_id": call.call_id, "output": "rain"}]
+    second = client.responses.create(model="tiny", input=history, max_output_tokens=4, temperature=0,
+                                     tools=[WEATHER], tool_choice="none")
+    assert [item.type for item in second.output] == ["message"]
+    history += [*second.output, {"role": "user", "content": "thanks"}]
+    third = client.responses.create(model="tiny", input=history, max_output_tokens=4, temperature=0)
+    assert first.usage and second.usage and third.usage
+    assert first.usage.input_tokens < second.usage.input_tokens < third.usage.input_tokens
+
+
 def test_text_format_and_logprobs(client: openai.OpenAI) -> None:
     """`text.format` json_schema is chat's response_format: a document of the schema; `include` of the text's
     logprobs gives one entry per output token, each with its top alternatives, equal to chat's."""
