@@ -16,7 +16,7 @@ from kvfleet.engine.server.protocol_responses import (
     FunctionCallOutputItem,
     MessageItem,
     ResponsesRequest,
-    TextContent,
+    content_text,
 )
 
 ROLES = ("system", "developer", "user", "assistant")
@@ -31,10 +31,6 @@ class Turn:
     text: str
 
 
-def _text(content: str | list[TextContent]) -> str:
-    return content if isinstance(content, str) else "".join(part.text for part in content)
-
-
 def turns(req: ResponsesRequest) -> list[Turn]:
     """The conversation in order: the instructions, then each input item as the chat turn the engine makes of it
     (a call is the assistant's, with its arguments; its output the tool's; reasoning the assistant's thinking, its
@@ -44,11 +40,11 @@ def turns(req: ResponsesRequest) -> list[Turn]:
         return [*out, Turn("user", req.input)]
     for item in req.input:
         if isinstance(item, MessageItem):
-            out.append(Turn(item.role, _text(item.content)))
+            out.append(Turn(item.role, content_text(item.content)))
         elif isinstance(item, FunctionCallItem):
             out.append(Turn("assistant", item.arguments))
         elif isinstance(item, FunctionCallOutputItem):
-            out.append(Turn("tool", _text(item.output)))
+            out.append(Turn("tool", content_text(item.output)))
         else:
             out.append(Turn("assistant", "".join(part.text for part in item.content or item.summary)))
     return out

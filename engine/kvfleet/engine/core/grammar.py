@@ -52,6 +52,19 @@ def _full_row(bitmask: "NDArray[np.int32]", row: int) -> None:
     bitmask[row] = -1   # every bit set: any token
 
 
+def thinking_token(state: ReasoningStart, token_id: int, start_token_id: int) -> bool:
+    """Whether `token_id`, coming in `state`, is part of the thinking (the markers included)."""
+    return state == "thinking" or (state == "either" and token_id == start_token_id)
+
+
+def reasoning_after(state: ReasoningStart, token_id: int, start_token_id: int, end_token_id: int) -> ReasoningStart:
+    """The state after `token_id`: the end marker ends the thinking, the start marker opens it where the output may
+    open it, any other token of an undecided output is the answer's."""
+    if state == "thinking":
+        return "answering" if token_id == end_token_id else "thinking"
+    return "thinking" if state == "either" and token_id == start_token_id else "answering"
+
+
 def _bit(token_id: int) -> tuple[int, int]:
     """(word, int32 value with only token_id's bit set): bit 31 is the int32's sign bit."""
     word, bit = divmod(token_id, 32)
@@ -75,15 +88,9 @@ class AfterReasoning:
         self.state: ReasoningStart = state
 
     def accept(self, token_id: int) -> bool:
-        if self.state == "thinking":
-            if token_id == self.end_token_id:
-                self.state = "answering"
-            return True
-        if self.state == "either" and token_id == self.start_token_id:
-            self.state = "thinking"
-            return True
-        self.state = "answering"
-        return self.inner.accept(token_id)
+        thinking = thinking_token(self.state, token_id, self.start_token_id)
+        self.state = reasoning_after(self.state, token_id, self.start_token_id, self.end_token_id)
+        return True if thinking else self.inner.accept(token_id)
 
     def is_terminated(self) -> bool:
         return self.state == "answering" and self.inner.is_terminated()

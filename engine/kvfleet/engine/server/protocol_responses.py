@@ -28,6 +28,11 @@ class TextContent(StrictModel):
     logprobs: list[Any] | None = None
 
 
+def content_text(content: "str | list[TextContent]") -> str:
+    """A message's or a function output's text: a string, or its text parts joined."""
+    return content if isinstance(content, str) else "".join(part.text for part in content)
+
+
 class MessageItem(StrictModel):
     type: Literal["message"] = "message"
     role: Literal["user", "system", "developer", "assistant"]

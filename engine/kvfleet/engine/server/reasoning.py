@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from kvfleet.engine.core.grammar import AfterReasoning, ReasoningStart, TokenGrammar
+from kvfleet.engine.core.grammar import AfterReasoning, ReasoningStart, TokenGrammar, reasoning_after, thinking_token
 
 THINK_START, THINK_END = "<think>", "</think>"
 
@@ -68,15 +68,10 @@ class ReasoningParser:
         """How many of an output's tokens are its thinking (the markers included), read as the gate reads them."""
         state, count = start, 0
         for token in token_ids:
-            if state == "either":
-                if token != self.start_token_id:
-                    break
-                state = "thinking"
-            elif state != "thinking":
+            if not thinking_token(state, token, self.start_token_id):
                 break
             count += 1
-            if token == self.end_token_id:
-                state = "answering"
+            state = reasoning_after(state, token, self.start_token_id, self.end_token_id)
         return count
 
     def gate(self, grammar: TokenGrammar, start: ReasoningStart) -> AfterReasoning:

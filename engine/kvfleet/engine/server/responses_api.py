@@ -33,7 +33,7 @@ from kvfleet.engine.server.protocol_responses import (
     MessageItem,
     ReasoningItem,
     ResponsesRequest,
-    TextContent,
+    content_text,
 )
 from kvfleet.engine.server.serving import ManagedStream
 from kvfleet.engine.server.state import ServerState
@@ -41,14 +41,13 @@ from kvfleet.engine.server.state import ServerState
 # A chat field an error names -> the Responses field it came from (`param`; messages name the full path).
 RESPONSES_FIELD = {"messages": "input", "max_tokens": "max_output_tokens", "max_completion_tokens": "max_output_tokens",
                    "response_format": "text", "logprobs": "top_logprobs", "chat_template_kwargs": "reasoning"}
+# Fields that mean the same in both APIs and pass as they are.
+SAMPLING_FIELDS = {"temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
+                   "repetition_penalty", "stop", "stop_token_ids", "ignore_eos"}
 RESPONSES_PATH = {"response_format.json_schema": "text.format", "response_format": "text.format"}
 
 
 # --- the request, as a chat request (pure) -------------------------------------------------
-def _text(content: str | list[TextContent]) -> str:
-    return content if isinstance(content, str) else "".join(part.text for part in content)
-
-
 def chat_messages(req: ResponsesRequest) -> list[dict[str, Any]]:
     """The conversation as chat messages: instructions first, then the input items in order."""
     messages: list[dict[str, Any]] = []
@@ -63,7 +62,7 @@ def chat_messages(req: ResponsesRequest) -> list[dict[str, Any]]:
             thinking.extend(part.text for part in (item.content or item.summary))
             continue
         if isinstance(item, FunctionCallOutputItem):
-            messages.append({"role": "tool", "tool_call_id": item.call_id, "content": _text(item.output)})
+            messages.append({"role": "tool", "tool_call_id": item.call_id, "content": content_text(item.output)})
             continue
         if isinstance(item, FunctionCallItem):
             call = {"id": item.call_id, "type": "function",
@@ -75,7 +74,7 @@ def chat_messages(req: ResponsesRequest) -> list[dict[str, Any]]:
             message: dict[str, Any] = {"role": "assistant", "content": None, "tool_calls": [call]}
         else:
             assert isinstance(item, MessageItem)
-            message = {"role": item.role, "content": _text(item.content)}
+            message = {"role": item.role, "content": content_text(item.content)}
         if message["role"] == "assistant" and thinking:
             message["reasoning"] = "\n".join(thinking)
             thinking = []
@@ -88,11 +87,7 @@ def chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
     body: dict[str, Any] = {"model": req.model, "messages": chat_messages(req), "stream": req.stream,
                             "max_tokens": req.max_output_tokens, "parallel_tool_calls": req.parallel_tool_calls,
                             "user": req.user}
-    for name in ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
-                 "repetition_penalty", "stop", "stop_token_ids", "ignore_eos"):
-        value = getattr(req, name)
-        if value is not None:
-            body[name] = value
+    body.update(req.model_dump(include=SAMPLING_FIELDS, exclude_none=True))
     if req.stream:
         body["stream_options"] = {"include_usage": True}
     if req.tools:
