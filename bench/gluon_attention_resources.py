@@ -4,7 +4,9 @@ the softmax. Usage:
     python bench/gluon_attention_resources.py [SCHED,BM,BN,NB,WARPS[,D] ...] [--json OUT]
 SCHED is ``fa3`` (S_j and P_{j-1} V_{j-1} issued, softmax(S_j) under the latter) or ``ahead`` (S_{j+1} and
 P_{j-1} V_{j-1} issued before softmax(S_j)), either with ``-ws`` (a producer warp issues the TMA refills:
-``warp_specialize=True``), and any of them with ``-paged`` (the chunk kernel, `prefill_attention_gluon_paged`: every
+``warp_specialize=True``) or ``-ws2`` (that, and the WARPS split into two consumer partitions of one warpgroup, a
+half of the query rows each: ``consumers=2``), ``fa3-pp`` (``-ws2`` with the two issuing their MMAs in turns:
+``pingpong=True``), and any of them with ``-paged`` (the chunk kernel, `prefill_attention_gluon_paged`: every
 key from a paged cache of 16-token blocks, one copy a block); D defaults to 128.
 
 Each launch is specialized as Llama-3.1-8B's (32 query heads, 8 KV heads, bf16, the work list): Gluon kernels compile
@@ -39,8 +41,10 @@ from prefill_kernel_resources import CUOBJDUMP, HOPPER_MAX_SHARED, TARGET, _usag
 from triton.experimental.gluon._runtime import GluonASTSource  # noqa: E402
 
 from kvfleet.engine.kernels.prefill_attention_gluon import (  # noqa: E402
+    SCHEDULE_NAMES,
     _prefill_gluon_kernel,
     kernel_layouts,
+    named_tile,
     smem_layout,
 )
 
@@ -49,7 +53,6 @@ PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bi
 DEFAULT_VARIANTS = [("fa3", 128, 128, 2, 8, 128), ("ahead", 128, 64, 2, 8, 128), ("fa3-ws", 128, 128, 2, 8, 128),
                     ("ahead-ws", 128, 64, 2, 8, 128), ("fa3", 128, 128, 3, 8, 128), ("fa3", 128, 64, 2, 8, 128),
                     ("ahead", 128, 128, 2, 8, 128), ("fa3", 128, 128, 2, 8, 64)]
-SCHEDULES = ("fa3", "ahead", "fa3-ws", "ahead-ws")
 DIVISIBLE = ("qsl_ptr", "work_ptr", "out_ptr", "table_ptr", "seq_lens_ptr", "stride_ot", "stride_oh")
 PAGE = 16   # the engine's default cache block
 
@@ -59,10 +62,11 @@ def compile_variant(sched: str, bm: int, bn: int, nb: int, warps: int, d: int = 
     launches it with a work list."""
     fn = _prefill_gluon_kernel
     paged = sched.endswith("-paged")
-    sched = sched.removesuffix("-paged")
+    tile = named_tile(sched.removesuffix("-paged"), bm, bn, nb, warps)
+    consumers = tile.consumers
     const = dict(HQ=32, G=4, HEAD_DIM=d, BLOCK_M=bm, BLOCK_N=bn, NUM_BUFFERS=nb, USE_WORK=True,
-                 S_AHEAD=sched.startswith("ahead"), WARP_SPEC=sched.endswith("-ws"), PAGED=paged,
-                 **kernel_layouts(bm, bn, d, warps))
+                 S_AHEAD=tile.s_ahead, WARP_SPEC=tile.warp_specialize, PAGED=paged, CONSUMERS=consumers,
+                 PINGPONG=tile.pingpong, **kernel_layouts(bm // consumers, bn, d, warps // consumers))
     kv_rows = PAGE if paged else bn
     descs = {"q_desc": (bm, smem_layout(bm, d, torch.bfloat16)),
              "k_desc": (kv_rows, smem_layout(kv_rows, d, torch.bfloat16)),
@@ -79,7 +83,8 @@ def compile_variant(sched: str, bm: int, bn: int, nb: int, warps: int, d: int = 
         else:
             sig[name] = "fp32" if name == "scale_log2" else "i32"
     attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in DIVISIBLE}
-    return triton.compile(GluonASTSource(fn, sig, const, attrs), target=TARGET, options=dict(num_warps=warps))
+    return triton.compile(GluonASTSource(fn, sig, const, attrs), target=TARGET,
+                          options=dict(num_warps=warps // consumers))
 
 
 def ptxas_serializes(ptx: str) -> bool:
@@ -101,12 +106,13 @@ def ptx_loops(ptx: str) -> list[list[str]]:
         m = re.match(r"^(\$L__BB\d+_\d+):", line)
         if m and ("Loop Header" in line or (i + 1 < len(lines) and "Loop Header" in lines[i + 1])):
             headers[m.group(1)] = i
-    loops = []
+    spans = []
     for i, line in enumerate(lines):
         m = re.search(r"\bbra(?:\.uni)?\s+(\$L__BB\d+_\d+);", line)
         if m and m.group(1) in headers and headers[m.group(1)] < i:
-            loops.append(lines[headers[m.group(1)]:i + 1])
-    return loops
+            spans.append((headers[m.group(1)], i))
+    # innermost only: a warp-specialized kernel's worker partitions run inside an outer dispatch loop
+    return [lines[a:b + 1] for a, b in spans if not any(a <= c and d <= b and (c, d) != (a, b) for c, d in spans)]
 
 
 def ptx_overlap(body: list[str]) -> dict[str, Any] | None:
@@ -138,14 +144,17 @@ def sass_overlap(sass: str) -> list[dict[str, int]]:
     """Per SASS loop (a backward branch, its span holding no EXIT): MUFU.EX2 scheduled while an HGMMA group is in
     flight (issued and not retired by a WARPGROUP.DEPBAR), of all its MUFU.EX2."""
     ins = [(int(m.group(1), 16), m.group(2)) for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
-    loops = []
+    bounds = []
     for addr, text in ins:
         m = re.search(r"\bBRA\s+(?:`\(\.L_x_\d+\)\s*)?0x([0-9a-f]+)", text)
         if m and int(m.group(1), 16) < addr:
             span = [t for a, t in ins if int(m.group(1), 16) <= a <= addr]
             if any("HGMMA" in t for t in span) and any("MUFU.EX2" in t for t in span) and \
                     not any(t.strip().endswith("EXIT") for t in span):
-                loops.append(span)
+                bounds.append((int(m.group(1), 16), addr))
+    # innermost only (a warp-specialized kernel's worker partitions run inside an outer dispatch loop)
+    loops = [[t for a, t in ins if lo <= a <= hi] for lo, hi in bounds
+             if not any(lo <= c and d <= hi and (c, d) != (lo, hi) for c, d in bounds)]
     out = []
     for span in loops:
         groups, open_group, ex2, under = 0, False, 0, 0
@@ -200,8 +209,9 @@ def measure(variant: tuple[str, int, int, int, int, int]) -> dict[str, Any]:
 
 def parse_variant(raw: str) -> tuple[str, int, int, int, int, int]:
     sched, *nums = raw.split(",")
-    if sched.removesuffix("-paged") not in SCHEDULES or len(nums) not in (4, 5):
-        sys.exit(f"gluon_attention_resources: expected SCHED,BM,BN,NB,WARPS[,D], SCHED one of {SCHEDULES}, got {raw!r}")
+    if sched.removesuffix("-paged") not in SCHEDULE_NAMES or len(nums) not in (4, 5):
+        sys.exit(f"gluon_attention_resources: expected SCHED,BM,BN,NB,WARPS[,D], SCHED one of {SCHEDULE_NAMES} "
+                 f"(and -paged), got {raw!r}")
     bm, bn, nb, warps, *d = (int(x) for x in nums)
     return sched, bm, bn, nb, warps, d[0] if d else 128
 

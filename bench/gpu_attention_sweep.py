@@ -39,6 +39,9 @@ Implementations (`impl` in the results):
                            block into the key tile; -ws: a producer warp issues them (the engine's); every case;
   gluon paged ahead-ws ... the same in the S-ahead schedule at 128 x 64 (ptxas keeps every exponential of its
                            unmasked loop under an MMA there, `bench/gluon_attention_resources.py`)
+  gluon [paged] fa3-pp ... two consumer warpgroups of 64 query rows and a producer warp, the warpgroups issuing
+                           their MMAs in turns (FlashAttention-3's ping-pong: KVFLEET_GLUON_SCHEDULE=pingpong)
+  gluon [paged] fa3-ws2 .. the same without the turns (KVFLEET_GLUON_SCHEDULE=two-warpgroups); both last
   vLLM FA3 paged           vLLM's FlashAttention-3 (`vllm.vllm_flash_attn.flash_attn_varlen_func`, fa_version 3)
                            over the same paged cache and block tables, as vLLM's engine calls it on Hopper: the
                            target for our kernel (only where vLLM's wheels are installed, PYTHONPATH=/tmp/site)
@@ -46,6 +49,7 @@ Implementations (`impl` in the results):
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -245,9 +249,9 @@ def kernel_runner(c: dict[str, Any], impl: str, tile: tuple[int, int, int, int],
     common = (c["q"], c["cache"], md.block_tables, md.seq_lens, md.query_start_loc, max(q_lens), SCALE, out)
     qsl = md.query_start_loc_cpu
     if impl.startswith("gluon paged"):
-        return gluon_paged_runner(c, tile, out, warp_specialize=impl.endswith("-ws"), s_ahead="ahead" in impl)
+        return gluon_paged_runner(c, tile, out, impl.removeprefix("gluon paged "))
     if impl.startswith("gluon"):
-        return gluon_runner(c, tile, out)
+        return gluon_runner(c, tile, out, impl.removeprefix("gluon ").removesuffix("-style"))
     if impl == "v1":
         work = prefill_work(qsl, bm, False, DEV)
 
@@ -269,38 +273,38 @@ def kernel_runner(c: dict[str, Any], impl: str, tile: tuple[int, int, int, int],
     return run, lambda: out
 
 
-def gluon_runner(c: dict[str, Any], tile: tuple[int, int, int, int], out: torch.Tensor,
+def gluon_runner(c: dict[str, Any], tile: tuple[int, int, int, int], out: torch.Tensor, schedule: str,
                  ) -> tuple[Callable[[], Any], Callable[[], torch.Tensor]]:
-    """The Gluon prototype on the step's k/v (fresh prompts only); imported here, so that a Triton without Gluon
-    fails this row only."""
-    from kvfleet.engine.kernels.prefill_attention_gluon import prefill_attention_gluon
+    """The Gluon prototype on the step's k/v (fresh prompts only) in a `named_tile` schedule; imported here, so
+    that a Triton without Gluon fails this row only."""
+    from kvfleet.engine.kernels.prefill_attention_gluon import named_tile, prefill_attention_gluon
 
     if any(c["ctx"]):
         raise ValueError("the Gluon kernel serves fresh prompts only (no cached prefix)")
     md, q_lens = c["md"], c["q_lens"]
     bm, bn, warps, buffers = tile
+    g = named_tile(schedule, bm, bn, buffers, warps)
     work = prefill_work(md.query_start_loc_cpu, bm, False, DEV, md.seq_lens_cpu)
 
     def run() -> None:
         prefill_attention_gluon(c["q"], c["k"], c["v"], md.query_start_loc, max(q_lens), SCALE, out, work=work,
-                                block_m=bm, block_n=bn, num_buffers=buffers, num_warps=warps)
+                                **dataclasses.asdict(g))
     return run, lambda: out
 
 
-def gluon_paged_runner(c: dict[str, Any], tile: tuple[int, int, int, int], out: torch.Tensor, warp_specialize: bool,
-                       s_ahead: bool) -> tuple[Callable[[], Any], Callable[[], torch.Tensor]]:
+def gluon_paged_runner(c: dict[str, Any], tile: tuple[int, int, int, int], out: torch.Tensor, schedule: str,
+                       ) -> tuple[Callable[[], Any], Callable[[], torch.Tensor]]:
     """The Gluon kernel's paged form: every key of each sequence from the cache (the new tokens' written there)."""
-    from kvfleet.engine.kernels.prefill_attention_gluon import prefill_attention_gluon_paged
+    from kvfleet.engine.kernels.prefill_attention_gluon import named_tile, prefill_attention_gluon_paged
 
     md, q_lens = c["md"], c["q_lens"]
     bm, bn, warps, buffers = tile
+    g = named_tile(schedule, bm, bn, buffers, warps)
     work = prefill_work(md.query_start_loc_cpu, bm, False, DEV, md.seq_lens_cpu)
 
     def run() -> None:
         prefill_attention_gluon_paged(c["q"], c["cache"], md.block_tables, md.seq_lens, md.query_start_loc,
-                                      max(q_lens), SCALE, out, work=work, block_m=bm, block_n=bn,
-                                      num_buffers=buffers, num_warps=warps, warp_specialize=warp_specialize,
-                                      s_ahead=s_ahead)
+                                      max(q_lens), SCALE, out, work=work, **dataclasses.asdict(g))
     return run, lambda: out
 
 
@@ -310,8 +314,11 @@ def gluon_rows(fresh: bool) -> list[tuple[str, tuple[int, int, int, int] | None]
     if DRY:
         return []
     fresh_row = [("gluon fa3-style", GLUON_TILE)] if fresh else []
+    # the two-consumer variants last (never run before: a deadlock there loses only what comes after it)
+    two = [("gluon fa3-pp", GLUON_TILE), ("gluon fa3-ws2", GLUON_TILE)] if fresh else []
     return fresh_row + [("gluon paged fa3-ws", GLUON_TILE), ("gluon paged ahead-ws", GLUON_AHEAD_TILE),
-                        ("gluon paged fa3", GLUON_TILE)]
+                        ("gluon paged fa3", GLUON_TILE)] + two + [("gluon paged fa3-pp", GLUON_TILE),
+                                                                  ("gluon paged fa3-ws2", GLUON_TILE)]
 
 
 def configs(fresh: bool, fa3: bool = False) -> list[tuple[str, tuple[int, int, int, int] | None]]:

@@ -7,10 +7,13 @@ projection (as the model's split hands them over). Cases: 1 x 8192, 2 x 4096, 8 
 float32 reference from the same bf16 inputs; v2 (`prefill_attention_v2` given k/v: its K/V tiles by TMA, the engine's
 path for fresh prompts) at its default tile; the Gluon kernel at several (schedule, block_m, block_n, num_buffers,
 num_warps), its default first; then, in a second pass over the cases (a deadlock there leaves the first pass whole),
-the warp-specialized variant (schedule ``fa3-ws``/``ahead-ws``: a producer warp issues the TMA refills). Each row:
-max abs and relative (Frobenius) error against the reference and (first pass) against v2's output, whether every row
-was written (``out`` starts as NaN), median ms of 20 (CUDA events, after warm-ups) and TFLOP/s of the causal work
-(4 D FLOPs per visible (query, key, head)). GLUON_CHECK_BUDGET_S (default 100): configurations past it are skipped.
+the warp-specialized variant (schedule ``fa3-ws``/``ahead-ws``: a producer warp issues the TMA refills), and in a
+third the two-consumer variants (``fa3-pp``: the two warpgroups take turns issuing their MMAs, FlashAttention-3's
+ping-pong; ``fa3-ws2``/``ahead-ws2``: the same without the turns). GLUON_CHECK_PASSES ("1,3", say) picks passes.
+Each row: max abs and relative (Frobenius) error against the reference and (first pass) against v2's output,
+whether every row was written (``out`` starts as NaN), median ms of 20 (CUDA events, after warm-ups) and TFLOP/s of
+the causal work (4 D FLOPs per visible (query, key, head)).
+GLUON_CHECK_BUDGET_S (default 100): configurations past it are skipped.
 
 A failing configuration is recorded with its error and the check goes on. A kernel that deadlocks (an mbarrier
 waited at a phase that never completes) cannot be interrupted: a watchdog writes the row as hung after
@@ -20,6 +23,7 @@ row) and OUT_DIR/gluon_attention_check.txt.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -46,6 +50,8 @@ CASES: list[tuple[str, list[int]]] = [("1 x 8192", [8192]), ("2 x 4096", [4096] 
 GLUON_CONFIGS = [("fa3", 128, 128, 2, 8), ("ahead", 128, 64, 2, 8), ("fa3", 128, 128, 3, 8), ("fa3", 128, 64, 2, 8),
                  ("ahead", 128, 64, 3, 8), ("fa3", 64, 128, 2, 4)]
 WS_CONFIGS = [("fa3-ws", 128, 128, 2, 8), ("ahead-ws", 128, 64, 2, 8), ("ahead-ws", 128, 64, 3, 8)]
+# two consumer warpgroups (a third pass): taking turns (FlashAttention-3's ping-pong), then free
+PP_CONFIGS = [("fa3-pp", 128, 128, 2, 8), ("fa3-ws2", 128, 128, 2, 8), ("ahead-ws2", 128, 64, 2, 8)]
 ROW_TIMEOUT_S = float(os.environ.get("GLUON_CHECK_ROW_TIMEOUT_S", "40"))
 BUDGET_S = float(os.environ.get("GLUON_CHECK_BUDGET_S", "100"))   # configurations past it are skipped
 ITERS = 20
@@ -100,16 +106,16 @@ def v2_runner(c: dict[str, Any]) -> tuple[Callable[[], Any], torch.Tensor, list[
 
 
 def gluon_runner(c: dict[str, Any], cfg: tuple[str, int, int, int, int]) -> tuple[Callable[[], Any], torch.Tensor]:
-    from kvfleet.engine.kernels.prefill_attention_gluon import prefill_attention_gluon
+    from kvfleet.engine.kernels.prefill_attention_gluon import named_tile, prefill_attention_gluon
 
     sched, bm, bn, nb, warps = cfg
+    tile = named_tile(sched, bm, bn, nb, warps)
     work = prefill_work(c["qsl_cpu"], bm, False, "cuda", c["q_lens"])
     out = torch.full_like(c["q"], float("nan"))
 
     def run() -> None:
-        prefill_attention_gluon(c["q"], c["k"], c["v"], c["qsl"], max(c["q_lens"]), SCALE, out, work=work, block_m=bm,
-                                block_n=bn, num_buffers=nb, num_warps=warps, s_ahead=sched.startswith("ahead"),
-                                warp_specialize=sched.endswith("-ws"))
+        prefill_attention_gluon(c["q"], c["k"], c["v"], c["qsl"], max(c["q_lens"]), SCALE, out, work=work,
+                                **dataclasses.asdict(tile))
     return run, out
 
 
@@ -247,7 +253,10 @@ def main() -> int:
         write(out_dir, report)
 
     dog = Watchdog(on_hang)
-    for first_pass, configs in ((True, GLUON_CONFIGS), (False, WS_CONFIGS)):
+    passes = [(True, GLUON_CONFIGS), (False, WS_CONFIGS), (False, PP_CONFIGS)]
+    if os.environ.get("GLUON_CHECK_PASSES"):   # e.g. "1,3": the default and the two-consumer variants only
+        passes = [passes[int(i) - 1] for i in os.environ["GLUON_CHECK_PASSES"].split(",")]
+    for first_pass, configs in passes:
         for i, (name, q_lens) in enumerate(CASES):
             c = build_case(q_lens, torch.Generator().manual_seed(90 + i))
             ref = reference(c)

@@ -18,7 +18,12 @@ import pytest
 import torch
 
 from kvfleet.engine.kernels.prefill_attention_gluon import (
+    ENGINE_CHUNK_TILE,
+    ENGINE_TILE,
+    GluonTile,
     check_tile,
+    engine_tiles,
+    named_tile,
     paged_applies,
     prefill_attention_gluon,
     prefill_attention_gluon_paged,
@@ -59,6 +64,54 @@ def test_gluon_kernel_compiles_for_sm90_with_softmax_under_the_mmas(tmp_path: Pa
     # P_{j-1} V_{j-1} above most of the softmax, to pack P_j into P_{j-1}'s registers)
     for r in (fa3, ahead, ahead_ws):
         assert r["sass_loops"] and all(o["ex2_under_mma"] * 4 > o["ex2"] * 3 for o in r["sass_loops"]), r
+
+
+def test_gluon_two_consumer_variants_compile_for_sm90(tmp_path: Path) -> None:
+    """Two consumer warpgroups (a partition each, 64 query rows) and a producer warp, taking turns at their MMAs
+    (``fa3-pp``, FlashAttention-3's ping-pong) or not (``ahead-ws2``), fresh and paged: each compiles without a
+    spill or a serialized wgmma, and each consumer runs its own key loops with the softmax issued under an MMA."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path / "triton-cache")
+    out = tmp_path / "resources.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "gluon_attention_resources.py"),
+                           "fa3-pp,128,128,2,8", "fa3-pp-paged,128,128,2,8", "ahead-ws2,128,64,2,8",
+                           "--json", str(out)], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = json.loads(out.read_text())
+    assert len(rows) == 3 and not [r for r in rows if "error" in r], rows
+    for r in rows:
+        assert r["stack_bytes"] == 0 and r["fits"] and r["ptx_wgmma"] and not r["serialized"], r
+        # two consumers, an unmasked and a diagonal loop each (the outer dispatch loop of the workers not counted)
+        assert len(r["sass_loops"]) == 4, r
+        assert r["ptx_loops"] and r["ptx_softmax_under_mma"], r
+    ahead = rows[2]
+    assert all(o["ex2_under_mma"] * 4 > o["ex2"] * 3 for o in ahead["sass_loops"]), ahead
+
+
+def test_named_tiles_and_their_checks() -> None:
+    pp = named_tile("fa3-pp")
+    assert (pp.consumers, pp.pingpong, pp.warp_specialize, pp.s_ahead, pp.block_n) == (2, True, True, False, 128)
+    ws2 = named_tile("ahead-ws2")
+    assert (ws2.consumers, ws2.pingpong, ws2.s_ahead, ws2.block_n) == (2, False, True, 64)
+    assert named_tile("fa3") == GluonTile()
+    with pytest.raises(ValueError, match="^schedule: expected one of"):
+        named_tile("ahead-pp")
+    check_tile(128, 128, 2, 8, 128, warp_specialize=True, consumers=2, pingpong=True)
+    with pytest.raises(ValueError, match="^consumers: 2 consumer warpgroups need warp_specialize"):
+        check_tile(128, 128, 2, 8, 128, consumers=2)
+    with pytest.raises(ValueError, match="^consumers: 2 consumer warpgroups need .* block_m 128"):
+        check_tile(64, 128, 2, 8, 128, warp_specialize=True, consumers=2)
+    with pytest.raises(ValueError, match="^consumers: must be 1 or 2"):
+        check_tile(128, 128, 2, 8, 128, warp_specialize=True, consumers=3)
+    with pytest.raises(ValueError, match="^pingpong: the MMAs in turns need 2 consumers"):
+        check_tile(128, 128, 2, 8, 128, warp_specialize=True, pingpong=True)
+    with pytest.raises(ValueError, match="^pingpong: .*s_ahead off"):
+        check_tile(128, 64, 2, 8, 128, warp_specialize=True, consumers=2, pingpong=True, s_ahead=True)
+    assert engine_tiles("fa3") == (ENGINE_TILE, ENGINE_CHUNK_TILE)
+    assert engine_tiles("pingpong") == (pp, pp)
+    assert engine_tiles("two-warpgroups") == (named_tile("fa3-ws2"),) * 2
+    with pytest.raises(ValueError, match="expected one of fa3, pingpong, two-warpgroups"):
+        engine_tiles("ping-pong")
 
 
 def _tensors(d: int = 128) -> dict[str, torch.Tensor]:

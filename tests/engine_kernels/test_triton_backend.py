@@ -1,5 +1,6 @@
 """The Triton attention op against the torch reference op on the same metadata."""
 
+import dataclasses
 import functools
 from typing import Any
 
@@ -10,13 +11,14 @@ from kvfleet.engine.attention import build_attention_metadata, torch_paged_atten
 from kvfleet.engine.attention.fresh_prompts import fresh_long_prompts, long_prefix_chunks
 from kvfleet.engine.attention.metadata import AttentionMetadata
 from kvfleet.engine.attention.triton_backend import (
+    gluon_schedule_choice,
     prefill_cache_extra_stages,
     prefill_kernel_choice,
     triton_paged_attention,
 )
 from kvfleet.engine.kernels import apply_rotary_cos_sin
 from kvfleet.engine.kernels.prefill_attention import prefill_work_pairs
-from kvfleet.engine.kernels.prefill_attention_gluon import gluon_applies
+from kvfleet.engine.kernels.prefill_attention_gluon import GLUON_SCHEDULES, engine_tiles, gluon_applies
 from kvfleet.engine.models.layers import RotaryEmbedding, apply_rotary
 from kvfleet.engine.rope import Rotary
 
@@ -59,6 +61,13 @@ def test_prefill_kernel_choice() -> None:
     assert prefill_kernel_choice("gluon-chunks") == "gluon-chunks"
     with pytest.raises(ValueError, match="KVFLEET_PREFILL_KERNEL"):
         prefill_kernel_choice("v3")
+
+
+def test_gluon_schedule_choice() -> None:
+    assert gluon_schedule_choice("") == "fa3" and gluon_schedule_choice(" pingpong ") == "pingpong"
+    assert gluon_schedule_choice("two-warpgroups") == "two-warpgroups"
+    with pytest.raises(ValueError, match="^KVFLEET_GLUON_SCHEDULE: expected one of fa3, pingpong, two-warpgroups"):
+        gluon_schedule_choice("ping-pong")
 
 
 def test_fresh_long_prompts_and_work_lists_for_them() -> None:
@@ -157,16 +166,21 @@ def _chunk_attention_of(work: torch.Tensor, q: torch.Tensor, kv_cache: torch.Ten
                                 vv.float()).to(out.dtype)
 
 
-def test_gluon_chunks_choice_takes_long_chunks_over_a_cached_prefix(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("schedule", GLUON_SCHEDULES)
+def test_gluon_chunks_choice_takes_long_chunks_over_a_cached_prefix(monkeypatch: pytest.MonkeyPatch,
+                                                                    schedule: str) -> None:
     """KVFLEET_PREFILL_KERNEL=gluon-chunks: the fresh long prompts to the Gluon kernel, the long chunks over a cached
     prefix to its paged form (torch stand-ins for both: no CPU interpreter; `bench/gpu_gluon_engine_check.py` checks
     them on an H200), which reads the chunk's own keys from the cache, rotated as written; the short chunk and
-    the decode row to v2 and the decode kernel. The step equals the torch op."""
+    the decode row to v2 and the decode kernel. The step equals the torch op. Each KVFLEET_GLUON_SCHEDULE hands
+    both kernels its tiles (`engine_tiles`)."""
     fresh_calls: list[torch.Tensor] = []
     chunk_calls: list[torch.Tensor] = []
+    fresh_tile, chunk_tile = engine_tiles(gluon_schedule_choice(schedule))
 
     def gluon_stand_in(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qsl: torch.Tensor, max_query_len: int,
                        scale: float, out: torch.Tensor, work: torch.Tensor, **tile: Any) -> torch.Tensor:
+        assert tile == dataclasses.asdict(fresh_tile)
         fresh_calls.append(work.clone())
         _causal_attention_of(work, q, k, v, qsl, scale, out)
         return out
@@ -174,11 +188,13 @@ def test_gluon_chunks_choice_takes_long_chunks_over_a_cached_prefix(monkeypatch:
     def paged_stand_in(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                        qsl: torch.Tensor, max_query_len: int, scale: float, out: torch.Tensor, work: torch.Tensor,
                        **tile: Any) -> torch.Tensor:
-        assert tile["block_m"] == 128 and tile["warp_specialize"]
+        assert tile == dataclasses.asdict(chunk_tile) and tile["block_m"] == 128 and tile["warp_specialize"]
         chunk_calls.append(work.clone())
         _chunk_attention_of(work, q, kv_cache, block_tables, seq_lens, qsl, scale, out)
         return out
 
+    monkeypatch.setattr(triton_backend, "GLUON_TILE", fresh_tile)
+    monkeypatch.setattr(triton_backend, "GLUON_CHUNK_TILE", chunk_tile)
     monkeypatch.setattr(triton_backend, "PREFILL_KERNEL", "gluon-chunks")
     monkeypatch.setattr(triton_backend, "gluon_applies", lambda q, k, v: True)
     monkeypatch.setattr(triton_backend, "paged_applies", lambda kv_cache, block_n: True)

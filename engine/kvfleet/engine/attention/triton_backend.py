@@ -32,9 +32,9 @@ from kvfleet.engine.kernels.prefill_attention import (
     prefill_work,
     prefill_work_pairs,
 )
-from kvfleet.engine.kernels.prefill_attention_gluon import ENGINE_CHUNK_TILE as GLUON_CHUNK_TILE
-from kvfleet.engine.kernels.prefill_attention_gluon import ENGINE_TILE as GLUON_TILE
 from kvfleet.engine.kernels.prefill_attention_gluon import (
+    GLUON_SCHEDULES,
+    engine_tiles,
     gluon_applies,
     paged_applies,
     prefill_attention_gluon,
@@ -116,8 +116,20 @@ def prefill_cache_extra_stages(raw: str) -> int:
     return extra
 
 
+def gluon_schedule_choice(raw: str) -> str:
+    """KVFLEET_GLUON_SCHEDULE: how the Gluon prefill kernels' warps share a query tile (`engine_tiles`): "fa3"
+    (the default: eight warps in step, FlashAttention-3's order within each warpgroup; fresh prompts without, chunks
+    with a producer warp), "pingpong" (the two warpgroups as two consumers issuing their MMAs in turns, a producer
+    warp; FlashAttention-3's ping-pong) or "two-warpgroups" (the same consumers without the turns)."""
+    choice = raw.strip() or "fa3"
+    if choice not in GLUON_SCHEDULES:
+        raise ValueError(f"KVFLEET_GLUON_SCHEDULE: expected one of {', '.join(GLUON_SCHEDULES)}, got {raw!r}")
+    return choice
+
+
 # Read once: the choice is the process's, like the compiled kernels it selects.
 PREFILL_KERNEL = prefill_kernel_choice(os.environ.get("KVFLEET_PREFILL_KERNEL", ""))
+GLUON_TILE, GLUON_CHUNK_TILE = engine_tiles(gluon_schedule_choice(os.environ.get("KVFLEET_GLUON_SCHEDULE", "")))
 PREFILL_CACHE_EXTRA_STAGES = prefill_cache_extra_stages(os.environ.get("KVFLEET_PREFILL_CACHE_EXTRA_STAGES", ""))
 
 
@@ -298,13 +310,15 @@ def triton_paged_attention(
         g = GLUON_TILE
         prefill_attention_gluon(q, k, v, md.query_start_loc, md.max_query_len, scale, out, work=gluon_work,
                                 block_m=g.block_m, block_n=g.block_n, num_buffers=g.num_buffers,
-                                num_warps=g.num_warps, s_ahead=g.s_ahead, warp_specialize=g.warp_specialize)
+                                num_warps=g.num_warps, s_ahead=g.s_ahead, warp_specialize=g.warp_specialize,
+                                consumers=g.consumers, pingpong=g.pingpong)
     if plan.gluon_chunk_work is not None:   # chunks over a cached prefix: every key from the cache (written above)
         c = GLUON_CHUNK_TILE
         prefill_attention_gluon_paged(q, kv_cache, md.block_tables, md.seq_lens, md.query_start_loc,
                                       md.max_query_len, scale, out, work=plan.gluon_chunk_work, block_m=c.block_m,
                                       block_n=c.block_n, num_buffers=c.num_buffers, num_warps=c.num_warps,
-                                      s_ahead=c.s_ahead, warp_specialize=c.warp_specialize)
+                                      s_ahead=c.s_ahead, warp_specialize=c.warp_specialize,
+                                      consumers=c.consumers, pingpong=c.pingpong)
     if kernel != "v1":
         prefill_attention_v2(*args, skip_decode=mixed, block_m=block_m, block_n=block_n, work=work,
                              num_warps=warps, num_stages=stages, k=k if new_kv else None,

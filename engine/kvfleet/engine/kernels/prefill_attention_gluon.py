@@ -38,8 +38,13 @@ softmax, where FlashAttention-3 lets them drift and even orders them (one's GEMM
 24 registers) issues the TMA refills once the consumer has signalled the slot's "free" mbarrier (where the
 single-partition kernel refills); the kernel's warps only wait for tiles and compute. Gluon's ``mbarrier.arrive``
 is one thread's, so each "free" signal still needs a barrier of the consumer's 8 warps first (3 an iteration
-instead of 4). Not done: per-warpgroup "free" arrivals and FlashAttention-3's ping-pong (named barriers ordering
-the two warpgroups), a persistent grid, head dims other than 64 and 128.
+instead of 4).
+
+``consumers=2`` (with ``warp_specialize``): the two warpgroups as two consumer partitions, 64 query rows each, each
+waiting on its own and arriving on its own at the "free" mbarriers (counts of 2), with barriers of its own four
+warps only: they may drift apart. ``pingpong=True`` orders them as FlashAttention-3 does: the two take turns to
+issue their MMAs (two "turn" mbarriers, `_take_turn`), so one warpgroup's softmax runs while the other's MMAs do.
+Not done: a persistent grid, head dims other than 64 and 128.
 
 ``PAGED`` (`prefill_attention_gluon_paged`): chunks over a cached prefix. Every key comes from the paged cache, by
 descriptors whose box is one cache block: a key tile is ``block_n / block_size`` copies into row slices of its ring
@@ -192,13 +197,32 @@ def _rescale(o, alpha, O_LAYOUT: gl.constexpr):
 
 
 @gluon.jit
-def _step_fa3(q_smem, ring, o, p, m_i, l_i, j, n_tiles, q_pos, src, kv_col, scale_log2, MASKED: gl.constexpr,
-              S_LAYOUT: gl.constexpr, O_LAYOUT: gl.constexpr, P_LAYOUT: gl.constexpr, NUM_BUFFERS: gl.constexpr,
-              WARP_SPEC: gl.constexpr):
+def _take_turn(turns, k, C: gl.constexpr, PINGPONG: gl.constexpr):
+    """PINGPONG: before consumer C issues its MMAs of round k (S_0 is round 0, key tile j's step round j, the last
+    P V round n_tiles), wait for the other consumer's round k - 1 (C = 1: round k) to have been issued. The two
+    warpgroups issue their MMAs in turns, so one's softmax runs while the other's MMAs do (FlashAttention-3's
+    ping-pong). A fresh mbarrier's "previous" phase (parity 1) counts as complete: consumer 0 starts."""
+    if PINGPONG:
+        mbarrier.wait(turns.index(C), (k & 1) ^ (1 - C))
+
+
+@gluon.jit
+def _pass_turn(turns, C: gl.constexpr, PINGPONG: gl.constexpr):
+    """PINGPONG: consumer C has issued this round's MMAs: the other consumer's turn (one arrival)."""
+    if PINGPONG:
+        mbarrier.arrive(turns.index(1 - C))
+
+
+@gluon.jit
+def _step_fa3(q_smem, ring, turns, o, p, m_i, l_i, j, n_tiles, q_pos, src, kv_col, scale_log2,
+              MASKED: gl.constexpr, S_LAYOUT: gl.constexpr, O_LAYOUT: gl.constexpr, P_LAYOUT: gl.constexpr,
+              NUM_BUFFERS: gl.constexpr, WARP_SPEC: gl.constexpr, C: gl.constexpr, PINGPONG: gl.constexpr):
     """FlashAttention-3's iteration j >= 1: S_j and P_{j-1} V_{j-1} issued, softmax(S_j) under the latter."""
     BLOCK_N: gl.constexpr = S_LAYOUT.instr_shape[1]
+    _take_turn(turns, j, C, PINGPONG)
     s = _issue_qk(q_smem, ring, j, S_LAYOUT, NUM_BUFFERS)
     acc = _issue_pv(p, ring, j - 1, o, NUM_BUFFERS)
+    _pass_turn(turns, C, PINGPONG)
     s = warpgroup_mma_wait(1, deps=[s])            # S_j retired (issued first); P_{j-1} V_{j-1} still runs
     _free_k(ring, j, src, kv_col, n_tiles, NUM_BUFFERS, WARP_SPEC)
     p_new, alpha, l_i, m_i = _softmax(s, m_i, l_i, j * BLOCK_N, q_pos, scale_log2, MASKED, S_LAYOUT)
@@ -241,8 +265,9 @@ def _step_ahead(q_smem, ring, s, o, p, m_i, l_i, j, n_tiles, q_pos, src, kv_col,
 
 
 @gluon.jit
-def _attend_fa3(q_smem, ring, s, q_pos, n_full, n_tiles, src, kv_col, scale_log2, S_LAYOUT: gl.constexpr,
-                O_LAYOUT: gl.constexpr, P_LAYOUT: gl.constexpr, NUM_BUFFERS: gl.constexpr, WARP_SPEC: gl.constexpr):
+def _attend_fa3(q_smem, ring, turns, s, q_pos, n_full, n_tiles, src, kv_col, scale_log2, S_LAYOUT: gl.constexpr,
+                O_LAYOUT: gl.constexpr, P_LAYOUT: gl.constexpr, NUM_BUFFERS: gl.constexpr, WARP_SPEC: gl.constexpr,
+                C: gl.constexpr, PINGPONG: gl.constexpr):
     """The key loop in FlashAttention-3's order, from S_0 (retired): -> (O unnormalized, l)."""
     BLOCK_M: gl.constexpr = q_smem.shape[0]
     HEAD_DIM: gl.constexpr = O_LAYOUT.instr_shape[1]
@@ -254,12 +279,16 @@ def _attend_fa3(q_smem, ring, s, q_pos, n_full, n_tiles, src, kv_col, scale_log2
     p = _a_operand(p, P_LAYOUT, q_smem.dtype)
     first_masked = gl.maximum(n_full, 1)
     for j in range(1, first_masked):
-        o, p, m_i, l_i = _step_fa3(q_smem, ring, o, p, m_i, l_i, j, n_tiles, q_pos, src, kv_col, scale_log2,
-                                   False, S_LAYOUT, O_LAYOUT, P_LAYOUT, NUM_BUFFERS, WARP_SPEC)
+        o, p, m_i, l_i = _step_fa3(q_smem, ring, turns, o, p, m_i, l_i, j, n_tiles, q_pos, src, kv_col,
+                                   scale_log2, False, S_LAYOUT, O_LAYOUT, P_LAYOUT, NUM_BUFFERS, WARP_SPEC, C,
+                                   PINGPONG)
     for j in range(first_masked, n_tiles):
-        o, p, m_i, l_i = _step_fa3(q_smem, ring, o, p, m_i, l_i, j, n_tiles, q_pos, src, kv_col, scale_log2,
-                                   True, S_LAYOUT, O_LAYOUT, P_LAYOUT, NUM_BUFFERS, WARP_SPEC)
+        o, p, m_i, l_i = _step_fa3(q_smem, ring, turns, o, p, m_i, l_i, j, n_tiles, q_pos, src, kv_col,
+                                   scale_log2, True, S_LAYOUT, O_LAYOUT, P_LAYOUT, NUM_BUFFERS, WARP_SPEC, C,
+                                   PINGPONG)
+    _take_turn(turns, n_tiles, C, PINGPONG)
     acc = _issue_pv(p, ring, n_tiles - 1, o, NUM_BUFFERS)
+    _pass_turn(turns, C, PINGPONG)
     o, p = warpgroup_mma_wait(0, deps=[acc, p])
     return o, l_i
 
@@ -301,24 +330,31 @@ def _attend_ahead(q_smem, ring, s, q_pos, n_full, n_tiles, src, kv_col, scale_lo
 
 
 @gluon.jit
-def _consume(q_smem, q_bar, ring, src, out_ptr, h, q_start, q_len, q_first, cached, n_full, n_tiles, kv_col,
+def _consume(q_smem, q_bar, ring, turns, src, out_ptr, h, q_start, q_len, q_first, cached, n_tiles, kv_col,
              scale_log2, stride_ot, stride_oh, S_AHEAD: gl.constexpr, S_LAYOUT: gl.constexpr, O_LAYOUT: gl.constexpr,
-             P_LAYOUT: gl.constexpr, OUT_LAYOUT: gl.constexpr, NUM_BUFFERS: gl.constexpr, WARP_SPEC: gl.constexpr):
+             P_LAYOUT: gl.constexpr, OUT_LAYOUT: gl.constexpr, NUM_BUFFERS: gl.constexpr, WARP_SPEC: gl.constexpr,
+             C: gl.constexpr, PINGPONG: gl.constexpr):
     """The MMA and softmax warps: every key tile of the query tile, then the normalized rows into ``out``. A query
-    row's position is ``cached`` (the keys before the chunk) plus its row in the chunk."""
+    row's position is ``cached`` (the keys before the chunk) plus its row in the chunk. ``q_smem``/``q_first``:
+    this consumer's rows (all the query tile's, or with two consumers its half); every consumer of a query tile
+    runs all ``n_tiles`` key tiles (the tile's), so each frees each K/V slot once and takes every turn."""
     BLOCK_M: gl.constexpr = q_smem.shape[0]
+    BLOCK_N: gl.constexpr = S_LAYOUT.instr_shape[1]
     HEAD_DIM: gl.constexpr = O_LAYOUT.instr_shape[1]
+    n_full = (cached + q_first) // BLOCK_N     # key tiles every row of this consumer sees whole
     q_pos = cached + q_first + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, S_LAYOUT))
     mbarrier.wait(q_bar, 0)
+    _take_turn(turns, 0, C, PINGPONG)
     s = _issue_qk(q_smem, ring, 0, S_LAYOUT, NUM_BUFFERS)
+    _pass_turn(turns, C, PINGPONG)
     s = warpgroup_mma_wait(0, deps=[s])
     _free_k(ring, 0, src, kv_col, n_tiles, NUM_BUFFERS, WARP_SPEC)
     if S_AHEAD:
         o, l_i = _attend_ahead(q_smem, ring, s, q_pos, n_full, n_tiles, src, kv_col, scale_log2, S_LAYOUT,
                                O_LAYOUT, P_LAYOUT, NUM_BUFFERS, WARP_SPEC)
     else:
-        o, l_i = _attend_fa3(q_smem, ring, s, q_pos, n_full, n_tiles, src, kv_col, scale_log2, S_LAYOUT,
-                             O_LAYOUT, P_LAYOUT, NUM_BUFFERS, WARP_SPEC)
+        o, l_i = _attend_fa3(q_smem, ring, turns, s, q_pos, n_full, n_tiles, src, kv_col, scale_log2, S_LAYOUT,
+                             O_LAYOUT, P_LAYOUT, NUM_BUFFERS, WARP_SPEC, C, PINGPONG)
     # l_i >= 1: the row's maximum contributes exp2(0)
     o = o / gl.convert_layout(l_i, gl.SliceLayout(1, O_LAYOUT))[:, None]
     out = gl.convert_layout(o.to(q_smem.dtype), OUT_LAYOUT)   # 16-byte stores along D
@@ -348,13 +384,16 @@ def _prefill_gluon_kernel(
     scale_log2, batch, num_tiles, stride_ot, stride_oh, stride_table,
     HQ: gl.constexpr, G: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     NUM_BUFFERS: gl.constexpr, USE_WORK: gl.constexpr, S_AHEAD: gl.constexpr, WARP_SPEC: gl.constexpr,
-    PAGED: gl.constexpr, S_LAYOUT: gl.constexpr, O_LAYOUT: gl.constexpr, P_LAYOUT: gl.constexpr,
-    OUT_LAYOUT: gl.constexpr,
+    PAGED: gl.constexpr, CONSUMERS: gl.constexpr, PINGPONG: gl.constexpr, S_LAYOUT: gl.constexpr,
+    O_LAYOUT: gl.constexpr, P_LAYOUT: gl.constexpr, OUT_LAYOUT: gl.constexpr,
 ):
     """One (prompt, query tile) pair for one query head. ``PAGED``: every key of the sequence (its cached prefix and
     the chunk's own, written there before) from the paged cache, by k/v descriptors over it with one-page boxes
     (``table_ptr``: the block tables, ``seq_lens_ptr``: the sequences' lengths); otherwise a fresh prompt's keys
-    from the step's k/v (``table_ptr``/``seq_lens_ptr`` unused)."""
+    from the step's k/v (``table_ptr``/``seq_lens_ptr`` unused). ``CONSUMERS`` 2 (with ``WARP_SPEC``): the
+    kernel's warps (one warpgroup) attend for the query tile's first half of the rows, a worker partition of four
+    warps for the second half (the layouts are one warpgroup's), each waiting and freeing on its own; with
+    ``PINGPONG`` they issue their MMAs in turns (`_take_turn`)."""
     pid = gl.program_id(0)
     h = pid % HQ          # query head fastest: programs sharing K/V tiles run together (L2)
     w = pid // HQ
@@ -379,7 +418,6 @@ def _prefill_gluon_kernel(
         src = (q_start, table_ptr, 0)
     end_n = cached + gl.minimum(q_len, q_first + BLOCK_M)   # one past the tile's last key
     n_tiles = gl.cdiv(end_n, BLOCK_N)
-    n_full = (cached + q_first) // BLOCK_N                  # key tiles every row of the query tile sees whole
     kv_col = (h // G) * HEAD_DIM
     dtype: gl.constexpr = q_desc.dtype
 
@@ -392,12 +430,15 @@ def _prefill_gluon_kernel(
     v_ready = gl.allocate_shared_memory(gl.int64, [NUM_BUFFERS, 1], mbarrier.MBarrierLayout())
     k_empty = gl.allocate_shared_memory(gl.int64, [NUM_BUFFERS, 1], mbarrier.MBarrierLayout())
     v_empty = gl.allocate_shared_memory(gl.int64, [NUM_BUFFERS, 1], mbarrier.MBarrierLayout())
+    turns = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     mbarrier.init(q_bar, count=1)
     for i in gl.static_range(NUM_BUFFERS):
         mbarrier.init(k_ready.index(i), count=1)
         mbarrier.init(v_ready.index(i), count=1)
-        mbarrier.init(k_empty.index(i), count=1)
-        mbarrier.init(v_empty.index(i), count=1)
+        mbarrier.init(k_empty.index(i), count=CONSUMERS)   # a slot is free once every consumer is done with it
+        mbarrier.init(v_empty.index(i), count=CONSUMERS)
+    mbarrier.init(turns.index(0), count=1)
+    mbarrier.init(turns.index(1), count=1)
     fence_async_shared()   # the barriers' initialization before the TMA unit signals them
 
     mbarrier.expect(q_bar, q_desc.block_type.nbytes)
@@ -406,18 +447,31 @@ def _prefill_gluon_kernel(
         _load_tile(k_desc, k_bufs, k_ready, i, src, kv_col, i < n_tiles, NUM_BUFFERS)
         _load_tile(v_desc, v_bufs, v_ready, i, src, kv_col, i < n_tiles, NUM_BUFFERS)
     ring = (k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty)
-    if WARP_SPEC:
+    if CONSUMERS == 2:
+        # a warpgroup for each half of the query rows (the default partition and a worker of four warps, 240
+        # registers each), one producer warp (24) issuing the refills
+        HALF: gl.constexpr = BLOCK_M // 2
+        gl.warp_specialize([
+            (_consume, (q_smem.slice(0, HALF), q_bar, ring, turns, src, out_ptr, h, q_start, q_len, q_first, cached,
+                        n_tiles, kv_col, scale_log2, stride_ot, stride_oh, S_AHEAD, S_LAYOUT, O_LAYOUT, P_LAYOUT,
+                        OUT_LAYOUT, NUM_BUFFERS, True, 0, PINGPONG)),
+            (_consume, (q_smem.slice(HALF, HALF), q_bar, ring, turns, src, out_ptr, h, q_start, q_len,
+                        q_first + HALF, cached, n_tiles, kv_col, scale_log2, stride_ot, stride_oh, S_AHEAD, S_LAYOUT,
+                        O_LAYOUT, P_LAYOUT, OUT_LAYOUT, NUM_BUFFERS, True, 1, PINGPONG)),
+            (_produce, (ring, src, kv_col, n_tiles, NUM_BUFFERS)),
+        ], [4, 1], [240, 24])
+    elif WARP_SPEC:
         # one producer warp (24 registers) issues the refills; the kernel's warps (the default partition) consume
         gl.warp_specialize([
-            (_consume, (q_smem, q_bar, ring, src, out_ptr, h, q_start, q_len, q_first, cached, n_full, n_tiles,
+            (_consume, (q_smem, q_bar, ring, turns, src, out_ptr, h, q_start, q_len, q_first, cached, n_tiles,
                         kv_col, scale_log2, stride_ot, stride_oh, S_AHEAD, S_LAYOUT, O_LAYOUT, P_LAYOUT, OUT_LAYOUT,
-                        NUM_BUFFERS, True)),
+                        NUM_BUFFERS, True, 0, False)),
             (_produce, (ring, src, kv_col, n_tiles, NUM_BUFFERS)),
         ], [1], [24])
     else:
-        _consume(q_smem, q_bar, ring, src, out_ptr, h, q_start, q_len, q_first, cached, n_full, n_tiles, kv_col,
+        _consume(q_smem, q_bar, ring, turns, src, out_ptr, h, q_start, q_len, q_first, cached, n_tiles, kv_col,
                  scale_log2, stride_ot, stride_oh, S_AHEAD, S_LAYOUT, O_LAYOUT, P_LAYOUT, OUT_LAYOUT, NUM_BUFFERS,
-                 False)
+                 False, 0, False)
 
 
 # ---------------------------------------------------------------------------------------------------------- host
@@ -463,8 +517,15 @@ def _hopper(device_index: int) -> bool:
 
 
 def check_tile(block_m: int, block_n: int, num_buffers: int, num_warps: int, head_dim: int,
-               warp_specialize: bool = False) -> None:
+               warp_specialize: bool = False, consumers: int = 1, pingpong: bool = False,
+               s_ahead: bool = False) -> None:
     """ValueError naming the tile argument the kernel does not support."""
+    if consumers not in (1, 2):
+        fail("consumers", f"must be 1 or 2, got {consumers}")
+    if consumers == 2 and not (warp_specialize and num_warps == 8 and block_m == 128):
+        fail("consumers", "2 consumer warpgroups need warp_specialize, num_warps 8 and block_m 128 (64 rows each)")
+    if pingpong and (consumers != 2 or s_ahead):
+        fail("pingpong", "the MMAs in turns need 2 consumers in FlashAttention-3's order (s_ahead off)")
     if num_warps not in (4, 8):
         fail("num_warps", f"must be 4 or 8 (one or two warpgroups), got {num_warps}")
     if block_m not in (64, 128) or block_m < 16 * num_warps:
@@ -489,6 +550,25 @@ class GluonTile:
     num_warps: int = 8
     s_ahead: bool = False
     warp_specialize: bool = False
+    consumers: int = 1
+    pingpong: bool = False
+
+
+# The variants' names in the benchmarks (`named_tile`): the key loop's order, then how the warps share the work.
+SCHEDULE_NAMES = ("fa3", "ahead", "fa3-ws", "ahead-ws", "fa3-ws2", "ahead-ws2", "fa3-pp")
+
+
+def named_tile(schedule: str, block_m: int = 128, block_n: int | None = None, num_buffers: int = 2,
+               num_warps: int = 8) -> GluonTile:
+    """A `SCHEDULE_NAMES` variant as a tile: "fa3" or "ahead" (``s_ahead``), alone (the warps in step), "-ws" (a
+    producer warp), "-ws2" (that and two consumer warpgroups) or "-pp" (two consumers taking turns)."""
+    if schedule not in SCHEDULE_NAMES:
+        raise ValueError(f"schedule: expected one of {', '.join(SCHEDULE_NAMES)}, got {schedule!r}")
+    order, _, sharing = schedule.partition("-")
+    s_ahead = order == "ahead"
+    return GluonTile(block_m=block_m, block_n=default_block_n(s_ahead) if block_n is None else block_n,
+                     num_buffers=num_buffers, num_warps=num_warps, s_ahead=s_ahead, warp_specialize=bool(sharing),
+                     consumers=2 if sharing in ("ws2", "pp") else 1, pingpong=sharing == "pp")
 
 
 # What the engine runs (KVFLEET_PREFILL_KERNEL=gluon): FlashAttention-3's order at 128 x 128 with two buffers, the
@@ -500,6 +580,24 @@ ENGINE_TILE = GluonTile()
 # single-partition form puts ~18 CTA barriers an iteration around them and no exponential under an MMA; warp-
 # specialized it compiles to the fresh kernel's consumer: `bench/gluon_attention_resources.py`). Not measured yet.
 ENGINE_CHUNK_TILE = GluonTile(warp_specialize=True)
+# FlashAttention-3's ping-pong (KVFLEET_GLUON_SCHEDULE=pingpong; not measured yet): a producer warp, and the two
+# warpgroups as two consumer partitions of 64 query rows each, waiting and freeing on their own and issuing their
+# MMAs in turns (one's softmax under the other's MMAs); "two-warpgroups" is the same without the turns.
+PINGPONG_TILE = GluonTile(warp_specialize=True, consumers=2, pingpong=True)
+TWO_WARPGROUPS_TILE = GluonTile(warp_specialize=True, consumers=2)
+GLUON_SCHEDULES = ("fa3", "pingpong", "two-warpgroups")
+
+
+def engine_tiles(schedule: str) -> tuple[GluonTile, GluonTile]:
+    """The tiles the engine runs on fresh prompts and on chunks over a cached prefix for a ``GLUON_SCHEDULES``
+    choice: "fa3" (`ENGINE_TILE`, `ENGINE_CHUNK_TILE`), "pingpong" or "two-warpgroups" (that tile for both)."""
+    if schedule == "fa3":
+        return ENGINE_TILE, ENGINE_CHUNK_TILE
+    if schedule == "pingpong":
+        return PINGPONG_TILE, PINGPONG_TILE
+    if schedule == "two-warpgroups":
+        return TWO_WARPGROUPS_TILE, TWO_WARPGROUPS_TILE
+    raise ValueError(f"expected one of {', '.join(GLUON_SCHEDULES)}, got {schedule!r}")
 
 
 def gluon_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
@@ -584,6 +682,8 @@ def prefill_attention_gluon(
     num_warps: int = 8,
     s_ahead: bool = False,
     warp_specialize: bool = False,
+    consumers: int = 1,
+    pingpong: bool = False,
 ) -> torch.Tensor:
     """Causal attention of fresh prompts into ``out`` ``[T, Hq, D]``: prompt b's rows ``query_start_loc[b] ..
     query_start_loc[b + 1]`` of ``q`` ``[T, Hq, D]`` attend to the same rows of ``k``/``v`` ``[T, Hkv, D]`` (no
@@ -592,10 +692,11 @@ def prefill_attention_gluon(
     list (heaviest first); without it the grid covers every (tile, prompt) pair, the last tiles first.
     ``s_ahead``: the schedule issuing tile j+1's ``Q K^T`` before tile j's softmax (module docstring);
     ``block_n`` None: 128 keys a tile, 64 with ``s_ahead``. ``warp_specialize``: a producer warp issues the K/V
-    refills (``gl.warp_specialize``), the ``num_warps`` warps only wait for tiles and compute."""
+    refills (``gl.warp_specialize``), the ``num_warps`` warps only wait for tiles and compute. ``consumers`` 2:
+    those warps as two partitions of a warpgroup, 64 query rows each; ``pingpong``: issuing their MMAs in turns."""
     t, hq, hkv, d = _check_args(q, k, v, query_start_loc, out)
     block_n = default_block_n(s_ahead) if block_n is None else block_n
-    check_tile(block_m, block_n, num_buffers, num_warps, d, warp_specialize)
+    check_tile(block_m, block_n, num_buffers, num_warps, d, warp_specialize, consumers, pingpong, s_ahead)
     if not (max_query_len >= 0):
         fail("max_query_len", "must be >= 0")
     batch = query_start_loc.shape[0] - 1
@@ -616,9 +717,9 @@ def prefill_attention_gluon(
         query_start_loc, query_start_loc,   # no block tables, no sequence lengths: fresh prompts
         scale * LOG2E, batch, num_tiles, out.stride(0), out.stride(1), 0,
         HQ=hq, G=hq // hkv, HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n, NUM_BUFFERS=num_buffers,
-        USE_WORK=work is not None, S_AHEAD=s_ahead, WARP_SPEC=warp_specialize, PAGED=False,
-        **kernel_layouts(block_m, block_n, d, num_warps),
-        num_warps=num_warps,
+        USE_WORK=work is not None, S_AHEAD=s_ahead, WARP_SPEC=warp_specialize, PAGED=False, CONSUMERS=consumers,
+        PINGPONG=pingpong, **kernel_layouts(block_m // consumers, block_n, d, num_warps // consumers),
+        num_warps=num_warps // consumers,
     )
     return out
 
@@ -666,6 +767,8 @@ def prefill_attention_gluon_paged(
     num_warps: int = 8,
     s_ahead: bool = False,
     warp_specialize: bool = False,
+    consumers: int = 1,
+    pingpong: bool = False,
 ) -> torch.Tensor:
     """Causal attention of chunks over a cached prefix into ``out`` ``[T, Hq, D]``: sequence b's query rows
     ``query_start_loc[b] .. query_start_loc[b + 1]`` of ``q`` (its last tokens: positions ``seq_lens[b] - q_len``
@@ -674,7 +777,7 @@ def prefill_attention_gluon_paged(
     cache block into the key tile's rows: blocks of 16 tokens, 8 copies a 128-key tile, and a block-table load
     for each (``warp_specialize``: a producer warp issues them, off the softmax warps' path). ``work``: the
     (sequence, query tile) pairs to attend for, `prefill_work(qsl, block_m, False, device, seq_lens, only=...)`;
-    the others' rows are not written."""
+    the others' rows are not written. ``consumers``/``pingpong``: as `prefill_attention_gluon`'s."""
     bs, hkv, d, hq, batch = check_paged_attention_args(q, out, kv_cache, block_tables, seq_lens, query_start_loc)
     t = _check_q(q)[0]
     _check_device(q)
@@ -682,7 +785,7 @@ def prefill_attention_gluon_paged(
     if block_tables.shape[0] != batch or block_tables.stride(1) != 1:
         fail("block_tables", f"expected [{batch}, max_blocks] rows of unit stride, got {tuple(block_tables.shape)} "
                              f"strides {block_tables.stride()}")
-    check_tile(block_m, block_n, num_buffers, num_warps, d, warp_specialize)
+    check_tile(block_m, block_n, num_buffers, num_warps, d, warp_specialize, consumers, pingpong, s_ahead)
     if t == 0 or batch == 0 or max_query_len == 0 or check_prefill_work(work, q.device) == 0:
         return out
     q_desc = TensorDescriptor(q, [t, hq * d], [q.stride(0), 1], [block_m, d], smem_layout(block_m, d, q.dtype))
@@ -696,8 +799,8 @@ def prefill_attention_gluon_paged(
         scale * LOG2E, batch, triton.cdiv(max_query_len, block_m), out.stride(0), out.stride(1),
         block_tables.stride(0),
         HQ=hq, G=hq // hkv, HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n, NUM_BUFFERS=num_buffers,
-        USE_WORK=True, S_AHEAD=s_ahead, WARP_SPEC=warp_specialize, PAGED=True,
-        **kernel_layouts(block_m, block_n, d, num_warps),
-        num_warps=num_warps,
+        USE_WORK=True, S_AHEAD=s_ahead, WARP_SPEC=warp_specialize, PAGED=True, CONSUMERS=consumers,
+        PINGPONG=pingpong, **kernel_layouts(block_m // consumers, block_n, d, num_warps // consumers),
+        num_warps=num_warps // consumers,
     )
     return out
