@@ -110,7 +110,7 @@ def test_named_tiles_and_their_checks() -> None:
     assert engine_tiles("fa3") == (ENGINE_TILE, ENGINE_CHUNK_TILE)
     assert engine_tiles("pingpong") == (pp, pp)
     assert engine_tiles("two-warpgroups") == (named_tile("fa3-ws2"),) * 2
-    with pytest.raises(ValueError, match="expected one of fa3, pingpong, two-warpgroups"):
+    with pytest.raises(ValueError, match="expected one of two-warpgroups, pingpong, fa3"):
         engine_tiles("ping-pong")
 
 

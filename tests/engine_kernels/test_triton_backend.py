@@ -64,9 +64,9 @@ def test_prefill_kernel_choice() -> None:
 
 
 def test_gluon_schedule_choice() -> None:
-    assert gluon_schedule_choice("") == "fa3" and gluon_schedule_choice(" pingpong ") == "pingpong"
-    assert gluon_schedule_choice("two-warpgroups") == "two-warpgroups"
-    with pytest.raises(ValueError, match="^KVFLEET_GLUON_SCHEDULE: expected one of fa3, pingpong, two-warpgroups"):
+    assert gluon_schedule_choice("") == "two-warpgroups" and gluon_schedule_choice(" pingpong ") == "pingpong"
+    assert gluon_schedule_choice("fa3") == "fa3"
+    with pytest.raises(ValueError, match="^KVFLEET_GLUON_SCHEDULE: expected one of two-warpgroups, pingpong, fa3"):
         gluon_schedule_choice("ping-pong")
 
 

@@ -34,7 +34,7 @@ mbarrier, so Triton's shared-memory hazard analysis puts CTA barriers (``bar.syn
 around each refill's TMA and before the barrier waits: the two warpgroups run in lock step, softmax beside
 softmax, where FlashAttention-3 lets them drift and even orders them (one's GEMMs under the other's softmax).
 
-``warp_specialize=True`` (a second variant, compiled but not yet run): one producer warp (``gl.warp_specialize``,
+``warp_specialize=True``: one producer warp (``gl.warp_specialize``,
 24 registers) issues the TMA refills once the consumer has signalled the slot's "free" mbarrier (where the
 single-partition kernel refills); the kernel's warps only wait for tiles and compute. Gluon's ``mbarrier.arrive``
 is one thread's, so each "free" signal still needs a barrier of the consumer's 8 warps first (3 an iteration
@@ -44,7 +44,8 @@ instead of 4).
 waiting on its own and arriving on its own at the "free" mbarriers (counts of 2), with barriers of its own four
 warps only: they may drift apart. ``pingpong=True`` orders them as FlashAttention-3 does: the two take turns to
 issue their MMAs (two "turn" mbarriers, `_take_turn`), so one warpgroup's softmax runs while the other's MMAs do.
-Not done: a persistent grid, head dims other than 64 and 128.
+On an H100 the free pair is the fastest (`TWO_WARPGROUPS_TILE`, the engine's default). Not done: a persistent grid,
+head dims other than 64 and 128.
 
 ``PAGED`` (`prefill_attention_gluon_paged`): chunks over a cached prefix. Every key comes from the paged cache, by
 descriptors whose box is one cache block: a key tile is ``block_n / block_size`` copies into row slices of its ring
@@ -571,26 +572,27 @@ def named_tile(schedule: str, block_m: int = 128, block_n: int | None = None, nu
                      consumers=2 if sharing in ("ws2", "pp") else 1, pingpong=sharing == "pp")
 
 
-# What the engine runs (KVFLEET_PREFILL_KERNEL=gluon): FlashAttention-3's order at 128 x 128 with two buffers, the
-# H200's best at 1 x 8192 (509 TFLOP/s against v2's 459; warp-specialized 503) and 379 at 2 x 4096 (v2 342,
-# warp-specialized 398): issue 16, lease 12.
+# KVFLEET_GLUON_SCHEDULE=fa3: FlashAttention-3's order at 128 x 128 with two buffers, the eight warps in step: the
+# H200's best at 1 x 8192 in lease 12 (509 TFLOP/s against v2's 459; warp-specialized 503) and 379 at 2 x 4096 (v2
+# 342, warp-specialized 398). On chunks over a cached prefix the same tile with a producer warp issuing the K/V
+# copies, eight a tile from 16-token blocks, and their block-table loads (single-partition, sm_90 puts ~18 CTA
+# barriers an iteration around them: `bench/gluon_attention_resources.py`).
 ENGINE_TILE = GluonTile()
-# What the engine runs on chunks over a cached prefix (KVFLEET_PREFILL_KERNEL=gluon-chunks): the same tile, with a
-# producer warp issuing the K/V copies, eight a tile from 16-token blocks, and their block-table loads (on sm_90 the
-# single-partition form puts ~18 CTA barriers an iteration around them and no exponential under an MMA; warp-
-# specialized it compiles to the fresh kernel's consumer: `bench/gluon_attention_resources.py`). Not measured yet.
 ENGINE_CHUNK_TILE = GluonTile(warp_specialize=True)
-# FlashAttention-3's ping-pong (KVFLEET_GLUON_SCHEDULE=pingpong; not measured yet): a producer warp, and the two
-# warpgroups as two consumer partitions of 64 query rows each, waiting and freeing on their own and issuing their
-# MMAs in turns (one's softmax under the other's MMAs); "two-warpgroups" is the same without the turns.
-PINGPONG_TILE = GluonTile(warp_specialize=True, consumers=2, pingpong=True)
+# The default (KVFLEET_GLUON_SCHEDULE=two-warpgroups): a producer warp and the two warpgroups as two consumer
+# partitions of 64 query rows each, waiting and freeing on their own. On an H100 (issue 16, lease 19) 588 TFLOP/s at
+# 1 x 8192 against fa3's 506, 488 against 424 at 2 x 4096, 240 against 225 at 8 x 1024; paged, 488 against 433 on a
+# 2k chunk over 6k cached keys and 410 against 391 on 16 x 384 over a 2k prefix; end to end long prompts 602-604
+# against 593-594 output tok/s in three pairs. "pingpong" issues the two consumers' MMAs in turns (FlashAttention-3's
+# ping-pong): 534 / 475 fresh, 486 / 432 paged, level with two-warpgroups end to end.
 TWO_WARPGROUPS_TILE = GluonTile(warp_specialize=True, consumers=2)
-GLUON_SCHEDULES = ("fa3", "pingpong", "two-warpgroups")
+PINGPONG_TILE = GluonTile(warp_specialize=True, consumers=2, pingpong=True)
+GLUON_SCHEDULES = ("two-warpgroups", "pingpong", "fa3")
 
 
 def engine_tiles(schedule: str) -> tuple[GluonTile, GluonTile]:
     """The tiles the engine runs on fresh prompts and on chunks over a cached prefix for a ``GLUON_SCHEDULES``
-    choice: "fa3" (`ENGINE_TILE`, `ENGINE_CHUNK_TILE`), "pingpong" or "two-warpgroups" (that tile for both)."""
+    choice: "fa3" (`ENGINE_TILE`, `ENGINE_CHUNK_TILE`), "two-warpgroups" or "pingpong" (that tile for both)."""
     if schedule == "fa3":
         return ENGINE_TILE, ENGINE_CHUNK_TILE
     if schedule == "pingpong":
