@@ -11,6 +11,7 @@ from kvfleet.engine.attention import build_attention_metadata, torch_paged_atten
 from kvfleet.engine.attention.fresh_prompts import fresh_long_prompts, long_prefix_chunks
 from kvfleet.engine.attention.metadata import AttentionMetadata
 from kvfleet.engine.attention.triton_backend import (
+    gluon_min_query_tokens,
     gluon_schedule_choice,
     prefill_cache_extra_stages,
     prefill_kernel_choice,
@@ -61,6 +62,13 @@ def test_prefill_kernel_choice() -> None:
     assert prefill_kernel_choice("gluon-chunks") == "gluon-chunks"
     with pytest.raises(ValueError, match="KVFLEET_PREFILL_KERNEL"):
         prefill_kernel_choice("v3")
+
+
+def test_gluon_min_query_tokens() -> None:
+    assert gluon_min_query_tokens("") == 2048 and gluon_min_query_tokens(" 1024 ") == 1024
+    for bad in ("64", "1k"):
+        with pytest.raises(ValueError, match="^KVFLEET_GLUON_MIN_QUERY_TOKENS: expected an integer >= 128"):
+            gluon_min_query_tokens(bad)
 
 
 def test_gluon_schedule_choice() -> None:
@@ -138,7 +146,7 @@ def test_gluon_choice_takes_fresh_long_prompts_and_v2_the_rest(rotary: str, monk
     monkeypatch.setattr(triton_backend, "PREFILL_KERNEL", "gluon")
     monkeypatch.setattr(triton_backend, "gluon_applies", lambda q, k, v: True)
     monkeypatch.setattr(triton_backend, "prefill_attention_gluon", gluon_stand_in)
-    monkeypatch.setattr(triton_backend, "fresh_long_prompts", functools.partial(fresh_long_prompts, min_tokens=16))
+    monkeypatch.setattr(triton_backend, "GLUON_MIN_QUERY", 16)
     monkeypatch.setattr(triton_backend, "FUSED_ROTARY_CACHE", rotary == "fused")
     # v2 reads the fresh keys through the cache here, so only the Gluon kernel needs k rotated in place
     monkeypatch.setattr(triton_backend, "tma_applies", lambda k, v, block_n: False)
@@ -200,7 +208,7 @@ def test_gluon_chunks_choice_takes_long_chunks_over_a_cached_prefix(monkeypatch:
     monkeypatch.setattr(triton_backend, "paged_applies", lambda kv_cache, block_n: True)
     monkeypatch.setattr(triton_backend, "prefill_attention_gluon", gluon_stand_in)
     monkeypatch.setattr(triton_backend, "prefill_attention_gluon_paged", paged_stand_in)
-    monkeypatch.setattr(triton_backend, "fresh_long_prompts", functools.partial(fresh_long_prompts, min_tokens=16))
+    monkeypatch.setattr(triton_backend, "GLUON_MIN_QUERY", 16)
     monkeypatch.setattr(triton_backend, "long_prefix_chunks",
                         functools.partial(long_prefix_chunks, min_query=16, min_keys=40))
     monkeypatch.setattr(triton_backend, "FUSED_ROTARY_CACHE", True)

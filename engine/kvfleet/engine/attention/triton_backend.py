@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from kvfleet.engine.attention import shared_prefix as sp
-from kvfleet.engine.attention.fresh_prompts import fresh_long_prompts, long_prefix_chunks
+from kvfleet.engine.attention.fresh_prompts import GLUON_MIN_QUERY_TOKENS, fresh_long_prompts, long_prefix_chunks
 from kvfleet.engine.attention.metadata import AttentionMetadata
 from kvfleet.engine.kernels.paged_decode import SharedPrefixArgs, choose_decode_split, paged_decode_attention
 from kvfleet.engine.kernels.prefill_attention import (
@@ -128,8 +128,22 @@ def gluon_schedule_choice(raw: str) -> str:
     return choice
 
 
+def gluon_min_query_tokens(raw: str) -> int:
+    """KVFLEET_GLUON_MIN_QUERY_TOKENS: the shortest fresh prompt the Gluon kernel takes (`fresh_long_prompts`;
+    default `GLUON_MIN_QUERY_TOKENS`, 2,048). With two consumer warpgroups it ran 8 x 1,024 tokens at 240 TFLOP/s
+    against v2's 220 on an H100 (issue 16, lease 19): 1,024 is the A/B for the 1k-prompt rows."""
+    try:
+        tokens = int(raw.strip() or str(GLUON_MIN_QUERY_TOKENS))
+    except ValueError as e:
+        raise ValueError(f"KVFLEET_GLUON_MIN_QUERY_TOKENS: expected an integer >= 128, got {raw!r}") from e
+    if tokens < 128:
+        raise ValueError(f"KVFLEET_GLUON_MIN_QUERY_TOKENS: expected an integer >= 128, got {raw!r}")
+    return tokens
+
+
 # Read once: the choice is the process's, like the compiled kernels it selects.
 PREFILL_KERNEL = prefill_kernel_choice(os.environ.get("KVFLEET_PREFILL_KERNEL", ""))
+GLUON_MIN_QUERY = gluon_min_query_tokens(os.environ.get("KVFLEET_GLUON_MIN_QUERY_TOKENS", ""))
 GLUON_TILE, GLUON_CHUNK_TILE = engine_tiles(gluon_schedule_choice(os.environ.get("KVFLEET_GLUON_SCHEDULE", "")))
 PREFILL_CACHE_EXTRA_STAGES = prefill_cache_extra_stages(os.environ.get("KVFLEET_PREFILL_CACHE_EXTRA_STAGES", ""))
 
@@ -181,7 +195,7 @@ def _prefill_plan(md: AttentionMetadata, q: torch.Tensor, k: torch.Tensor, v: to
     seq_lens = md.seq_lens_cpu if kernel != "v1" else None   # v2 takes its work heaviest first (key counts)
     gluon_work, chunk_work, rest = None, None, None
     if gluon_ok:
-        fresh = fresh_long_prompts(qsl, md.seq_lens_cpu)
+        fresh = fresh_long_prompts(qsl, md.seq_lens_cpu, GLUON_MIN_QUERY)
         chunks = long_prefix_chunks(qsl, md.seq_lens_cpu) if chunks_ok else [False] * len(fresh)
         if any(fresh):
             gluon_work = prefill_work(qsl, GLUON_TILE.block_m, False, device, md.seq_lens_cpu, only=fresh)
