@@ -124,8 +124,8 @@ setting_env() { echo "${1//,KVFLEET_/ KVFLEET_}"; }   # VAR=V[,VAR=V...] -> VAR=
 setting_label() { echo "${1//KVFLEET_/}" | tr 'A-Z' 'a-z' | tr '_=,' '-.-'; }
 args_label() { local a=${1//--/}; echo "$a" | tr '=,' '.-'; }   # --block-size=64 -> block-size.64
 need_server() {   # kvfleet serve's HTTP stack comes with vLLM's wheels on the GPU image (it has no uvicorn of its own)
-  if $PY -c "import uvicorn, fastapi" 2>/dev/null; then return 0; fi
-  echo "SKIP $1: uvicorn/fastapi are not installed yet (they come with vLLM's wheels: run the wheels stage first)" \
+  local why; why=$($PY -c "import uvicorn, fastapi" 2>&1 | tail -n 1) && return 0
+  echo "SKIP $1: kvfleet serve's HTTP stack does not import ($why): carry .whl-srv (extras) or vLLM's wheels" \
     | tee -a "$LOG"
   return 1
 }
