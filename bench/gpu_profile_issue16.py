@@ -16,7 +16,7 @@ the others:
    (steps, seconds, Triton variants compiled) and the Triton compiles a varied workload still triggers after it
    (should be 0); the decode step at batch 1 (CUDA graph) against its weight-read floor, with an eager batch-1
    forward under torch.profiler (GEMV efficiency per kernel); one request of 1024/128 alone (TPOT as the engine
-   sees it, no HTTP); one long-prompt step (2 x 8192 new tokens) and one mixed step (128 decodes + an 8192-token
+   sees it, no HTTP); one long-prompt step (2 x 8192 new tokens), one burst step (8 x 1024) and one mixed step (128 decodes + an 8192-token
    prefill chunk) under torch.profiler, kernels grouped (attention, GEMM, other); mixed-step time against the
    prefill chunk size (512, 2048, 8192 tokens beside 128 decodes): what a long prompt's chunk costs every
    running request's inter-token latency.
@@ -320,6 +320,17 @@ def engine_profile() -> dict[str, Any]:
                         SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
     with torch.inference_mode():
         res["long_prefill_step"] = _profiled(eng.step, "one step: 2 x 8192-token prefill")
+    while eng.has_unfinished_requests():
+        eng.step()
+    eng.kv.reset_prefix_cache()
+
+    # one step of a burst's prefill: 8 x 1024 new tokens (online, 8,192 batched tokens: the 300-at-once row, whose
+    # TTFT is the one online figure under vLLM's on an H100; attention is ~2 % of its FLOPs, the GEMMs the rest)
+    for i in range(8):
+        eng.add_request(f"burst{i}", {"prompt_token_ids": ids(S(1024))},
+                        SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
+    with torch.inference_mode():
+        res["burst_prefill_step"] = _profiled(eng.step, "one step: 8 x 1024-token prefill")
     while eng.has_unfinished_requests():
         eng.step()
     eng.kv.reset_prefix_cache()
