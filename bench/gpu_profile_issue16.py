@@ -1,5 +1,6 @@
 """Issue 16's profile, first GPU call: where the losing rows' time goes. Usage:
-    python bench/gpu_profile_issue16.py OUT_DIR [MODEL_DIR]      (KVFLEET_GPU_DRYRUN=1: tiny sizes on CPU)
+    python bench/gpu_profile_issue16.py OUT_DIR [MODEL_DIR]      (KVFLEET_GPU_DRYRUN=1: tiny sizes on CPU, and a
+                                                                  tiny random Llama unless MODEL_DIR is given)
 
 Writes OUT_DIR/profile.json and OUT_DIR/profile.txt (tables), each section on its own so one failure leaves
 the others:
@@ -16,10 +17,10 @@ the others:
    (steps, seconds, Triton variants compiled) and the Triton compiles a varied workload still triggers after it
    (should be 0); the decode step at batch 1 (CUDA graph) against its weight-read floor, with an eager batch-1
    forward under torch.profiler (GEMV efficiency per kernel); one request of 1024/128 alone (TPOT as the engine
-   sees it, no HTTP); one long-prompt step (2 x 8192 new tokens), one burst step (8 x 1024) and one mixed step (128 decodes + an 8192-token
-   prefill chunk) under torch.profiler, kernels grouped (attention, GEMM, other); mixed-step time against the
-   prefill chunk size (512, 2048, 8192 tokens beside 128 decodes): what a long prompt's chunk costs every
-   running request's inter-token latency.
+   sees it, no HTTP); one long-prompt step (2 x 8192 new tokens), one burst step (8 x 1024) and one mixed step
+   (128 decodes + an 8192-token prefill chunk) under torch.profiler, kernels grouped (attention, GEMM, other);
+   mixed-step time against the prefill chunk size (512, 2048, 8192 tokens beside 128 decodes): what a long
+   prompt's chunk costs every running request's inter-token latency.
 """
 
 from __future__ import annotations
@@ -253,7 +254,13 @@ def engine_profile() -> dict[str, Any]:
     from kvfleet.engine.sampling_params import SamplingParams
     from kvfleet.engine.warmup import TRITON_COMPILES
 
-    model = sys.argv[2] if len(sys.argv) > 2 else "bench/models/llama-3.1-8b"
+    if len(sys.argv) > 2:
+        model = sys.argv[2]
+    elif DRY:   # Llama-3.1-8B's 16 GB of dummy weights do not fit a CPU box's memory beside the interpreter
+        from kvfleet.engine.testing import make_tiny_model
+        model = str(make_tiny_model("llama", Path(os.environ.get("TMPDIR", "/tmp")) / "kvfleet-profile-dry"))
+    else:
+        model = "bench/models/llama-3.1-8b"
     res: dict[str, Any] = {}
     TRITON_COMPILES.install()
     t0 = time.monotonic()
