@@ -6,7 +6,8 @@ SCHED is ``fa3`` (S_j and P_{j-1} V_{j-1} issued, softmax(S_j) under the latter)
 P_{j-1} V_{j-1} issued before softmax(S_j)), either with ``-ws`` (a producer warp issues the TMA refills:
 ``warp_specialize=True``) or ``-ws2`` (that, and the WARPS split into two consumer partitions of one warpgroup, a
 half of the query rows each: ``consumers=2``), ``fa3-pp`` (``-ws2`` with the two issuing their MMAs in turns:
-``pingpong=True``), and any of them with ``-paged`` (the chunk kernel, `prefill_attention_gluon_paged`: every
+``pingpong=True``), and any of them with ``-paged`` (or, warp-specialized, ``-paged-at-once``: the producer loads a
+tile's block numbers in one load, ``pages_at_once=True``) (the chunk kernel, `prefill_attention_gluon_paged`: every
 key from a paged cache of 16-token blocks, one copy a block); D defaults to 128.
 
 Each launch is specialized as Llama-3.1-8B's (32 query heads, 8 KV heads, bf16, the work list): Gluon kernels compile
@@ -61,12 +62,15 @@ def compile_variant(sched: str, bm: int, bn: int, nb: int, warps: int, d: int = 
     """The kernel compiled for sm_90 as `prefill_attention_gluon` (or, ``-paged``, `prefill_attention_gluon_paged`)
     launches it with a work list."""
     fn = _prefill_gluon_kernel
+    at_once = sched.endswith("-paged-at-once")
+    sched = sched.removesuffix("-at-once")
     paged = sched.endswith("-paged")
     tile = named_tile(sched.removesuffix("-paged"), bm, bn, nb, warps)
     consumers = tile.consumers
     const = dict(HQ=32, G=4, HEAD_DIM=d, BLOCK_M=bm, BLOCK_N=bn, NUM_BUFFERS=nb, USE_WORK=True,
                  S_AHEAD=tile.s_ahead, WARP_SPEC=tile.warp_specialize, PAGED=paged, CONSUMERS=consumers,
-                 PINGPONG=tile.pingpong, **kernel_layouts(bm // consumers, bn, d, warps // consumers))
+                 PINGPONG=tile.pingpong, PAGES_AT_ONCE=at_once,
+                 **kernel_layouts(bm // consumers, bn, d, warps // consumers))
     kv_rows = PAGE if paged else bn
     descs = {"q_desc": (bm, smem_layout(bm, d, torch.bfloat16)),
              "k_desc": (kv_rows, smem_layout(kv_rows, d, torch.bfloat16)),
@@ -209,7 +213,7 @@ def measure(variant: tuple[str, int, int, int, int, int]) -> dict[str, Any]:
 
 def parse_variant(raw: str) -> tuple[str, int, int, int, int, int]:
     sched, *nums = raw.split(",")
-    if sched.removesuffix("-paged") not in SCHEDULE_NAMES or len(nums) not in (4, 5):
+    if sched.removesuffix("-at-once").removesuffix("-paged") not in SCHEDULE_NAMES or len(nums) not in (4, 5):
         sys.exit(f"gluon_attention_resources: expected SCHED,BM,BN,NB,WARPS[,D], SCHED one of {SCHEDULE_NAMES} "
                  f"(and -paged), got {raw!r}")
     bm, bn, nb, warps, *d = (int(x) for x in nums)

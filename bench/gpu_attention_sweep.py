@@ -42,6 +42,8 @@ Implementations (`impl` in the results):
   gluon [paged] fa3-pp ... two consumer warpgroups of 64 query rows and a producer warp, the warpgroups issuing
                            their MMAs in turns (FlashAttention-3's ping-pong: KVFLEET_GLUON_SCHEDULE=pingpong)
   gluon [paged] fa3-ws2 .. the same without the turns (KVFLEET_GLUON_SCHEDULE=two-warpgroups); both last
+  gluon paged fa3-ws2 at-once  the same, its producer loading a tile's block numbers in one load
+                           (KVFLEET_GLUON_PAGE_LOADS=per-tile), the very last
   vLLM FA3 paged           vLLM's FlashAttention-3 (`vllm.vllm_flash_attn.flash_attn_varlen_func`, fa_version 3)
                            over the same paged cache and block tables, as vLLM's engine calls it on Hopper: the
                            target for our kernel (only where vLLM's wheels are installed, PYTHONPATH=/tmp/site)
@@ -299,7 +301,8 @@ def gluon_paged_runner(c: dict[str, Any], tile: tuple[int, int, int, int], out: 
 
     md, q_lens = c["md"], c["q_lens"]
     bm, bn, warps, buffers = tile
-    g = named_tile(schedule, bm, bn, buffers, warps)
+    name, _, at_once = schedule.partition(" ")   # "fa3-ws2 at-once": the block numbers of a tile in one load
+    g = dataclasses.replace(named_tile(name, bm, bn, buffers, warps), pages_at_once=at_once == "at-once")
     work = prefill_work(md.query_start_loc_cpu, bm, False, DEV, md.seq_lens_cpu)
 
     def run() -> None:
@@ -318,7 +321,8 @@ def gluon_rows(fresh: bool) -> list[tuple[str, tuple[int, int, int, int] | None]
     two = [("gluon fa3-pp", GLUON_TILE), ("gluon fa3-ws2", GLUON_TILE)] if fresh else []
     return fresh_row + [("gluon paged fa3-ws", GLUON_TILE), ("gluon paged ahead-ws", GLUON_AHEAD_TILE),
                         ("gluon paged fa3", GLUON_TILE)] + two + [("gluon paged fa3-pp", GLUON_TILE),
-                                                                  ("gluon paged fa3-ws2", GLUON_TILE)]
+                                                                  ("gluon paged fa3-ws2", GLUON_TILE),
+                                                                  ("gluon paged fa3-ws2 at-once", GLUON_TILE)]
 
 
 def configs(fresh: bool, fa3: bool = False) -> list[tuple[str, tuple[int, int, int, int] | None]]:

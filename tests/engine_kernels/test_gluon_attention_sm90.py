@@ -8,6 +8,7 @@ kernel compiles, does not spill, fits in an H200's shared memory, and its key lo
 with the softmax's exponentials scheduled under them (ptxas keeps the order, no wgmma serialized).
 """
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -68,23 +69,27 @@ def test_gluon_kernel_compiles_for_sm90_with_softmax_under_the_mmas(tmp_path: Pa
 
 def test_gluon_two_consumer_variants_compile_for_sm90(tmp_path: Path) -> None:
     """Two consumer warpgroups (a partition each, 64 query rows) and a producer warp, taking turns at their MMAs
-    (``fa3-pp``, FlashAttention-3's ping-pong) or not (``ahead-ws2``), fresh and paged: each compiles without a
+    (``fa3-pp``, FlashAttention-3's ping-pong) or not (``ahead-ws2``), fresh and paged (and with the producer loading a
+    tile's block numbers at once): each compiles without a
     spill or a serialized wgmma, and each consumer runs its own key loops with the softmax issued under an MMA."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path / "triton-cache")
     out = tmp_path / "resources.json"
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / "gluon_attention_resources.py"),
                            "fa3-pp,128,128,2,8", "fa3-pp-paged,128,128,2,8", "ahead-ws2,128,64,2,8",
-                           "--json", str(out)], env=env, capture_output=True, text=True, timeout=600)
+                           "fa3-ws2-paged-at-once,128,128,2,8", "--json", str(out)],
+                          env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = json.loads(out.read_text())
-    assert len(rows) == 3 and not [r for r in rows if "error" in r], rows
+    assert len(rows) == 4 and not [r for r in rows if "error" in r], rows
     for r in rows:
         assert r["stack_bytes"] == 0 and r["fits"] and r["ptx_wgmma"] and not r["serialized"], r
         # two consumers, an unmasked and a diagonal loop each (the outer dispatch loop of the workers not counted)
         assert len(r["sass_loops"]) == 4, r
         assert r["ptx_loops"] and r["ptx_softmax_under_mma"], r
     ahead = rows[2]
+    # the block numbers loaded at once: the consumers' loops are the two-consumer paged kernel's
+    assert [o["bar_sync"] for o in rows[3]["sass_loops"]] == [3, 3, 3, 3], rows[3]
     assert all(o["ex2_under_mma"] * 4 > o["ex2"] * 3 for o in ahead["sass_loops"]), ahead
 
 
@@ -107,9 +112,13 @@ def test_named_tiles_and_their_checks() -> None:
         check_tile(128, 128, 2, 8, 128, warp_specialize=True, pingpong=True)
     with pytest.raises(ValueError, match="^pingpong: .*s_ahead off"):
         check_tile(128, 64, 2, 8, 128, warp_specialize=True, consumers=2, pingpong=True, s_ahead=True)
+    with pytest.raises(ValueError, match="^pages_at_once: .* needs warp_specialize"):
+        check_tile(128, 128, 2, 8, 128, pages_at_once=True)
     assert engine_tiles("fa3") == (ENGINE_TILE, ENGINE_CHUNK_TILE)
     assert engine_tiles("pingpong") == (pp, pp)
     assert engine_tiles("two-warpgroups") == (named_tile("fa3-ws2"),) * 2
+    assert engine_tiles("two-warpgroups", pages_at_once=True) == (
+        named_tile("fa3-ws2"), dataclasses.replace(named_tile("fa3-ws2"), pages_at_once=True))
     with pytest.raises(ValueError, match="expected one of two-warpgroups, pingpong, fa3"):
         engine_tiles("ping-pong")
 

@@ -12,6 +12,7 @@ from kvfleet.engine.attention.fresh_prompts import fresh_long_prompts, long_pref
 from kvfleet.engine.attention.metadata import AttentionMetadata
 from kvfleet.engine.attention.triton_backend import (
     gluon_min_query_tokens,
+    gluon_page_loads_choice,
     gluon_schedule_choice,
     prefill_cache_extra_stages,
     prefill_kernel_choice,
@@ -69,6 +70,12 @@ def test_gluon_min_query_tokens() -> None:
     for bad in ("64", "1k"):
         with pytest.raises(ValueError, match="^KVFLEET_GLUON_MIN_QUERY_TOKENS: expected an integer >= 128"):
             gluon_min_query_tokens(bad)
+
+
+def test_gluon_page_loads_choice() -> None:
+    assert gluon_page_loads_choice("") == "per-copy" and gluon_page_loads_choice(" per-tile ") == "per-tile"
+    with pytest.raises(ValueError, match="^KVFLEET_GLUON_PAGE_LOADS: expected per-copy or per-tile"):
+        gluon_page_loads_choice("at-once")
 
 
 def test_gluon_schedule_choice() -> None:
@@ -174,9 +181,10 @@ def _chunk_attention_of(work: torch.Tensor, q: torch.Tensor, kv_cache: torch.Ten
                                 vv.float()).to(out.dtype)
 
 
-@pytest.mark.parametrize("schedule", GLUON_SCHEDULES)
+@pytest.mark.parametrize(("schedule", "page_loads"), [(s, "per-copy") for s in GLUON_SCHEDULES]
+                         + [("two-warpgroups", "per-tile")])
 def test_gluon_chunks_choice_takes_long_chunks_over_a_cached_prefix(monkeypatch: pytest.MonkeyPatch,
-                                                                    schedule: str) -> None:
+                                                                    schedule: str, page_loads: str) -> None:
     """KVFLEET_PREFILL_KERNEL=gluon-chunks: the fresh long prompts to the Gluon kernel, the long chunks over a cached
     prefix to its paged form (torch stand-ins for both: no CPU interpreter; `bench/gpu_gluon_engine_check.py` checks
     them on an H200), which reads the chunk's own keys from the cache, rotated as written; the short chunk and
@@ -184,7 +192,9 @@ def test_gluon_chunks_choice_takes_long_chunks_over_a_cached_prefix(monkeypatch:
     both kernels its tiles (`engine_tiles`)."""
     fresh_calls: list[torch.Tensor] = []
     chunk_calls: list[torch.Tensor] = []
-    fresh_tile, chunk_tile = engine_tiles(gluon_schedule_choice(schedule))
+    fresh_tile, chunk_tile = engine_tiles(gluon_schedule_choice(schedule),
+                                          pages_at_once=gluon_page_loads_choice(page_loads) == "per-tile")
+    assert chunk_tile.pages_at_once == (page_loads == "per-tile") and not fresh_tile.pages_at_once
 
     def gluon_stand_in(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qsl: torch.Tensor, max_query_len: int,
                        scale: float, out: torch.Tensor, work: torch.Tensor, **tile: Any) -> torch.Tensor:

@@ -141,10 +141,23 @@ def gluon_min_query_tokens(raw: str) -> int:
     return tokens
 
 
+def gluon_page_loads_choice(raw: str) -> str:
+    """KVFLEET_GLUON_PAGE_LOADS: how the paged Gluon kernel's producer warp reads a key tile's cache blocks:
+    "per-copy" (the default: a block-table load before each of the tile's TMA copies, 16 for a 128-key tile's K and
+    V in 16-token blocks) or "per-tile" (one load of the tile's blocks, issued before it waits for the slot, shared
+    by the K and V copies). Built after issue 16's lease 19, not yet measured."""
+    choice = raw.strip() or "per-copy"
+    if choice not in ("per-copy", "per-tile"):
+        raise ValueError(f"KVFLEET_GLUON_PAGE_LOADS: expected per-copy or per-tile, got {raw!r}")
+    return choice
+
+
 # Read once: the choice is the process's, like the compiled kernels it selects.
 PREFILL_KERNEL = prefill_kernel_choice(os.environ.get("KVFLEET_PREFILL_KERNEL", ""))
 GLUON_MIN_QUERY = gluon_min_query_tokens(os.environ.get("KVFLEET_GLUON_MIN_QUERY_TOKENS", ""))
-GLUON_TILE, GLUON_CHUNK_TILE = engine_tiles(gluon_schedule_choice(os.environ.get("KVFLEET_GLUON_SCHEDULE", "")))
+GLUON_TILE, GLUON_CHUNK_TILE = engine_tiles(
+    gluon_schedule_choice(os.environ.get("KVFLEET_GLUON_SCHEDULE", "")),
+    pages_at_once=gluon_page_loads_choice(os.environ.get("KVFLEET_GLUON_PAGE_LOADS", "")) == "per-tile")
 PREFILL_CACHE_EXTRA_STAGES = prefill_cache_extra_stages(os.environ.get("KVFLEET_PREFILL_CACHE_EXTRA_STAGES", ""))
 
 
@@ -326,14 +339,14 @@ def triton_paged_attention(
         prefill_attention_gluon(q, k, v, md.query_start_loc, md.max_query_len, scale, out, work=gluon_work,
                                 block_m=g.block_m, block_n=g.block_n, num_buffers=g.num_buffers,
                                 num_warps=g.num_warps, s_ahead=g.s_ahead, warp_specialize=g.warp_specialize,
-                                consumers=g.consumers, pingpong=g.pingpong)
+                                consumers=g.consumers, pingpong=g.pingpong, pages_at_once=g.pages_at_once)
     if plan.gluon_chunk_work is not None:   # chunks over a cached prefix: every key from the cache (written above)
         c = GLUON_CHUNK_TILE
         prefill_attention_gluon_paged(q, kv_cache, md.block_tables, md.seq_lens, md.query_start_loc,
                                       md.max_query_len, scale, out, work=plan.gluon_chunk_work, block_m=c.block_m,
                                       block_n=c.block_n, num_buffers=c.num_buffers, num_warps=c.num_warps,
                                       s_ahead=c.s_ahead, warp_specialize=c.warp_specialize,
-                                      consumers=c.consumers, pingpong=c.pingpong)
+                                      consumers=c.consumers, pingpong=c.pingpong, pages_at_once=c.pages_at_once)
     if kernel != "v1":
         prefill_attention_v2(*args, skip_decode=mixed, block_m=block_m, block_n=block_n, work=work,
                              num_warps=warps, num_stages=stages, k=k if new_kv else None,

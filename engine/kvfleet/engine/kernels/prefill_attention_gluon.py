@@ -118,6 +118,32 @@ def _load_tile(desc, bufs, bars, j, src, col, pred, NUM_BUFFERS: gl.constexpr):
 
 
 @gluon.jit
+def _tile_pages(src, j, PIECES: gl.constexpr):
+    """The cache blocks of a paged key tile j, all in one load (a producer warp's: one lane a block), for
+    `_load_pages`; blocks past the sequence's read block 0 (as `_load_tile`)."""
+    row0, table_ptr, n_pages = src
+    offs = j * PIECES + gl.arange(0, PIECES, layout=gl.BlockedLayout([1], [32], [1], [0]))
+    return gl.load(table_ptr + offs, mask=offs < n_pages, other=0)
+
+
+@gluon.jit
+def _load_pages(desc, bufs, bars, j, pages, col, NUM_BUFFERS: gl.constexpr):
+    """TMA of paged key tile j into ring slot ``j % NUM_BUFFERS``, its blocks from `_tile_pages` (no table load
+    between the copies: the K and V copies of a tile share one)."""
+    BLOCK_N: gl.constexpr = bufs.shape[1]
+    BOX: gl.constexpr = desc.block_type.shape[0]
+    PIECES: gl.constexpr = BLOCK_N // BOX
+    idx = j % NUM_BUFFERS
+    bar = bars.index(idx)
+    buf = bufs.index(idx)
+    mbarrier.expect(bar, desc.block_type.nbytes * PIECES)
+    lanes = gl.arange(0, PIECES, layout=pages.type.layout)
+    for i in gl.static_range(PIECES):
+        block = gl.sum(gl.where(lanes == i, pages, 0), 0)
+        tma.async_copy_global_to_shared(desc, [block * BOX, col], bar, buf.slice(i * BOX, BOX))
+
+
+@gluon.jit
 def _wait_tile(bars, j, NUM_BUFFERS: gl.constexpr):
     """Until key tile j has landed in its ring slot (the slot's (j // NUM_BUFFERS)-th fill)."""
     mbarrier.wait(bars.index(j % NUM_BUFFERS), (j // NUM_BUFFERS) & 1)
@@ -366,17 +392,27 @@ def _consume(q_smem, q_bar, ring, turns, src, out_ptr, h, q_start, q_len, q_firs
 
 
 @gluon.jit
-def _produce(ring, src, kv_col, n_tiles, NUM_BUFFERS: gl.constexpr):
+def _produce(ring, src, kv_col, n_tiles, NUM_BUFFERS: gl.constexpr, PAGES_AT_ONCE: gl.constexpr):
     """The producer warp (WARP_SPEC): refills each ring slot once the consumer has freed it (tiles from
-    NUM_BUFFERS on: the first NUM_BUFFERS are issued before the partitions fork)."""
+    NUM_BUFFERS on: the first NUM_BUFFERS are issued before the partitions fork). ``PAGES_AT_ONCE`` (paged keys):
+    a tile's cache blocks come in one load, issued before the wait for its slot and shared by its K and V copies,
+    instead of one dependent table load before each copy (16 a 128-key tile of 16-token blocks)."""
     k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty = ring
+    PIECES: gl.constexpr = k_bufs.shape[1] // k_desc.block_type.shape[0]
     for j in range(NUM_BUFFERS, n_tiles):
         idx = j % NUM_BUFFERS
         freed = (j // NUM_BUFFERS - 1) & 1   # the release of tile j - NUM_BUFFERS completes that phase
-        mbarrier.wait(k_empty.index(idx), freed)
-        _load_tile(k_desc, k_bufs, k_ready, j, src, kv_col, True, NUM_BUFFERS)
-        mbarrier.wait(v_empty.index(idx), freed)
-        _load_tile(v_desc, v_bufs, v_ready, j, src, kv_col, True, NUM_BUFFERS)
+        if PAGES_AT_ONCE:
+            pages = _tile_pages(src, j, PIECES)
+            mbarrier.wait(k_empty.index(idx), freed)
+            _load_pages(k_desc, k_bufs, k_ready, j, pages, kv_col, NUM_BUFFERS)
+            mbarrier.wait(v_empty.index(idx), freed)
+            _load_pages(v_desc, v_bufs, v_ready, j, pages, kv_col, NUM_BUFFERS)
+        else:
+            mbarrier.wait(k_empty.index(idx), freed)
+            _load_tile(k_desc, k_bufs, k_ready, j, src, kv_col, True, NUM_BUFFERS)
+            mbarrier.wait(v_empty.index(idx), freed)
+            _load_tile(v_desc, v_bufs, v_ready, j, src, kv_col, True, NUM_BUFFERS)
 
 
 @gluon.jit(do_not_specialize=["batch", "num_tiles", "stride_table"])
@@ -385,7 +421,8 @@ def _prefill_gluon_kernel(
     scale_log2, batch, num_tiles, stride_ot, stride_oh, stride_table,
     HQ: gl.constexpr, G: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     NUM_BUFFERS: gl.constexpr, USE_WORK: gl.constexpr, S_AHEAD: gl.constexpr, WARP_SPEC: gl.constexpr,
-    PAGED: gl.constexpr, CONSUMERS: gl.constexpr, PINGPONG: gl.constexpr, S_LAYOUT: gl.constexpr,
+    PAGED: gl.constexpr, CONSUMERS: gl.constexpr, PINGPONG: gl.constexpr, PAGES_AT_ONCE: gl.constexpr,
+    S_LAYOUT: gl.constexpr,
     O_LAYOUT: gl.constexpr, P_LAYOUT: gl.constexpr, OUT_LAYOUT: gl.constexpr,
 ):
     """One (prompt, query tile) pair for one query head. ``PAGED``: every key of the sequence (its cached prefix and
@@ -459,7 +496,7 @@ def _prefill_gluon_kernel(
             (_consume, (q_smem.slice(HALF, HALF), q_bar, ring, turns, src, out_ptr, h, q_start, q_len,
                         q_first + HALF, cached, n_tiles, kv_col, scale_log2, stride_ot, stride_oh, S_AHEAD, S_LAYOUT,
                         O_LAYOUT, P_LAYOUT, OUT_LAYOUT, NUM_BUFFERS, True, 1, PINGPONG)),
-            (_produce, (ring, src, kv_col, n_tiles, NUM_BUFFERS)),
+            (_produce, (ring, src, kv_col, n_tiles, NUM_BUFFERS, PAGES_AT_ONCE)),
         ], [4, 1], [240, 24])
     elif WARP_SPEC:
         # one producer warp (24 registers) issues the refills; the kernel's warps (the default partition) consume
@@ -467,7 +504,7 @@ def _prefill_gluon_kernel(
             (_consume, (q_smem, q_bar, ring, turns, src, out_ptr, h, q_start, q_len, q_first, cached, n_tiles,
                         kv_col, scale_log2, stride_ot, stride_oh, S_AHEAD, S_LAYOUT, O_LAYOUT, P_LAYOUT, OUT_LAYOUT,
                         NUM_BUFFERS, True, 0, False)),
-            (_produce, (ring, src, kv_col, n_tiles, NUM_BUFFERS)),
+            (_produce, (ring, src, kv_col, n_tiles, NUM_BUFFERS, PAGES_AT_ONCE)),
         ], [1], [24])
     else:
         _consume(q_smem, q_bar, ring, turns, src, out_ptr, h, q_start, q_len, q_first, cached, n_tiles, kv_col,
@@ -519,7 +556,7 @@ def _hopper(device_index: int) -> bool:
 
 def check_tile(block_m: int, block_n: int, num_buffers: int, num_warps: int, head_dim: int,
                warp_specialize: bool = False, consumers: int = 1, pingpong: bool = False,
-               s_ahead: bool = False) -> None:
+               s_ahead: bool = False, pages_at_once: bool = False) -> None:
     """ValueError naming the tile argument the kernel does not support."""
     if consumers not in (1, 2):
         fail("consumers", f"must be 1 or 2, got {consumers}")
@@ -527,6 +564,8 @@ def check_tile(block_m: int, block_n: int, num_buffers: int, num_warps: int, hea
         fail("consumers", "2 consumer warpgroups need warp_specialize, num_warps 8 and block_m 128 (64 rows each)")
     if pingpong and (consumers != 2 or s_ahead):
         fail("pingpong", "the MMAs in turns need 2 consumers in FlashAttention-3's order (s_ahead off)")
+    if pages_at_once and not warp_specialize:
+        fail("pages_at_once", "a tile's cache blocks in one load are the producer warp's: needs warp_specialize")
     if num_warps not in (4, 8):
         fail("num_warps", f"must be 4 or 8 (one or two warpgroups), got {num_warps}")
     if block_m not in (64, 128) or block_m < 16 * num_warps:
@@ -553,6 +592,7 @@ class GluonTile:
     warp_specialize: bool = False
     consumers: int = 1
     pingpong: bool = False
+    pages_at_once: bool = False   # paged keys: a tile's cache blocks in one load by the producer warp
 
 
 # The variants' names in the benchmarks (`named_tile`): the key loop's order, then how the warps share the work.
@@ -590,16 +630,19 @@ PINGPONG_TILE = GluonTile(warp_specialize=True, consumers=2, pingpong=True)
 GLUON_SCHEDULES = ("two-warpgroups", "pingpong", "fa3")
 
 
-def engine_tiles(schedule: str) -> tuple[GluonTile, GluonTile]:
+def engine_tiles(schedule: str, pages_at_once: bool = False) -> tuple[GluonTile, GluonTile]:
     """The tiles the engine runs on fresh prompts and on chunks over a cached prefix for a ``GLUON_SCHEDULES``
-    choice: "fa3" (`ENGINE_TILE`, `ENGINE_CHUNK_TILE`), "two-warpgroups" or "pingpong" (that tile for both)."""
+    choice: "fa3" (`ENGINE_TILE`, `ENGINE_CHUNK_TILE`), "two-warpgroups" or "pingpong" (that tile for both);
+    ``pages_at_once``: the chunk tile's producer loads a tile's block numbers at once (every chunk tile has one)."""
     if schedule == "fa3":
-        return ENGINE_TILE, ENGINE_CHUNK_TILE
-    if schedule == "pingpong":
-        return PINGPONG_TILE, PINGPONG_TILE
-    if schedule == "two-warpgroups":
-        return TWO_WARPGROUPS_TILE, TWO_WARPGROUPS_TILE
-    raise ValueError(f"expected one of {', '.join(GLUON_SCHEDULES)}, got {schedule!r}")
+        fresh, chunk = ENGINE_TILE, ENGINE_CHUNK_TILE
+    elif schedule == "pingpong":
+        fresh, chunk = PINGPONG_TILE, PINGPONG_TILE
+    elif schedule == "two-warpgroups":
+        fresh, chunk = TWO_WARPGROUPS_TILE, TWO_WARPGROUPS_TILE
+    else:
+        raise ValueError(f"expected one of {', '.join(GLUON_SCHEDULES)}, got {schedule!r}")
+    return fresh, dataclasses.replace(chunk, pages_at_once=pages_at_once)
 
 
 def gluon_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
@@ -686,6 +729,7 @@ def prefill_attention_gluon(
     warp_specialize: bool = False,
     consumers: int = 1,
     pingpong: bool = False,
+    pages_at_once: bool = False,
 ) -> torch.Tensor:
     """Causal attention of fresh prompts into ``out`` ``[T, Hq, D]``: prompt b's rows ``query_start_loc[b] ..
     query_start_loc[b + 1]`` of ``q`` ``[T, Hq, D]`` attend to the same rows of ``k``/``v`` ``[T, Hkv, D]`` (no
@@ -695,7 +739,10 @@ def prefill_attention_gluon(
     ``s_ahead``: the schedule issuing tile j+1's ``Q K^T`` before tile j's softmax (module docstring);
     ``block_n`` None: 128 keys a tile, 64 with ``s_ahead``. ``warp_specialize``: a producer warp issues the K/V
     refills (``gl.warp_specialize``), the ``num_warps`` warps only wait for tiles and compute. ``consumers`` 2:
-    those warps as two partitions of a warpgroup, 64 query rows each; ``pingpong``: issuing their MMAs in turns."""
+    those warps as two partitions of a warpgroup, 64 query rows each; ``pingpong``: issuing their MMAs in turns.
+    ``pages_at_once``: the paged form's only (a `GluonTile` field): a ValueError here."""
+    if pages_at_once:
+        fail("pages_at_once", "fresh prompts' keys come from k/v, not from cache blocks")
     t, hq, hkv, d = _check_args(q, k, v, query_start_loc, out)
     block_n = default_block_n(s_ahead) if block_n is None else block_n
     check_tile(block_m, block_n, num_buffers, num_warps, d, warp_specialize, consumers, pingpong, s_ahead)
@@ -720,7 +767,8 @@ def prefill_attention_gluon(
         scale * LOG2E, batch, num_tiles, out.stride(0), out.stride(1), 0,
         HQ=hq, G=hq // hkv, HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n, NUM_BUFFERS=num_buffers,
         USE_WORK=work is not None, S_AHEAD=s_ahead, WARP_SPEC=warp_specialize, PAGED=False, CONSUMERS=consumers,
-        PINGPONG=pingpong, **kernel_layouts(block_m // consumers, block_n, d, num_warps // consumers),
+        PINGPONG=pingpong, PAGES_AT_ONCE=False,
+        **kernel_layouts(block_m // consumers, block_n, d, num_warps // consumers),
         num_warps=num_warps // consumers,
     )
     return out
@@ -771,6 +819,7 @@ def prefill_attention_gluon_paged(
     warp_specialize: bool = False,
     consumers: int = 1,
     pingpong: bool = False,
+    pages_at_once: bool = False,
 ) -> torch.Tensor:
     """Causal attention of chunks over a cached prefix into ``out`` ``[T, Hq, D]``: sequence b's query rows
     ``query_start_loc[b] .. query_start_loc[b + 1]`` of ``q`` (its last tokens: positions ``seq_lens[b] - q_len``
@@ -779,7 +828,9 @@ def prefill_attention_gluon_paged(
     cache block into the key tile's rows: blocks of 16 tokens, 8 copies a 128-key tile, and a block-table load
     for each (``warp_specialize``: a producer warp issues them, off the softmax warps' path). ``work``: the
     (sequence, query tile) pairs to attend for, `prefill_work(qsl, block_m, False, device, seq_lens, only=...)`;
-    the others' rows are not written. ``consumers``/``pingpong``: as `prefill_attention_gluon`'s."""
+    the others' rows are not written. ``consumers``/``pingpong``: as `prefill_attention_gluon`'s.
+    ``pages_at_once`` (with ``warp_specialize``): the producer warp loads a tile's block numbers in one load before
+    waiting for its slot, and its K and V copies share them."""
     bs, hkv, d, hq, batch = check_paged_attention_args(q, out, kv_cache, block_tables, seq_lens, query_start_loc)
     t = _check_q(q)[0]
     _check_device(q)
@@ -787,7 +838,8 @@ def prefill_attention_gluon_paged(
     if block_tables.shape[0] != batch or block_tables.stride(1) != 1:
         fail("block_tables", f"expected [{batch}, max_blocks] rows of unit stride, got {tuple(block_tables.shape)} "
                              f"strides {block_tables.stride()}")
-    check_tile(block_m, block_n, num_buffers, num_warps, d, warp_specialize, consumers, pingpong, s_ahead)
+    check_tile(block_m, block_n, num_buffers, num_warps, d, warp_specialize, consumers, pingpong, s_ahead,
+               pages_at_once)
     if t == 0 or batch == 0 or max_query_len == 0 or check_prefill_work(work, q.device) == 0:
         return out
     q_desc = TensorDescriptor(q, [t, hq * d], [q.stride(0), 1], [block_m, d], smem_layout(block_m, d, q.dtype))
@@ -802,7 +854,8 @@ def prefill_attention_gluon_paged(
         block_tables.stride(0),
         HQ=hq, G=hq // hkv, HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n, NUM_BUFFERS=num_buffers,
         USE_WORK=True, S_AHEAD=s_ahead, WARP_SPEC=warp_specialize, PAGED=True, CONSUMERS=consumers,
-        PINGPONG=pingpong, **kernel_layouts(block_m // consumers, block_n, d, num_warps // consumers),
+        PINGPONG=pingpong, PAGES_AT_ONCE=pages_at_once,
+        **kernel_layouts(block_m // consumers, block_n, d, num_warps // consumers),
         num_warps=num_warps // consumers,
     )
     return out
