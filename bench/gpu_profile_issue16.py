@@ -321,26 +321,22 @@ def engine_profile() -> dict[str, Any]:
     say(f"one 1024/128 request alone: TTFT {res['solo_ttft_ms']:.1f} ms, TPOT {res['solo_tpot_ms']:.3f} ms")
     eng.kv.reset_prefix_cache()
 
-    # one long-prompt step: 2 x 8192 new tokens (the long-prompt class's prefill)
-    for i in range(2):
-        eng.add_request(f"long{i}", {"prompt_token_ids": ids(S(8192))},
-                        SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
-    with torch.inference_mode():
-        res["long_prefill_step"] = _profiled(eng.step, "one step: 2 x 8192-token prefill")
-    while eng.has_unfinished_requests():
-        eng.step()
-    eng.kv.reset_prefix_cache()
+    def prefill_step(name: str, prompts: int, tokens: int) -> dict[str, Any]:
+        """One step prefilling `prompts` fresh prompts of `tokens` tokens, under torch.profiler; then drained."""
+        for i in range(prompts):
+            eng.add_request(f"{name}{i}", {"prompt_token_ids": ids(S(tokens))},
+                            SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
+        with torch.inference_mode():
+            prof = _profiled(eng.step, f"one step: {prompts} x {tokens}-token prefill")
+        while eng.has_unfinished_requests():
+            eng.step()
+        eng.kv.reset_prefix_cache()
+        return prof
 
-    # one step of a burst's prefill: 8 x 1024 new tokens (online, 8,192 batched tokens: the 300-at-once row, whose
+    # the long-prompt class's prefill; then a burst's (online, 8,192 batched tokens: the 300-at-once row, whose
     # TTFT is the one online figure under vLLM's on an H100; attention is ~2 % of its FLOPs, the GEMMs the rest)
-    for i in range(8):
-        eng.add_request(f"burst{i}", {"prompt_token_ids": ids(S(1024))},
-                        SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
-    with torch.inference_mode():
-        res["burst_prefill_step"] = _profiled(eng.step, "one step: 8 x 1024-token prefill")
-    while eng.has_unfinished_requests():
-        eng.step()
-    eng.kv.reset_prefix_cache()
+    res["long_prefill_step"] = prefill_step("long", 2, 8192)
+    res["burst_prefill_step"] = prefill_step("burst", 8, 1024)
 
     # mixed steps: 128 decoding requests, then a prompt whose chunk is 512 / 2048 / 8192 tokens
     chunk_rows = []

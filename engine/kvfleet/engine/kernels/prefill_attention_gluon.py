@@ -96,15 +96,20 @@ HOPPER_MAX_SHARED = 232448   # bytes of shared memory a block may have on an H10
 # of the buffer), the page numbers from its block-table row ``table_ptr``, ``n_pages`` long.
 
 @gluon.jit
+def _slot(bufs, bars, j, NUM_BUFFERS: gl.constexpr):
+    """Key tile j's ring slot: (its "landed" mbarrier, its buffer)."""
+    idx = j % NUM_BUFFERS
+    return bars.index(idx), bufs.index(idx)
+
+
+@gluon.jit
 def _load_tile(desc, bufs, bars, j, src, col, pred, NUM_BUFFERS: gl.constexpr):
     """TMA of key tile j into ring slot ``j % NUM_BUFFERS``, when ``pred`` (``src`` above)."""
     row0, table_ptr, n_pages = src
     BLOCK_N: gl.constexpr = bufs.shape[1]
+    PIECES: gl.constexpr = BLOCK_N // desc.block_type.shape[0]
     BOX: gl.constexpr = desc.block_type.shape[0]
-    PIECES: gl.constexpr = BLOCK_N // BOX
-    idx = j % NUM_BUFFERS
-    bar = bars.index(idx)
-    buf = bufs.index(idx)
+    bar, buf = _slot(bufs, bars, j, NUM_BUFFERS)
     mbarrier.expect(bar, desc.block_type.nbytes * PIECES, pred=pred)
     if PIECES == 1:
         tma.async_copy_global_to_shared(desc, [row0 + j * BLOCK_N, col], bar, buf, pred=pred)
@@ -130,12 +135,9 @@ def _tile_pages(src, j, PIECES: gl.constexpr):
 def _load_pages(desc, bufs, bars, j, pages, col, NUM_BUFFERS: gl.constexpr):
     """TMA of paged key tile j into ring slot ``j % NUM_BUFFERS``, its blocks from `_tile_pages` (no table load
     between the copies: the K and V copies of a tile share one)."""
-    BLOCK_N: gl.constexpr = bufs.shape[1]
     BOX: gl.constexpr = desc.block_type.shape[0]
-    PIECES: gl.constexpr = BLOCK_N // BOX
-    idx = j % NUM_BUFFERS
-    bar = bars.index(idx)
-    buf = bufs.index(idx)
+    PIECES: gl.constexpr = pages.shape[0]
+    bar, buf = _slot(bufs, bars, j, NUM_BUFFERS)
     mbarrier.expect(bar, desc.block_type.nbytes * PIECES)
     lanes = gl.arange(0, PIECES, layout=pages.type.layout)
     for i in gl.static_range(PIECES):
