@@ -23,7 +23,7 @@ from kvfleet.engine.server.reasoning import (
 )
 from kvfleet.engine.server.tools import ToolMode
 
-R1, QWEN3 = REASONING_FORMATS["deepseek_r1"], REASONING_FORMATS["qwen3"]
+R1, QWEN3, MISTRAL = REASONING_FORMATS["deepseek_r1"], REASONING_FORMATS["qwen3"], REASONING_FORMATS["mistral"]
 START, END = 7, 9   # the markers' token ids below
 
 
@@ -42,6 +42,11 @@ def test_outputs_split_into_thinking_and_answer() -> None:
     assert split_reasoning("no </think> here", QWEN3, "answering", True) == ReasoningSplit(None, "no </think> here")
     assert split_reasoning("cut off while thin", R1, "thinking", True) == ReasoningSplit("cut off while thin", None)
     assert split_reasoning("<think>x</think>", QWEN3, "thinking", True) == ReasoningSplit("x", "")
+    # Magistral's markers (special tokens, decoded kept): thinking only if the output opens it
+    assert MISTRAL.special_markers and not QWEN3.special_markers and not R1.special_markers
+    assert split_reasoning("[THINK]a plan[/THINK]ok", MISTRAL, "either", True) == ReasoningSplit("a plan", "ok")
+    assert split_reasoning("just an answer", MISTRAL, "either", True) == ReasoningSplit(None, "just an answer")
+    assert split_reasoning("[THI", MISTRAL, "either", False) == ReasoningSplit(None, None)   # a marker cut off
 
 
 @pytest.mark.parametrize("text,fmt,start", [
@@ -50,6 +55,8 @@ def test_outputs_split_into_thinking_and_answer() -> None:
     ("<thin is no marker", QWEN3, "either"),
     ("no thinking at all", QWEN3, "either"),
     ("thinking to the end", R1, "thinking"),
+    ("[THINK]plan[/THINK]The answer.", MISTRAL, "either"),
+    ("still thinking[/THINK]done", MISTRAL, "thinking"),
 ])
 def test_a_stream_sends_every_character_once_and_in_its_place(text: str, fmt: Any, start: Any) -> None:
     """The output grows one character at a time (markers cut anywhere): what the stream sends as reasoning and

@@ -84,7 +84,8 @@ SERVE_FLAGS: tuple[Flag, ...] = (
          choices=("hermes", "llama3_json", "pythonic", "mistral"), metavar="NAME"),
     Flag("--reasoning-parser", "Answer a thinking model's reasoning (between <think> and </think>) in the "
          "message's `reasoning` field, apart from its content; tool calls and structured outputs apply to the "
-         "answer after it (deepseek_r1: DeepSeek-R1, QwQ; qwen3: Qwen3).", choices=("deepseek_r1", "qwen3"),
+         "answer after it (deepseek_r1: DeepSeek-R1, QwQ; qwen3: Qwen3; mistral: Magistral's [THINK] and "
+         "[/THINK], decoded with special tokens kept).", choices=("deepseek_r1", "qwen3", "mistral"),
          metavar="NAME"),
     Flag("--api-key", "Single API key clients must send as `Authorization: Bearer KEY` (tenant `default`).",
          metavar="KEY"),

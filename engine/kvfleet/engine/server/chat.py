@@ -94,7 +94,9 @@ async def start_chat(state: ServerState, req: ChatCompletionRequest, tenant: str
         mode = tool_mode(req.tools, req.tool_choice, state.tool_parser, req.parallel_tool_calls)
     except ToolChoiceError as exc:
         raise APIError(400, str(exc), "tool_choice", "invalid_value") from None
-    if mode.keeps_special_tokens and req.skip_special_tokens:   # the call tag is a special token (vLLM's rule)
+    # the call tag or the thinking markers are special tokens: the answer is decoded with them (vLLM's rule)
+    special_markers = state.reasoning is not None and state.reasoning.fmt.special_markers
+    if (mode.keeps_special_tokens or special_markers) and req.skip_special_tokens:
         req = req.model_copy(update={"skip_special_tokens": False})
     ids = await chat_prompt_ids(state, req.messages, TemplateCall(
         req.add_generation_prompt, req.continue_final_message, template_tools(req.tools), req.chat_template_kwargs))

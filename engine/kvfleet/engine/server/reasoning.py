@@ -13,6 +13,10 @@ Where the thinking starts depends on the chat template, so it is read from the p
 - no marker: `deepseek_r1` takes the output as thinking until `</think>`; `qwen3` as thinking only if it starts
   with `<think>` (Qwen3's original templates leave the model to open it).
 
+`mistral` (Magistral) writes `[THINK]` and `[/THINK]`, special tokens of its tokenizer: its outputs are decoded with
+special tokens kept (as the `mistral` tool-call parser's), and an output is thinking only if it opens with
+`[THINK]` (the model opens it when its system prompt asks it to think) or the prompt left it open.
+
 Thinking cut off before its end marker (max_tokens) is all reasoning, with no content.
 """
 
@@ -33,11 +37,13 @@ class ReasoningFormat:
     start: str
     end: str
     unmarked_prompt: ReasoningStart
+    special_markers: bool = False   # the markers are special tokens: outputs are decoded with special tokens kept
 
 
 REASONING_FORMATS: dict[str, ReasoningFormat] = {
     "deepseek_r1": ReasoningFormat(THINK_START, THINK_END, "thinking"),
     "qwen3": ReasoningFormat(THINK_START, THINK_END, "either"),
+    "mistral": ReasoningFormat("[THINK]", "[/THINK]", "either", special_markers=True),
 }
 REASONING_PARSERS = tuple(REASONING_FORMATS)
 
