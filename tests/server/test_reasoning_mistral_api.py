@@ -20,7 +20,8 @@ ASK: Any = [{"role": "user", "content": "what is two and two"}]
 
 
 @pytest.fixture(scope="module")
-def client(tiny_model_factory: Callable[..., Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[openai.OpenAI]:
+def client(tiny_model_factory: Callable[..., Path],
+           tmp_path_factory: pytest.TempPathFactory) -> Iterator[openai.OpenAI]:
     model = tiny_model_factory("mistral", special_tokens=("[THINK]", "[/THINK]"))
     logs = tmp_path_factory.mktemp("reasoning-mistral")
     (logs / "template.jinja").write_text(TEMPLATE)
