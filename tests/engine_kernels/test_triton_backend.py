@@ -2,6 +2,9 @@
 
 import dataclasses
 import functools
+import os
+import subprocess
+import sys
 from typing import Any
 
 import pytest
@@ -83,6 +86,19 @@ def test_gluon_schedule_choice() -> None:
     assert gluon_schedule_choice("fa3") == "fa3"
     with pytest.raises(ValueError, match="^KVFLEET_GLUON_SCHEDULE: expected one of two-warpgroups, pingpong, fa3"):
         gluon_schedule_choice("ping-pong")
+
+
+@pytest.mark.parametrize("setting", ["KVFLEET_GLUON_SCHEDULE=ping-pong", "KVFLEET_PREFILL_KERNEL=v3"])
+def test_a_wrong_kernel_setting_stops_the_engine_naming_it(setting: str) -> None:
+    """A mistyped KVFLEET_* setting of the kernels is an error naming it where the engine picks its attention, not
+    a warning and a silent fall back to the torch path (a fresh process: the settings are read at import)."""
+    name, value = setting.split("=")
+    code = "from kvfleet.engine.attention import get_attention_backend; get_attention_backend('cpu')"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVFLEET_")} | {name: value}
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0 and f"ValueError: {name}: expected" in proc.stderr, proc.stderr[-2000:]
+    del env[name]
+    assert subprocess.run([sys.executable, "-c", code], env=env, timeout=300).returncode == 0
 
 
 def test_fresh_long_prompts_and_work_lists_for_them() -> None:

@@ -65,6 +65,8 @@ def _load_optional_backends() -> None:
         from kvfleet.engine.attention.triton_backend import triton_paged_attention
     except ImportError:
         return
+    except ValueError:
+        raise   # a KVFLEET_* setting it reads is wrong (the error names it): a mistake to report, not a fallback
     except Exception as exc:  # a broken optional backend must not take the torch path down
         logger.warning("attention kernels unavailable: %s", exc)
         return
