@@ -19,8 +19,8 @@ import pytest
 import torch
 
 from kvfleet.engine.kernels.prefill_attention_gluon import (
-    ENGINE_CHUNK_TILE,
-    ENGINE_TILE,
+    FA3_CHUNK_TILE,
+    FA3_TILE,
     GluonTile,
     check_tile,
     engine_tiles,
@@ -114,7 +114,7 @@ def test_named_tiles_and_their_checks() -> None:
         check_tile(128, 64, 2, 8, 128, warp_specialize=True, consumers=2, pingpong=True, s_ahead=True)
     with pytest.raises(ValueError, match="^pages_at_once: .* needs warp_specialize"):
         check_tile(128, 128, 2, 8, 128, pages_at_once=True)
-    assert engine_tiles("fa3") == (ENGINE_TILE, ENGINE_CHUNK_TILE)
+    assert engine_tiles("fa3") == (FA3_TILE, FA3_CHUNK_TILE)
     assert engine_tiles("pingpong") == (pp, pp)
     assert engine_tiles("two-warpgroups") == (named_tile("fa3-ws2"),) * 2
     assert engine_tiles("two-warpgroups", pages_at_once=True) == (

@@ -134,7 +134,7 @@ def gluon_min_query_tokens(raw: str) -> int:
     against v2's 220 on an H100 (issue 16, lease 19), but attention is ~2 % of a 1k prompt's work: 1,024 is an
     A/B for the 1k-prompt rows, not expected to move them much."""
     try:
-        tokens = int(raw.strip() or str(GLUON_MIN_QUERY_TOKENS))
+        tokens = int(raw) if raw.strip() else GLUON_MIN_QUERY_TOKENS
     except ValueError as e:
         raise ValueError(f"KVFLEET_GLUON_MIN_QUERY_TOKENS: expected an integer >= 128, got {raw!r}") from e
     if tokens < 128:

@@ -619,8 +619,8 @@ def named_tile(schedule: str, block_m: int = 128, block_n: int | None = None, nu
 # 342, warp-specialized 398). On chunks over a cached prefix the same tile with a producer warp issuing the K/V
 # copies, eight a tile from 16-token blocks, and their block-table loads (single-partition, sm_90 puts ~18 CTA
 # barriers an iteration around them: `bench/gluon_attention_resources.py`).
-ENGINE_TILE = GluonTile()
-ENGINE_CHUNK_TILE = GluonTile(warp_specialize=True)
+FA3_TILE = GluonTile()
+FA3_CHUNK_TILE = GluonTile(warp_specialize=True)
 # The default (KVFLEET_GLUON_SCHEDULE=two-warpgroups): a producer warp and the two warpgroups as two consumer
 # partitions of 64 query rows each, waiting and freeing on their own. On an H100 (issue 16, lease 19) 588 TFLOP/s at
 # 1 x 8192 against fa3's 506, 488 against 424 at 2 x 4096, 240 against 225 at 8 x 1024; paged, 488 against 433 on a
@@ -634,10 +634,10 @@ GLUON_SCHEDULES = ("two-warpgroups", "pingpong", "fa3")
 
 def engine_tiles(schedule: str, pages_at_once: bool = False) -> tuple[GluonTile, GluonTile]:
     """The tiles the engine runs on fresh prompts and on chunks over a cached prefix for a ``GLUON_SCHEDULES``
-    choice: "fa3" (`ENGINE_TILE`, `ENGINE_CHUNK_TILE`), "two-warpgroups" or "pingpong" (that tile for both);
+    choice: "fa3" (`FA3_TILE`, `FA3_CHUNK_TILE`), "two-warpgroups" or "pingpong" (that tile for both);
     ``pages_at_once``: the chunk tile's producer loads a tile's block numbers at once (every chunk tile has one)."""
     if schedule == "fa3":
-        fresh, chunk = ENGINE_TILE, ENGINE_CHUNK_TILE
+        fresh, chunk = FA3_TILE, FA3_CHUNK_TILE
     elif schedule == "pingpong":
         fresh, chunk = PINGPONG_TILE, PINGPONG_TILE
     elif schedule == "two-warpgroups":
