@@ -11,6 +11,9 @@
 #   profile           bench/gpu_profile_issue16.py: prefill attention at long contexts (our kernel's tiles
 #                     against torch's flash SDPA), decode step at batch 1 against its floor, one long-prompt
 #                     step and one batch-1 decode step under torch.profiler, Triton compiles after warm-up (~1.5)
+#   step-profile      bench/gpu_step_profile.py: the burst's prefill step (8 x 1024), a long-prompt step (1 x 8192)
+#                     and the burst's whole work (300 x 1024/128, no HTTP) through kvfleet, then vLLM in process,
+#                     timed and under torch.profiler: kernel ms by kind side by side (~1 + ~2.5)
 #   host-profile      bench/gpu_host_profile.py: host time against GPU time of eager mixed/prefill forwards
 #                     per prefill kernel, launch costs, cProfile of a mixed forward (~1.5)
 #   kv-diag           where mixed steps wait: bench/gpu_sync_probe.py (which allocator calls wait for queued
@@ -146,6 +149,13 @@ wheels)
 profile)
   step profile 180 env $KV_ENV $PY bench/gpu_profile_issue16.py "$RUNS/profile"
   cp "$RUNS/profile/profile.txt" "$OUT/" 2>/dev/null ;;
+step-profile)
+  step "step-profile kvfleet" 180 env $KV_ENV $PY bench/gpu_step_profile.py run --engine kvfleet --model "$LLAMA" \
+    --out "$RUNS/step-profile"
+  need_vllm "$s" && step "step-profile vllm" 300 $PY bench/gpu_step_profile.py run --engine vllm --model "$LLAMA" \
+    --out "$RUNS/step-profile" \
+    && $PY bench/gpu_step_profile.py compare "$RUNS/step-profile" >> "$LOG" 2>&1
+  cp "$RUNS/step-profile/step_profile_compare.txt" "$OUT/" 2>/dev/null ;;
 host-profile)
   step host-profile 200 env $KV_ENV $PY bench/gpu_host_profile.py "$RUNS/host-profile"
   cp "$RUNS/host-profile/host_profile.txt" "$OUT/" 2>/dev/null ;;

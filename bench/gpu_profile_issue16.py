@@ -18,7 +18,7 @@ the others:
    (should be 0); the decode step at batch 1 (CUDA graph) against its weight-read floor, with an eager batch-1
    forward under torch.profiler (GEMV efficiency per kernel); one request of 1024/128 alone (TPOT as the engine
    sees it, no HTTP); one long-prompt step (2 x 8192 new tokens), one burst step (8 x 1024) and one mixed step
-   (128 decodes + an 8192-token prefill chunk) under torch.profiler, kernels grouped (attention, GEMM, other);
+   (128 decodes + an 8192-token prefill chunk) under torch.profiler, kernel time by kind (bench/kernel_kinds.py);
    mixed-step time against the prefill chunk size (512, 2048, 8192 tokens beside 128 decodes): what a long
    prompt's chunk costs every running request's inter-token latency.
 """
@@ -44,6 +44,7 @@ from kvfleet.engine.bench.decode_probe import median_cuda_ms  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_report import GpuReport  # noqa: E402
+from kernel_kinds import kernel_totals, ms_by_kind  # noqa: E402
 
 DEV = torch.device("cpu" if DRY else "cuda")
 RUN = GpuReport(on_cuda=DEV.type == "cuda")
@@ -211,24 +212,6 @@ def fp8_linear_bench() -> dict[str, Any]:
     return out
 
 
-def _kernel_groups(prof: Any) -> dict[str, float]:
-    """Device time (ms) by kind: attention kernels, GEMMs, the rest."""
-    groups = {"attention": 0.0, "gemm": 0.0, "other": 0.0}
-    for e in prof.key_averages():
-        t = getattr(e, "self_device_time_total", 0.0) or 0.0
-        name = e.key.lower()
-        if t <= 0:
-            continue
-        if "prefill" in name or "decode_kernel" in name or "flash" in name or "merge_kernel" in name:
-            groups["attention"] += t / 1e3
-        elif "gemm" in name or "sm90" in name or "cutlass" in name or "matmul" in name or "xmma" in name \
-                or "nvjet" in name or "scaled_mm" in name:
-            groups["gemm"] += t / 1e3
-        else:
-            groups["other"] += t / 1e3
-    return groups
-
-
 def _profiled(fn: Callable[[], Any], label: str, rows: int = 15) -> dict[str, Any]:
     from torch.profiler import ProfilerActivity, profile
 
@@ -240,9 +223,9 @@ def _profiled(fn: Callable[[], Any], label: str, rows: int = 15) -> dict[str, An
     key = "self_device_time_total" if DEV.type == "cuda" else "self_cpu_time_total"
     say(f"--- {label}")
     say(prof.key_averages().table(sort_by=key, row_limit=rows, max_name_column_width=70))
-    groups = _kernel_groups(prof) if DEV.type == "cuda" else {}
+    groups = ms_by_kind(kernel_totals(prof, on_device=True)) if DEV.type == "cuda" else {}
     if groups:
-        say("device ms by kind: " + ", ".join(f"{k} {v:.2f}" for k, v in groups.items()))
+        say("device ms by kind: " + ", ".join(f"{k} {v:.2f}" for k, v in groups.items() if v))
     return {"groups_ms": groups}
 
 
