@@ -65,7 +65,8 @@
 # setting), WORKLOADS_LLAMA, WORKLOADS_QWEN, WORKLOADS_FP8, WORKLOADS_AB, LOADS (name:rate:requests,...),
 # ONLINE_ARGS (more flags for the online stage), PREFILL_AB (space-separated settings, each
 # VAR=VALUE[,VAR=VALUE...] for one run), ARGS_AB (space-separated settings, each --flag=V[,--flag=V...]),
-# LLAMA/QWEN (model folders: a dry run on CPU takes tiny ones).
+# LLAMA/QWEN (model folders: a dry run on CPU takes tiny ones), STEP_PROFILE_ARGS (more flags for the kvfleet side of
+# step-profile: "--dry" on CPU, "--scenarios burst").
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/kvfleet-out}
@@ -151,7 +152,7 @@ profile)
   cp "$RUNS/profile/profile.txt" "$OUT/" 2>/dev/null ;;
 step-profile)
   step "step-profile kvfleet" 180 env $KV_ENV $PY bench/gpu_step_profile.py run --engine kvfleet --model "$LLAMA" \
-    --out "$RUNS/step-profile"
+    --out "$RUNS/step-profile" ${STEP_PROFILE_ARGS:-}
   need_vllm "$s" && step "step-profile vllm" 300 $PY bench/gpu_step_profile.py run --engine vllm --model "$LLAMA" \
     --out "$RUNS/step-profile" \
     && $PY bench/gpu_step_profile.py compare "$RUNS/step-profile" >> "$LOG" 2>&1
