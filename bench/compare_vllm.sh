@@ -39,6 +39,9 @@
 #   attn-sweep        the prefill attention sweep alone, with SWEEP_CASES / SWEEP_TMA_TILES / SWEEP_BLOCK_SIZE
 #                     passed through (bench/gpu_attention_sweep.py; ~1 for a few tiles of the 1k-prompt cases;
 #                     into attn-sweep-b<block size>/)
+#   decode-sweep      bench/gpu_decode_sweep.py: decode attention's tile (KVFLEET_DECODE_TILE: the default's one
+#                     K/V buffer against 5-6 stages' two) at B = 16..256, 1k-4k keys, against the copy floor (~1;
+#                     into decode-sweep/, its txt into $OUT)
 #   gemm-sweep        bench/gpu_small_m_gemm_sweep.py alone: bf16 linear layers of Llama-3.1-8B at M = 1..16, cuBLAS
 #                     against the Triton small-M GEMM (its default config and a grid around it), the crossover M
 #                     for KVFLEET_SMALL_M_GEMM_MAX and a batch-1 step's estimate (~1.5; SWEEP_BUDGET_S, default 80,
@@ -200,6 +203,9 @@ attn-sweep)
   b=${SWEEP_BLOCK_SIZE:-16}
   step "attention-sweep block $b" 150 env $KV_ENV $PY bench/gpu_attention_sweep.py "$RUNS/attn-sweep-b$b"
   cp "$RUNS/attn-sweep-b$b/attention_sweep.txt" "$OUT/attention_sweep_b$b.txt" 2>/dev/null ;;
+decode-sweep)
+  step decode-sweep 120 env $KV_ENV $PY bench/gpu_decode_sweep.py "$RUNS/decode-sweep"
+  cp "$RUNS/decode-sweep/decode_sweep.txt" "$OUT/" 2>/dev/null ;;
 gemm-sweep)
   step gemm-sweep 150 env $KV_ENV $PY bench/gpu_small_m_gemm_sweep.py "$RUNS/gemm-sweep"
   cp "$RUNS/gemm-sweep/small_m_gemm_sweep.txt" "$OUT/" 2>/dev/null ;;

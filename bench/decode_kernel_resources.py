@@ -2,7 +2,12 @@
 `prefill_kernel_resources.py` does for prefill: the decode kernel (with and without the shared-prefix pass, one and
 several key splits), its merge kernel, and the shared-prefix kernel, specialized as Llama-3.1-8B's launches (32 query
 heads, 8 KV heads, D 128, bf16, 16-token blocks). Usage:
-    python bench/decode_kernel_resources.py [--json OUT]
+    python bench/decode_kernel_resources.py [BLOCK_N,WARPS,STAGES ...] [--json OUT]
+
+Tiles given (KVFLEET_DECODE_TILE's form) compile the decode kernel's one-split variants at each, besides the default
+tile's full set. Each decode row says how many K/V tiles the loop keeps in shared memory (`kv_buffers`): Triton's
+pipeliner gives the block-table load a stage of its own, so at 3 stages (the default) one K and one V buffer are
+filled after the tile before them is used, with no copy in flight during the math; it takes 5 to keep two.
 
 Exit status 1 if a variant fails to compile.
 """
@@ -10,6 +15,7 @@ Exit status 1 if a variant fails to compile.
 from __future__ import annotations
 
 import os
+import re
 import sys
 from typing import Any, Callable
 
@@ -31,15 +37,40 @@ FP32 = {name: "*fp32" for name in ("part_out_ptr", "part_lse_ptr", "pre_out_ptr"
 LLAMA = dict(HEAD_DIM=128, D_PAD=128)
 
 
+Tile = tuple[int, int, int]   # BLOCK_N, num_warps, num_stages
+DEFAULT_TILE: Tile = (DEFAULT_BLOCK_N, DEFAULT_NUM_WARPS, DEFAULT_NUM_STAGES)
+
+
+def kv_buffers(kernel: Any) -> dict[str, Any]:
+    """How many [BLOCK_N, D] K tiles the decode loop keeps in shared memory (its TTGIR's K/V allocations)."""
+    found = re.findall(r"local_alloc : \(\) -> !ttg\.memdesc<(\d+)x\d+x\d+xbf16", kernel.asm["ttgir"])
+    return {"kv_buffers": int(found[0]) if found else 0}
+
+
+def _decode_const(tile: Tile, splits: int, direct: bool, min_tiles: int, shared: bool) -> dict[str, Any]:
+    return dict(LLAMA, G=4, G_PAD=16, BLOCK_SIZE=16, BLOCK_N=tile[0], NUM_SPLITS=splits, MIN_TILES=min_tiles,
+                FUSED_MERGE=False, NUM_KV_HEADS=8, S_PAD=splits, SHARED=shared, UPCAST=False, PREC="tf32",
+                DIRECT_SINGLE=direct)
+
+
+def tile_variants(tile: Tile) -> list[tuple[str, Callable[[], Any]]]:
+    """The decode kernel's one-split launches (with and without the shared-prefix pass) at another tile."""
+    label = "tile {},{},{}".format(*tile)
+    out: list[tuple[str, Callable[[], Any]]] = []
+    for shared in (False, True):
+        const = _decode_const(tile, 1, False, 1, shared)
+        out.append((f"decode splits=1{' shared' if shared else ''} {label}",
+                    lambda c=const: _compile(_decode_kernel, c, FP32, tile[1], tile[2])))
+    return out
+
+
 def variants() -> list[tuple[str, Callable[[], Any]]]:
     out: list[tuple[str, Callable[[], Any]]] = []
     for shared in (False, True):
         # direct: two splits by length (KVFLEET_DECODE_LONG_SPLIT=2048: splits of >= 2048 keys), a sequence left
         # with one split written by it
         for splits, direct, min_tiles in ((1, False, 1), (8, False, 1), (2, True, 32)):
-            const = dict(LLAMA, G=4, G_PAD=16, BLOCK_SIZE=16, BLOCK_N=DEFAULT_BLOCK_N, NUM_SPLITS=splits,
-                         MIN_TILES=min_tiles, FUSED_MERGE=False, NUM_KV_HEADS=8, S_PAD=splits, SHARED=shared,
-                         UPCAST=False, PREC="tf32", DIRECT_SINGLE=direct)
+            const = _decode_const(DEFAULT_TILE, splits, direct, min_tiles, shared)
             out.append((f"decode splits={splits}{' direct' if direct else ''}{' shared' if shared else ''}",
                         lambda c=const: _compile(_decode_kernel, c, FP32, DEFAULT_NUM_WARPS, DEFAULT_NUM_STAGES)))
         for splits, direct, min_tiles in ((8, False, 1), (2, True, 32)):
@@ -54,9 +85,18 @@ def variants() -> list[tuple[str, Callable[[], Any]]]:
     return out
 
 
+def parse_tile(text: str) -> Tile:
+    bn, warps, stages = (int(x) for x in text.split(","))
+    return bn, warps, stages
+
+
 def main(argv: list[str]) -> int:
     json_out = argv[argv.index("--json") + 1] if "--json" in argv else None
-    return write_rows([measure(name, build, {}) for name, build in variants()], json_out)
+    tiles = [parse_tile(a) for a in argv if a[:1].isdigit()]
+    builds = variants() + [v for t in tiles for v in tile_variants(t)]
+    rows = [measure(name, build, {}, inspect=kv_buffers if name.startswith("decode") else None)
+            for name, build in builds]
+    return write_rows(rows, json_out)
 
 
 if __name__ == "__main__":

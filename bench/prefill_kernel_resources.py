@@ -17,7 +17,7 @@ import re
 import subprocess
 import sys
 import tempfile
-from typing import Any
+from typing import Any, Callable
 
 if os.environ.get("TRITON_INTERPRET") == "1":
     sys.exit("prefill_kernel_resources: unset TRITON_INTERPRET (this compiles for the GPU)")
@@ -117,13 +117,17 @@ def main(argv: list[str]) -> int:
     return write_rows(rows, json_out)
 
 
-def measure(name: str, build: Any, fields: dict[str, Any], label: str = "") -> dict[str, Any]:
-    """Compile one variant (`build()`), print and return its row: resources, or the error."""
+def measure(name: str, build: Any, fields: dict[str, Any], label: str = "",
+            inspect: Callable[[Any], dict[str, Any]] | None = None) -> dict[str, Any]:
+    """Compile one variant (`build()`), print and return its row: resources (and what `inspect` reads of the
+    compiled kernel), or the error."""
     row: dict[str, Any] = {**fields, "kernel": name}
     head = f"{label:14} {name:36}" if label else f"{name:38}"
     try:
         k = build()
         row.update(_usage(k.asm["cubin"]), shared_bytes=k.metadata.shared)
+        if inspect is not None:
+            row.update(inspect(k))
         row["fits"] = row["shared_bytes"] <= HOPPER_MAX_SHARED
         print(f"{head} shared {row['shared_bytes']:7d}{'' if row['fits'] else ' (too much)'}"
               f"  registers {row['registers']:3d}  spill stack {row['stack_bytes']:4d}", flush=True)

@@ -43,11 +43,17 @@ def test_decode_and_shared_prefix_kernels_compile_for_sm90_without_spills(tmp_pa
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path / "triton-cache")
     out = tmp_path / "resources.json"
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "decode_kernel_resources.py"), "--json", str(out)],
-                          env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "decode_kernel_resources.py"), "64,4,5", "32,4,6",
+                           "--json", str(out)], env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = json.loads(out.read_text())
     assert {r["kernel"] for r in rows} >= {"decode splits=1 shared", "merge shared", "shared prefix",
-                                          "decode splits=2 direct shared", "merge direct shared"}
+                                          "decode splits=2 direct shared", "merge direct shared",
+                                          "decode splits=1 tile 64,4,5", "decode splits=1 shared tile 32,4,6"}
     for r in rows:
         assert "error" not in r and r["fits"] and r["stack_bytes"] == 0, r
+    # the default tile (3 stages) keeps one K/V tile in shared memory; 5 stages at 64 keys, 6 at 32, keep two
+    # (what bench/gpu_decode_sweep.py times on a GPU)
+    buffers = {r["kernel"]: r["kv_buffers"] for r in rows if r["kernel"].startswith("decode")}
+    assert buffers["decode splits=1"] == buffers["decode splits=1 shared"] == 1
+    assert buffers["decode splits=1 tile 64,4,5"] == buffers["decode splits=1 shared tile 32,4,6"] == 2
