@@ -10,11 +10,18 @@ The first kernel round swept only 2 and 3 stages (1.20x the copy floor at B=256,
 at 64 keys, or 6 at 32, keep two tiles. In the 300-at-once row up to ~300 decodes of ~1k keys share every mixed
 step with prefills, so this kernel is a candidate for the ~4 % its steps lose to vLLM's.
 
+The long-prompt row's decode steps matter as much: lease 19's run spent 230 of them at 22.4 ms (a quarter of its
+20.4 s), at a mean batch of 46 over ~6.2k keys: 368 programs of one split for 132 SMs, each reading its 6k keys
+one tile at a time.
+
 Cases: Llama-3.1-8B heads (32 query, 8 KV, D 128, bf16, 16-token blocks, blocks scattered) at B = 256, 64 and 16
-with 1,024 keys, 128 x 4,096, and Qwen3-0.6B's 16 query heads at B = 256; the engine's split count for each
-(`choose_num_splits`). Each tile: the error against the float32 reference (NaN-poisoned output first), then the
-median of 30 timed calls (CUDA events), GB/s of K/V read and the time over the copy floor (measured copy bandwidth).
-A tile worth trying end to end: `KVFLEET_DECODE_TILE=64,4,5` in the online or offline A/B stages.
+with 1,024 keys, 48 x 6,144 (the long-prompt row), 128 x 4,096, and Qwen3-0.6B's 16 query heads at B = 256; the
+engine's split count for each (`choose_num_splits`), and from 4,096 keys also two splits (what
+`KVFLEET_DECODE_LONG_SPLIT=2048` gives). Each: the error against the float32 reference (NaN-poisoned output first),
+then the median of 30 timed calls (CUDA events), GB/s of K/V read and the time over the copy floor (measured copy
+bandwidth). Where vLLM's wheels are installed, its FlashAttention-3 on the same paged cache (its own split
+heuristic) is a row of each case: the target. A tile worth trying end to end: `KVFLEET_DECODE_TILE=<tile>` in the
+online or offline A/B stages.
 """
 
 from __future__ import annotations
@@ -24,7 +31,7 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 DRY = os.environ.get("KVFLEET_GPU_DRYRUN") == "1"
 if DRY:
@@ -42,13 +49,16 @@ from kvfleet.engine.kernels.paged_decode import (  # noqa: E402
 )
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gpu_attention_sweep import fa3_available  # noqa: E402
 from gpu_kernels import DEV, S, bench_ms, paged_case, rel_err  # noqa: E402
 
 Tile = tuple[int, int, int]   # BLOCK_N, num_warps, num_stages
 DEFAULT_TILE: Tile = (DEFAULT_BLOCK_N, DEFAULT_NUM_WARPS, DEFAULT_NUM_STAGES)
 TILES: list[Tile] = [DEFAULT_TILE, (64, 4, 2), (64, 4, 5), (32, 4, 6), (32, 4, 4), (64, 8, 5), (128, 4, 3),
                      (128, 4, 5)]
-CASES = [(256, 1024, 32), (64, 1024, 32), (16, 1024, 32), (128, 4096, 32), (256, 1024, 16)]   # batch, keys, Hq
+CASES = [(256, 1024, 32), (64, 1024, 32), (16, 1024, 32), (48, 6144, 32), (128, 4096, 32),
+         (256, 1024, 16)]   # batch, keys, Hq
+LONG_KEYS = 4096   # from here on each tile also runs in two splits
 HKV, D = 8, 128
 TOLERANCE = 2e-2
 
@@ -61,7 +71,7 @@ def copy_bandwidth() -> float:
     return 2 * x.numel() * 2 / (ms / 1e3)
 
 
-def sweep_case(batch: int, keys: int, hq: int, bw: float) -> list[dict[str, Any]]:
+def sweep_case(batch: int, keys: int, hq: int, bw: float, fa3: bool) -> list[dict[str, Any]]:
     b, n = S(batch), S(keys)
     c = paged_case(b, [n] * b, [1] * b, hq, HKV, D)
     md = c["md"]
@@ -69,38 +79,55 @@ def sweep_case(batch: int, keys: int, hq: int, bw: float) -> list[dict[str, Any]
     ref = paged_attention_ref(c["q"].float(), c["cache"].float(), md.block_tables, md.seq_lens, md.query_start_loc,
                               scale)
     kv_bytes = b * n * HKV * D * 2 * 2
-    splits = choose_num_splits(b, HKV, n)
+    engine_splits = choose_num_splits(b, HKV, n)
+    split_counts = sorted({engine_splits, 2}) if keys >= LONG_KEYS else [engine_splits]
+    case = f"B={b} keys={n} Hq={hq}"
     rows = []
-    for tile in TILES:
-        bn, warps, stages = tile
-        row: dict[str, Any] = {"case": f"B={b} keys={n} Hq={hq}", "tile": "{},{},{}".format(*tile),
-                               "default": tile == DEFAULT_TILE, "splits": splits}
-        out = torch.full_like(c["q"], float("nan"))
 
-        def call(out: torch.Tensor = out, bn: int = bn, warps: int = warps, stages: int = stages) -> None:
-            paged_decode_attention(c["q"], c["cache"], md.block_tables, md.seq_lens, md.query_start_loc, scale, out,
-                                   num_splits=splits, block_n=bn, num_warps=warps, num_stages=stages)
+    def measure(row: dict[str, Any], call: Callable[[torch.Tensor], None]) -> dict[str, Any]:
+        out = torch.full_like(c["q"], float("nan"))
         try:
-            call()
+            call(out)
             row["rel_err"] = rel_err(out.float(), ref)
             row["ok"] = bool(row["rel_err"] < TOLERANCE)
-            ms = bench_ms(call, 30)
+            ms = bench_ms(lambda: call(out), 30)
             row.update(ms=ms, GBps=kv_bytes / (ms / 1e3) / 1e9, x_floor=ms / (kv_bytes / bw * 1e3))
         except Exception as e:  # noqa: BLE001 - a tile that does not launch is a row too
             row["error"] = f"{type(e).__name__}: {e}"[:500]
-        rows.append(row)
+        return row
+
+    for splits in split_counts:
+        for tile in TILES:
+            bn, warps, stages = tile
+
+            def call(out: torch.Tensor, bn: int = bn, warps: int = warps, stages: int = stages,
+                     splits: int = splits) -> None:
+                paged_decode_attention(c["q"], c["cache"], md.block_tables, md.seq_lens, md.query_start_loc, scale,
+                                       out, num_splits=splits, block_n=bn, num_warps=warps, num_stages=stages)
+            rows.append(measure({"case": case, "impl": "kvfleet", "tile": "{},{},{}".format(*tile),
+                                 "default": tile == DEFAULT_TILE and splits == engine_splits, "splits": splits},
+                                call))
+    if fa3:
+        from vllm.vllm_flash_attn import flash_attn_varlen_func
+
+        def fa3_call(out: torch.Tensor) -> None:
+            flash_attn_varlen_func(c["q"], c["cache"][0], c["cache"][1], 1, md.query_start_loc, n,
+                                   seqused_k=md.seq_lens, softmax_scale=scale, causal=True,
+                                   block_table=md.block_tables, out=out, fa_version=3)
+        rows.append(measure({"case": case, "impl": "vLLM FA3", "tile": "-", "default": False, "splits": "auto"},
+                            fa3_call))
     return rows
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    lines = ["| case | tile (BLOCK_N,warps,stages) | splits | ms | GB/s | x floor | rel err |",
-             "| --- | --- | --- | --- | --- | --- | --- |"]
+    lines = ["| case | kernel | tile (BLOCK_N,warps,stages) | splits | ms | GB/s | x floor | rel err |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
+        head = f"| {r['case']} | {r['impl']} | {r['tile']}{' (default)' if r['default'] else ''} | {r['splits']} |"
         if "error" in r:
-            lines.append(f"| {r['case']} | {r['tile']} | {r['splits']} | error: {r['error'][:80]} | | | |")
+            lines.append(f"{head} error: {r['error'][:80]} | | | |")
             continue
-        mark = " (default)" if r["default"] else ""
-        lines.append(f"| {r['case']} | {r['tile']}{mark} | {r['splits']} | {r['ms']:.4f} | {r['GBps']:.0f} | "
+        lines.append(f"{head} {r['ms']:.4f} | {r['GBps']:.0f} | "
                      f"{r['x_floor']:.3f} | {r['rel_err']:.1e}{'' if r['ok'] else ' WRONG'} |")
     return "\n".join(lines) + "\n"
 
@@ -110,14 +137,15 @@ def main(argv: list[str]) -> int:
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(int(time.time()))
     bw = copy_bandwidth()
-    print(f"copy bandwidth {bw / 1e9:.0f} GB/s", flush=True)
+    fa3 = fa3_available()
+    print(f"copy bandwidth {bw / 1e9:.0f} GB/s; vLLM's FA3 {'beside' if fa3 else 'not installed'}", flush=True)
     rows: list[dict[str, Any]] = []
     for batch, keys, hq in CASES:
-        case_rows = sweep_case(batch, keys, hq, bw)
+        case_rows = sweep_case(batch, keys, hq, bw, fa3)
         rows += case_rows
         print(table(case_rows), flush=True)
     res = {"gpu": None if DRY else torch.cuda.get_device_name(0), "torch": torch.__version__,
-           "copy_GBps": bw / 1e9, "commit": os.environ.get("KVFLEET_COMMIT"), "rows": rows}
+           "copy_GBps": bw / 1e9, "vllm_fa3": fa3, "commit": os.environ.get("KVFLEET_COMMIT"), "rows": rows}
     (out / "decode_sweep.json").write_text(json.dumps(res, indent=1) + "\n")
     (out / "decode_sweep.txt").write_text(f"copy bandwidth {bw / 1e9:.0f} GB/s\n\n" + table(rows))
     wrong = [r for r in rows if "error" in r or not r.get("ok")]
