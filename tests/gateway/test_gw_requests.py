@@ -207,6 +207,22 @@ VLLM_RESPONSES = {
 }
 
 
+def test_a_reasoning_items_parts_count_as_the_engine_joins_them() -> None:
+    """The engine shows a reasoning item's parts to the model one per line; the gateway's estimate and prefix text
+    read them the same way."""
+    from kvfleet.engine.server.protocol_responses import ResponsesRequest
+    from kvfleet.engine.server.responses_api import chat_messages
+    from kvfleet.gateway.responses_api import turns
+
+    body = {"model": "m", "input": [
+        {"role": "user", "content": "hi"},
+        {"type": "reasoning", "id": "rs_1", "summary": [],
+         "content": [{"type": "reasoning_text", "text": "first"}, {"type": "reasoning_text", "text": "second"}]},
+        {"role": "assistant", "content": "hello"}]}
+    req = ResponsesRequest.model_validate(body)
+    assert turns(req)[1].text == chat_messages(req)[1]["reasoning"] == "first\nsecond"
+
+
 def test_a_vllm_model_takes_what_vllms_responses_api_serves_and_the_gateway_reads_only_its_text() -> None:
     """Images, references, built-in tools and stored responses reach a vLLM replica as the client sent them (our
     engine's model refuses them by name); what the gateway reads is still checked, naming the field."""

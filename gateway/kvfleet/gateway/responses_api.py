@@ -46,7 +46,8 @@ def turns(req: ResponsesRequest) -> list[Turn]:
         elif isinstance(item, FunctionCallOutputItem):
             out.append(Turn("tool", content_text(item.output)))
         else:
-            out.append(Turn("assistant", "".join(part.text for part in item.content or item.summary)))
+            # parts joined as the engine joins them into the assistant's reasoning (server/responses_api.py)
+            out.append(Turn("assistant", "\n".join(part.text for part in item.content or item.summary)))
     return out
 
 
