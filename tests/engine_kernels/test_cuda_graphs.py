@@ -1,9 +1,17 @@
-"""Bucket planning of the decode CUDA graphs (the capture itself needs a GPU: bench/gpu_run.py)."""
+"""Bucket planning of the decode CUDA graphs (the capture itself needs a GPU: the `gpu` tests, bench/gpu_run.py)."""
+
+from typing import Any
 
 import pytest
 import torch
 
-from kvfleet.engine.cuda_graphs import CudaGraphRunner, build_graph_runner, graph_batch_sizes, pick_bucket
+from kvfleet.engine.cuda_graphs import (
+    CudaGraphRunner,
+    build_graph_runner,
+    graph_batch_sizes,
+    pick_bucket,
+    short_context_sizes,
+)
 
 
 def test_batch_sizes_cover_every_batch_up_to_the_max() -> None:
@@ -27,3 +35,44 @@ def test_bad_sizes_and_devices_are_rejected() -> None:
     with pytest.raises(ValueError, match="device"):
         CudaGraphRunner(None, [], 4, 64, 16, torch.device("cpu"))
     assert build_graph_runner(None, [], 4, 64, 16, torch.device("cpu")) is None
+
+
+def test_short_context_graphs_only_where_the_long_split_changes_the_launch() -> None:
+    """KVFLEET_DECODE_LONG_SPLIT = L: a size the batch alone leaves at one split launches two for contexts that may
+    exceed L keys; it gets a second graph for contexts of up to L (one split). Smaller batches split by the batch
+    rule either way, so theirs would be the same launch."""
+    sizes = graph_batch_sizes(256)
+    assert short_context_sizes(sizes, 8, 8448, 132, 0) == []          # the knob off
+    assert short_context_sizes(sizes, 8, 2048, 132, 2048) == []       # no context can exceed it
+    # 8 KV heads on 132 SMs: from 33 sequences on, the batch alone gives one split
+    assert short_context_sizes(sizes, 8, 8448, 132, 2048) == [s for s in sizes if s >= 33]
+    assert short_context_sizes(sizes, 2, 8448, 132, 2048) == [s for s in sizes if s >= 132]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_short_and_long_context_graphs_replay_the_eager_tokens(tiny_model_factory: Any,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the long split on, 160 sequences decode from the short-context graph while their contexts fit, then
+    from the two-split one: greedy tokens identical to an eager engine's (float32)."""
+    from kvfleet.engine import LLM, SamplingParams
+    from kvfleet.engine.kernels import paged_decode
+
+    monkeypatch.setattr(paged_decode, "DEFAULT_LONG_SPLIT", 64)
+    folder = str(tiny_model_factory("llama"))
+    gen = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, 250, (int(n),), generator=gen).tolist()
+               for n in torch.randint(8, 40, (160,), generator=gen)]
+    params = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
+    kw: dict[str, Any] = dict(dtype="float32", device="cuda", max_num_seqs=256, max_num_batched_tokens=8192,
+                              max_model_len=256, gpu_memory_utilization=0.3)
+    tokens = {}
+    for eager in (True, False):
+        llm = LLM(folder, enforce_eager=eager, **kw)
+        tokens[eager] = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params)]
+        graphs = llm.llm_engine.runner.executor.graphs
+        if not eager:
+            assert graphs is not None and 160 in graphs.short_sizes and graphs.short_len == 64
+            assert graphs.short_replays > 0   # the first decode steps: every context under 64 keys
+        llm.shutdown()
+    assert tokens[False] == tokens[True]

@@ -13,6 +13,12 @@ Padded batch sizes: 1, 2, 4, 8, every 16 to 256, every 32 to 512, every 64 beyon
 captured a second time with the shared-prefix pass (`attention.shared_prefix`: decode rows that share leading
 KV blocks read them once per group) over static plan buffers; a step replays that variant when its plan finds
 a shared prefix, the plain one otherwise, so steps with nothing shared pay nothing for it.
+
+A graph fixes the decode kernel's split count, chosen for contexts of up to ``max_model_len`` keys. With
+KVFLEET_DECODE_LONG_SPLIT = L on, that is two splits at every size the batch alone leaves at one, which long
+contexts gain from and short ones pay for; those sizes are captured a second time for contexts of up to L keys
+(one split), replayed while a step's longest context fits (`short_context_sizes`). Either graph is right for
+any length: the split count only spreads the work.
 The model executors (``kvfleet.engine.model_executor``) capture it on CUDA and replay it through
 ``can_run(num_tokens, attn_metadata)`` and ``run(input_ids, positions, kv_caches, attn_metadata)``.
 """
@@ -31,6 +37,7 @@ import torch
 from kvfleet.engine.attention import shared_prefix as sp
 from kvfleet.engine.attention.metadata import AttentionMetadata
 from kvfleet.engine.distributed import parallel_state
+from kvfleet.engine.kernels.paged_decode import choose_decode_split
 from kvfleet.engine.models.base import CausalLM
 
 if TYPE_CHECKING:
@@ -77,6 +84,17 @@ def mixed_graph_limit() -> int:
 
 
 SHARED_PREFIX_MIN_BATCH = 16   # the smallest captured batch with a shared-prefix variant
+
+
+def short_context_sizes(sizes: list[int], num_kv_heads: int, max_model_len: int, num_sms: int,
+                        long_split: int) -> list[int]:
+    """The batch sizes whose decode kernel splits differently while no context exceeds `long_split` keys than when
+    one may reach `max_model_len`: those that get a graph for short contexts ([] when the long split is off)."""
+    if not 0 < long_split < max_model_len:
+        return []
+    return [bs for bs in sizes
+            if choose_decode_split(bs, num_kv_heads, long_split, num_sms, long_split)
+            != choose_decode_split(bs, num_kv_heads, max_model_len, num_sms, long_split)]
 
 
 def pick_bucket(sizes: list[int], n: int) -> int | None:
@@ -154,6 +172,12 @@ class CudaGraphRunner:
         self.shared_outputs: dict[int, torch.Tensor] = {}
         self.members_per_item = 1
         self.shared_replays = 0   # decode steps replayed with the shared-prefix pass
+        # the sizes captured again for contexts of up to `short_len` keys (`short_context_sizes`)
+        self.short_len = 0
+        self.short_sizes: list[int] = []
+        self.short_graphs: dict[int, Any] = {}
+        self.short_outputs: dict[int, torch.Tensor] = {}
+        self.short_replays = 0    # decode steps replayed with those
         self.pool: Any = None
         self.mixed: MixedGraphs | None = None   # steps with prefill, captured after the decode graphs when set
 
@@ -164,12 +188,19 @@ class CudaGraphRunner:
         self.shared = sp.SharedPrefixBuffers(self.sizes[-1], num_q_heads, kv.shape[4], self.device)
         self.members_per_item = members_per_item
 
-    def _metadata(self, bs: int, shared: bool = False) -> AttentionMetadata:
-        # max_seq_len = max_model_len fixes the decode kernel's split count for every replay
+    def enable_short_contexts(self, num_sms: int, long_split: int) -> None:
+        """Capture the sizes whose split count differs for contexts of up to `long_split` keys a second time
+        (before `capture`; nothing when the long split is off)."""
+        kv = self.kv_caches[0]
+        self.short_sizes = short_context_sizes(self.sizes, kv.shape[3], self.max_model_len, num_sms, long_split)
+        self.short_len = long_split if self.short_sizes else 0
+
+    def _metadata(self, bs: int, shared: bool = False, max_seq_len: int | None = None) -> AttentionMetadata:
+        # max_seq_len (max_model_len unless given) fixes the decode kernel's split count for every replay
         md = AttentionMetadata(
             slot_mapping=self.slot_mapping[:bs], query_start_loc=self.query_start_loc[:bs + 1],
             seq_lens=self.seq_lens[:bs], block_tables=self.block_tables[:bs],
-            max_query_len=1, max_seq_len=self.max_model_len,
+            max_query_len=1, max_seq_len=max_seq_len or self.max_model_len,
             query_start_loc_cpu=list(range(bs + 1)), seq_lens_cpu=[1] * bs,
         )
         md.plans[sp.PLAN_KEY] = self.shared.tensors(bs) if shared and self.shared is not None else None
@@ -188,9 +219,12 @@ class CudaGraphRunner:
         self.seq_lens.fill_(1)
         stream = torch.cuda.Stream(self.device)
         shared_sizes = [] if piecewise else self._shared_sizes()
-        variants = [(bs, False) for bs in self.sizes] + [(bs, True) for bs in shared_sizes]
-        for bs, shared in sorted(variants, reverse=True):
-            md = self._metadata(bs, shared)
+        variants = ([(bs, "plain") for bs in self.sizes] + [(bs, "shared") for bs in shared_sizes]
+                    + [(bs, "short") for bs in self.short_sizes])
+        graphs = {"plain": self.graphs, "shared": self.shared_graphs, "short": self.short_graphs}
+        outputs = {"plain": self.outputs, "shared": self.shared_outputs, "short": self.short_outputs}
+        for bs, kind in sorted(variants, key=lambda v: v[0], reverse=True):   # largest first: the pool fits all
+            md = self._metadata(bs, kind == "shared", self.short_len if kind == "short" else None)
             args = (self.input_ids[:bs], self.positions[:bs], self.kv_caches, md)
             stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(stream):
@@ -202,21 +236,22 @@ class CudaGraphRunner:
                     self.pool = torch.cuda.graph_pool_handle()
                 pieces = PiecewiseGraph()
                 out = pieces.capture(functools.partial(self.model, *args), self.pool, stream, capture_error_mode)
-                self.graphs[bs] = pieces
+                graphs[kind][bs] = pieces
             else:
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=self.pool, capture_error_mode=capture_error_mode):
                     out = self.model(*args)
                 if self.pool is None:
                     self.pool = graph.pool()
-                (self.shared_graphs if shared else self.graphs)[bs] = graph
-            (self.shared_outputs if shared else self.outputs)[bs] = out
+                graphs[kind][bs] = graph
+            outputs[kind][bs] = out
         self.seq_lens.zero_()
         torch.cuda.synchronize(self.device)
         used = free_before - torch.cuda.mem_get_info(self.device)[0]
-        logger.info("captured %d decode CUDA graphs (batch %d..%d; %d more with the shared-prefix pass) in %.1fs, "
-                    "%.0f MiB", len(self.graphs), self.sizes[0], self.sizes[-1], len(self.shared_graphs),
-                    time.monotonic() - start, used / 2**20)
+        logger.info("captured %d decode CUDA graphs (batch %d..%d; %d more with the shared-prefix pass, %d for "
+                    "contexts of up to %d keys) in %.1fs, %.0f MiB", len(self.graphs), self.sizes[0], self.sizes[-1],
+                    len(self.shared_graphs), len(self.short_graphs), self.short_len, time.monotonic() - start,
+                    used / 2**20)
         if self.mixed is not None and not piecewise:
             start, free_before = time.monotonic(), torch.cuda.mem_get_info(self.device)[0]
             self.pool = self.mixed.capture(self.pool, stream, capture_error_mode)
@@ -233,6 +268,8 @@ class CudaGraphRunner:
         self.outputs.clear()
         self.shared_graphs.clear()
         self.shared_outputs.clear()
+        self.short_graphs.clear()
+        self.short_outputs.clear()
         if self.mixed is not None:
             self.mixed.graphs.clear()
             self.mixed.outputs.clear()
@@ -276,6 +313,10 @@ class CudaGraphRunner:
             self.shared_graphs[bs].replay()
             self.shared_replays += 1
             return self.shared_outputs[bs][:n]
+        if bs in self.short_graphs and md.max_seq_len <= self.short_len:
+            self.short_graphs[bs].replay()
+            self.short_replays += 1
+            return self.short_outputs[bs][:n]
         self.graphs[bs].replay()
         return self.outputs[bs][:n]
 
@@ -302,6 +343,11 @@ def build_graph_runner(model: CausalLM, kv_caches: list[torch.Tensor], max_num_s
     if sp.ENABLED and model.attention_fn is triton_paged_attention and parallel_state.get_tp_size() == 1:
         hq, hkv = model.config.num_heads, kv_caches[0].shape[3]
         runner.enable_shared_prefix(hq, members_per_item(hq, hkv))
+    if model.attention_fn is triton_paged_attention:
+        from kvfleet.engine.kernels import paged_decode
+
+        runner.enable_short_contexts(torch.cuda.get_device_properties(device).multi_processor_count,
+                                     paged_decode.DEFAULT_LONG_SPLIT)
     if mixed_max_tokens > 0:
         from kvfleet.engine.mixed_graphs import MixedGraphs
 

@@ -280,6 +280,7 @@ class KvfleetBench:
         before = engine.stats()
         graphs_before = engine.runner.executor.graphs
         shared_before = graphs_before.shared_replays if graphs_before is not None else 0
+        short_before = graphs_before.short_replays if graphs_before is not None else 0
         # With async scheduling the forward is not synchronised (that would undo the overlap): its
         # timer is then launch time only, and "outputs" is the host time not hidden behind the device.
         timers = StepTimers(engine, cuda, sync_forward=not engine.config.async_scheduling)
@@ -347,6 +348,8 @@ class KvfleetBench:
         if graphs is not None:
             # decode steps replayed with the shared-prefix pass (cascade attention), during the timed run
             res["shared_prefix_replays"] = graphs.shared_replays - shared_before
+            # decode steps replayed from the graphs for short contexts (KVFLEET_DECODE_LONG_SPLIT on)
+            res["short_context_replays"] = graphs.short_replays - short_before
         if cuda:
             # allocator events during the run: a device allocation retry (cudaFree) or a new pinned host block
             # (cudaHostAlloc) makes the host wait for the device, undoing async scheduling's overlap

@@ -92,7 +92,8 @@ def _long_split_from_env() -> int:
     """KVFLEET_DECODE_LONG_SPLIT: contexts of more than this many keys are read in two splits where the batch alone
     would not split them (`choose_decode_split`; default 0: off. Issue 16's lease 9 at 2048: 1.1 ms off each
     long-prompt decode step, 0.8 ms onto each random-1024-128 one under CUDA graphs, whose launches always split;
-    throughput +0.9 / -0.2 %)."""
+    throughput +0.9 / -0.2 %). The decode graphs now have one-split variants for contexts of up to this many keys
+    (`cuda_graphs.short_context_sizes`), so short contexts no longer pay for it under graphs."""
     return int_from_env("KVFLEET_DECODE_LONG_SPLIT", 0, 0, 1 << 20)
 
 
