@@ -11,9 +11,10 @@
 #   profile           bench/gpu_profile_issue16.py: prefill attention at long contexts (our kernel's tiles
 #                     against torch's flash SDPA), decode step at batch 1 against its floor, one long-prompt
 #                     step and one batch-1 decode step under torch.profiler, Triton compiles after warm-up (~1.5)
-#   step-profile      bench/gpu_step_profile.py: the burst's prefill step (8 x 1024), a long-prompt step (1 x 8192)
-#                     and the burst's whole work (300 x 1024/128, no HTTP) through kvfleet, then vLLM in process,
-#                     timed and under torch.profiler: kernel ms by kind side by side (~1 + ~2.5)
+#   step-profile      bench/gpu_step_profile.py: the burst's prefill step (8 x 1024), a long-prompt step (1 x 8192),
+#                     the burst's whole work (300 x 1024/128, no HTTP) and its prompts to the first token only,
+#                     through kvfleet, then vLLM in process, timed and under torch.profiler: kernel ms by kind side
+#                     by side, the burst's decoding among them (~2 + ~3)
 #   host-profile      bench/gpu_host_profile.py: host time against GPU time of eager mixed/prefill forwards
 #                     per prefill kernel, launch costs, cProfile of a mixed forward (~1.5)
 #   kv-diag           where mixed steps wait: bench/gpu_sync_probe.py (which allocator calls wait for queued

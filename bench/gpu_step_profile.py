@@ -16,7 +16,9 @@ prefix-cache hits):
 - prefill-8x1024: one step of 8 fresh 1,024-token prompts (one output token): the burst's prefill step;
 - prefill-1x8192: one step of one fresh 8,192-token prompt: the long-prompt class's;
 - burst: 300 prompts of 1,024 tokens, 128 output tokens each, submitted at once (the online burst's work without
-  HTTP): its whole run's kernels, prefill, mixed and decode steps together.
+  HTTP): its whole run's kernels, prefill, mixed and decode steps together;
+- burst-prefill: the same prompts to their first token only; `compare` takes it from the burst, kind by kind, for
+  what the other 127 tokens of 300 sequences cost (decode attention at ~1k keys, small-M GEMMs).
 Each is run once to warm, then timed (`--repeats`, median), then once under the profiler (device kernels only).
 `--dry`: kvfleet on the CPU at 1/64 of the sizes with a tiny model; aten ops' CPU time stands in for kernels.
 """
@@ -53,7 +55,9 @@ class Scenario:
 
 
 SCENARIOS = {s.name: s for s in (Scenario("prefill-8x1024", 8, 1024, 1), Scenario("prefill-1x8192", 1, 8192, 1),
-                                  Scenario("burst", 300, 1024, 128))}
+                                  Scenario("burst", 300, 1024, 128), Scenario("burst-prefill", 300, 1024, 1))}
+# kernel time of the burst's decoding: its whole run less the same prompts run to their first token
+DERIVED = {"burst decoding (burst less burst-prefill)": ("burst", "burst-prefill")}
 
 
 def scaled(s: Scenario, dry: bool) -> Scenario:
@@ -193,7 +197,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def comparison(ours: dict[str, Any], theirs: dict[str, Any]) -> dict[str, Any]:
-    """Per scenario both engines had: wall medians and kernel ms by kind, kvfleet's over vLLM's."""
+    """Per scenario both engines had: wall medians and kernel ms by kind, kvfleet's over vLLM's; and the derived
+    rows (one scenario's kernels less another's) where both engines ran both."""
     out: dict[str, Any] = {}
     for name, a in ours["scenarios"].items():
         b = theirs["scenarios"].get(name)
@@ -203,24 +208,36 @@ def comparison(ours: dict[str, Any], theirs: dict[str, Any]) -> dict[str, Any]:
                                  "ratio": a["wall_ms_median"] / b["wall_ms_median"]},
                      "kinds": kind_rows(a["kernel_ms_by_kind"], b["kernel_ms_by_kind"]),
                      "kernels_launched": {"ours": a["kernels_launched"], "theirs": b["kernels_launched"]}}
+    for name, (whole, part) in DERIVED.items():
+        if whole in out and part in out:
+            out[name] = {"kinds": kind_rows(_less(ours, whole, part), _less(theirs, whole, part))}
     return out
+
+
+def _less(result: dict[str, Any], whole: str, part: str) -> dict[str, float]:
+    a, b = (result["scenarios"][s]["kernel_ms_by_kind"] for s in (whole, part))
+    return {k: a.get(k, 0.0) - b.get(k, 0.0) for k in a}
 
 
 def comparison_text(cmp: dict[str, Any], ours: dict[str, Any], theirs: dict[str, Any]) -> str:
     lines = []
     for name, c in cmp.items():
-        w = c["wall_ms"]
-        lines += [f"## {name}: wall {w['ours']:.1f} ms (kvfleet) against {w['theirs']:.1f} ms (vLLM), "
-                  f"x{w['ratio']:.3f}; kernels launched {c['kernels_launched']['ours']} against "
-                  f"{c['kernels_launched']['theirs']}",
-                  "", "| kind | kvfleet ms | vLLM ms | diff ms | kvfleet / vLLM |", "| --- | --- | --- | --- | --- |"]
+        if "wall_ms" in c:
+            w = c["wall_ms"]
+            lines.append(f"## {name}: wall {w['ours']:.1f} ms (kvfleet) against {w['theirs']:.1f} ms (vLLM), "
+                         f"x{w['ratio']:.3f}; kernels launched {c['kernels_launched']['ours']} against "
+                         f"{c['kernels_launched']['theirs']}")
+        else:
+            lines.append(f"## {name}")
+        lines += ["", "| kind | kvfleet ms | vLLM ms | diff ms | kvfleet / vLLM |", "| --- | --- | --- | --- | --- |"]
         for r in c["kinds"]:
             ratio = "–" if r["ratio"] is None else f"{r['ratio']:.3f}"
             lines.append(f"| {r['kind']} | {r['ours_ms']:.2f} | {r['theirs_ms']:.2f} | {r['diff_ms']:+.2f} | {ratio} |")
-        for label, res in (("kvfleet", ours), ("vLLM", theirs)):
-            lines += ["", f"{label}'s longest kernels:"]
-            for k in res["scenarios"][name]["top_kernels"][:15]:
-                lines.append(f"  {k['ms']:9.2f} ms {k['calls']:7d}x  {k['kind']:16} {k['name'][:110]}")
+        if name in ours["scenarios"]:
+            for label, res in (("kvfleet", ours), ("vLLM", theirs)):
+                lines += ["", f"{label}'s longest kernels:"]
+                for k in res["scenarios"][name]["top_kernels"][:15]:
+                    lines.append(f"  {k['ms']:9.2f} ms {k['calls']:7d}x  {k['kind']:16} {k['name'][:110]}")
         lines.append("")
     return "\n".join(lines) + "\n"
 

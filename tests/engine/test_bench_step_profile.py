@@ -59,11 +59,12 @@ def test_step_profile_dry_run_and_compare(tmp_path: Path, bench_module: Callable
     model = make_tiny_model("llama", tmp_path / "model")
     out = tmp_path / "out"
     assert module.main(["run", "--engine", "kvfleet", "--model", str(model), "--out", str(out), "--dry",
-                        "--scenarios", "prefill-8x1024,burst", "--repeats", "2"]) == 0
+                        "--scenarios", "prefill-8x1024,burst,burst-prefill", "--repeats", "2"]) == 0
     res = json.loads((out / "step_profile_kvfleet.json").read_text())
-    assert set(res["scenarios"]) == {"prefill-8x1024", "burst"}
+    assert set(res["scenarios"]) == {"prefill-8x1024", "burst", "burst-prefill"}
     burst = res["scenarios"]["burst"]
     assert burst["output_tokens"] == 16 * 4 and len(burst["wall_ms"]) == 2   # dry sizes: 16 prompts x 4 tokens
+    assert res["scenarios"]["burst-prefill"]["output_tokens"] == 16
     for sc in res["scenarios"].values():
         by_kind = sc["kernel_ms_by_kind"]
         assert sum(by_kind.values()) == pytest.approx(sc["kernel_ms_total"])
@@ -71,12 +72,19 @@ def test_step_profile_dry_run_and_compare(tmp_path: Path, bench_module: Callable
         assert any(k["name"] == "aten::mm" and k["kind"] == "gemm" for k in sc["top_kernels"])
     # the comparison needs both engines' results
     assert module.main(["compare", str(out)]) == 2
-    theirs = {**res, "engine": "vllm", "scenarios": {"burst": {**burst, "wall_ms_median": burst["wall_ms_median"] / 2}}}
+    theirs = {**res, "engine": "vllm",
+              "scenarios": {"burst": {**burst, "wall_ms_median": burst["wall_ms_median"] / 2},
+                            "burst-prefill": res["scenarios"]["burst-prefill"]}}
     (out / "step_profile_vllm.json").write_text(json.dumps(theirs))
     assert module.main(["compare", str(out)]) == 0
     cmp = json.loads((out / "step_profile_compare.json").read_text())
-    assert set(cmp) == {"burst"} and cmp["burst"]["wall_ms"]["ratio"] == pytest.approx(2.0)
-    assert "## burst" in (out / "step_profile_compare.txt").read_text()
+    decoding = "burst decoding (burst less burst-prefill)"
+    assert set(cmp) == {"burst", "burst-prefill", decoding} and cmp["burst"]["wall_ms"]["ratio"] == pytest.approx(2.0)
+    total = {r["kind"]: r for r in cmp[decoding]["kinds"]}["total"]
+    assert total["ours_ms"] == pytest.approx(burst["kernel_ms_total"]
+                                             - res["scenarios"]["burst-prefill"]["kernel_ms_total"])
+    text = (out / "step_profile_compare.txt").read_text()
+    assert "## burst:" in text and f"## {decoding}" in text
 
 
 def test_step_profile_rejects_unknown_scenario(bench_module: Callable[[str], Any], tmp_path: Path) -> None:
