@@ -75,11 +75,16 @@ def test_operator_client_reads_the_token_again_and_retries_once(api: ApiServer, 
     assert kube.list("v1", "namespaces") == [] and api.seen == ["old", "new", "new"]
 
 
-def test_operator_client_gives_a_401_it_cannot_cure_to_its_caller(api: ApiServer) -> None:
+def test_operator_client_gives_a_401_it_cannot_cure_to_its_caller(api: ApiServer, tmp_path: Path) -> None:
     kube = Kube(api.url, False, StaticToken("revoked"))
     with pytest.raises(OperatorKubeError, match="Unauthorized") as caught:
         kube.list("v1", "namespaces")
-    assert caught.value.status == 401 and api.seen == ["revoked", "revoked"]   # one retry, no loop
+    assert caught.value.status == 401 and api.seen == ["revoked"]   # a kubeconfig's literal token: not sent again
+    path = tmp_path / "token"
+    path.write_text("revoked")
+    with pytest.raises(OperatorKubeError, match="Unauthorized"):
+        Kube(api.url, False, TokenFile(path, clock=lambda: 0.0)).list("v1", "namespaces")
+    assert api.seen == ["revoked", "revoked", "revoked"]   # a file read again, still refused: one retry, no loop
 
 
 def test_gateway_client_drops_a_refused_token(api: ApiServer, tmp_path: Path) -> None:

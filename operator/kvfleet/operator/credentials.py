@@ -33,11 +33,12 @@ EXEC_TIMEOUT_S = 60.0
 
 class TokenSource(Protocol):
     """The bearer token now (None: none); `forget` after the server refused it (401), so the next call reads the
-    file or runs the plugin again instead of sending the refused token until it would have expired."""
+    file or runs the plugin again instead of sending the refused token until it would have expired. `forget`
+    says whether the next call may give another token (a kubeconfig's literal one never does: not worth a retry)."""
 
     def __call__(self) -> str | None: ...
 
-    def forget(self) -> None: ...
+    def forget(self) -> bool: ...
 
 
 class StaticToken:
@@ -49,8 +50,9 @@ class StaticToken:
     def __call__(self) -> str | None:
         return self.value
 
-    def forget(self) -> None:
+    def forget(self) -> bool:
         """Nothing to read again: the kubeconfig's token is what it is."""
+        return False
 
 
 class CredentialsError(ValueError):
@@ -97,8 +99,9 @@ class TokenFile:
             self._read_at = now
         return self._value
 
-    def forget(self) -> None:
+    def forget(self) -> bool:
         self._value = None
+        return True
 
 
 class ExecToken:
@@ -123,8 +126,9 @@ class ExecToken:
             self._token, self._valid_until = self._run()
         return self._token
 
-    def forget(self) -> None:
+    def forget(self) -> bool:
         self._token = None
+        return True
 
     def _run(self) -> tuple[str, float]:
         if shutil.which(self.argv[0]) is None:

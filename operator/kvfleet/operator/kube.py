@@ -87,9 +87,8 @@ class Kube:
                  body: Any = None, content_type: str = "application/json") -> dict[str, Any] | None:
         content = None if body is None else json.dumps(body)
         resp = self._send(method, path, params, content, content_type)
-        if resp.status_code == 401 and self._token_fn is not None:
+        if resp.status_code == 401 and self._token_fn is not None and self._token_fn.forget():
             # A token the server refused (revoked, or rotated early): read or run for a new one, once.
-            self._token_fn.forget()
             resp = self._send(method, path, params, content, content_type)
         if resp.status_code == 404 and method in ("GET", "DELETE"):
             return None
