@@ -143,7 +143,8 @@ def profiled(gen: Generator, prompts: list[list[int]], max_tokens: int, on_devic
     from torch.profiler import ProfilerActivity, profile
 
     # device kernels only on a GPU: a burst launches ~10^5 of them, and the CPU ops' events would double that
-    with profile(activities=[ProfilerActivity.CUDA] if on_device else [ProfilerActivity.CPU]) as prof:
+    # acc_events: one cycle either way; without it torch warns that it clears events between cycles
+    with profile(activities=[ProfilerActivity.CUDA] if on_device else [ProfilerActivity.CPU], acc_events=True) as prof:
         gen.generate(prompts, max_tokens)
         gen.sync()
     return kernel_totals(prof, on_device)
