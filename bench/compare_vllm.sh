@@ -40,6 +40,8 @@
 #   attn-sweep        the prefill attention sweep alone, with SWEEP_CASES / SWEEP_TMA_TILES / SWEEP_BLOCK_SIZE
 #                     passed through (bench/gpu_attention_sweep.py; ~1 for a few tiles of the 1k-prompt cases;
 #                     into attn-sweep-b<block size>/)
+#   gpu-tests         the `gpu`-marked tests (pytest -m gpu) under GPU_TESTS (default tests/engine: the decode graphs
+#                     for short contexts against eager; the 2-GPU ones skip on one GPU) (~1)
 #   decode-sweep      bench/gpu_decode_sweep.py: decode attention's tile (KVFLEET_DECODE_TILE: the default's one
 #                     K/V buffer against 5-6 stages' two) at B = 16..256, 1k-4k keys, against the copy floor (~1;
 #                     into decode-sweep/, its txt into $OUT)
@@ -204,6 +206,8 @@ attn-sweep)
   b=${SWEEP_BLOCK_SIZE:-16}
   step "attention-sweep block $b" 150 env $KV_ENV $PY bench/gpu_attention_sweep.py "$RUNS/attn-sweep-b$b"
   cp "$RUNS/attn-sweep-b$b/attention_sweep.txt" "$OUT/attention_sweep_b$b.txt" 2>/dev/null ;;
+gpu-tests)
+  step gpu-tests 150 env $KV_ENV $PY -m pytest -q -p no:cacheprovider -m gpu ${GPU_TESTS:-tests/engine} ;;
 decode-sweep)
   step decode-sweep 120 env $KV_ENV $PY bench/gpu_decode_sweep.py "$RUNS/decode-sweep"
   cp "$RUNS/decode-sweep/decode_sweep.txt" "$OUT/" 2>/dev/null ;;
