@@ -91,8 +91,11 @@ def parse_tile(text: str) -> Tile:
 
 
 def main(argv: list[str]) -> int:
-    json_out = argv[argv.index("--json") + 1] if "--json" in argv else None
-    tiles = [parse_tile(a) for a in argv if a[:1].isdigit()]
+    json_out = None
+    if "--json" in argv:
+        i = argv.index("--json")
+        json_out, argv = argv[i + 1], argv[:i] + argv[i + 2:]
+    tiles = [parse_tile(a) for a in argv]
     builds = variants() + [v for t in tiles for v in tile_variants(t)]
     rows = [measure(name, build, {}, inspect=kv_buffers if name.startswith("decode") else None)
             for name, build in builds]
