@@ -22,7 +22,7 @@ from typing import Any, Callable
 if os.environ.get("TRITON_INTERPRET") == "1":
     sys.exit("decode_kernel_resources: unset TRITON_INTERPRET (this compiles for the GPU)")
 
-from prefill_kernel_resources import _compile, measure, write_rows  # noqa: E402
+from prefill_kernel_resources import _compile, json_arg, measure, write_rows  # noqa: E402
 
 from kvfleet.engine.kernels import shared_prefix as pk  # noqa: E402
 from kvfleet.engine.kernels.paged_decode import (  # noqa: E402
@@ -91,10 +91,7 @@ def parse_tile(text: str) -> Tile:
 
 
 def main(argv: list[str]) -> int:
-    json_out = None
-    if "--json" in argv:
-        i = argv.index("--json")
-        json_out, argv = argv[i + 1], argv[:i] + argv[i + 2:]
+    json_out, argv = json_arg(argv)
     tiles = [parse_tile(a) for a in argv]
     builds = variants() + [v for t in tiles for v in tile_variants(t)]
     rows = [measure(name, build, {}, inspect=kv_buffers if name.startswith("decode") else None)

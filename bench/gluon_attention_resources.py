@@ -38,7 +38,7 @@ if os.environ.get("TRITON_INTERPRET") == "1":
 
 import torch  # noqa: E402
 import triton  # noqa: E402
-from prefill_kernel_resources import CUOBJDUMP, HOPPER_MAX_SHARED, TARGET, _usage, write_rows  # noqa: E402
+from prefill_kernel_resources import CUOBJDUMP, HOPPER_MAX_SHARED, TARGET, _usage, json_arg, write_rows  # noqa: E402
 from triton.experimental.gluon._runtime import GluonASTSource  # noqa: E402
 
 from kvfleet.engine.kernels.prefill_attention_gluon import (  # noqa: E402
@@ -221,10 +221,7 @@ def parse_variant(raw: str) -> tuple[str, int, int, int, int, int]:
 
 
 def main(argv: list[str]) -> int:
-    json_out = None
-    if "--json" in argv:
-        i = argv.index("--json")
-        json_out, argv = argv[i + 1], argv[:i] + argv[i + 2:]
+    json_out, argv = json_arg(argv)
     variants = [parse_variant(a) for a in argv] or DEFAULT_VARIANTS
     return write_rows([measure(v) for v in variants], json_out)
 

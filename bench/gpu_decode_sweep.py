@@ -50,7 +50,7 @@ from kvfleet.engine.kernels.paged_decode import (  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_attention_sweep import fa3_available  # noqa: E402
-from gpu_kernels import DEV, S, bench_ms, paged_case, rel_err  # noqa: E402
+from gpu_kernels import S, bench_ms, ceilings, paged_case, rel_err  # noqa: E402
 
 Tile = tuple[int, int, int]   # BLOCK_N, num_warps, num_stages
 DEFAULT_TILE: Tile = (DEFAULT_BLOCK_N, DEFAULT_NUM_WARPS, DEFAULT_NUM_STAGES)
@@ -61,14 +61,6 @@ CASES = [(256, 1024, 32), (64, 1024, 32), (16, 1024, 32), (48, 6144, 32), (128, 
 LONG_KEYS = 4096   # from here on each tile also runs in two splits
 HKV, D = 8, 128
 TOLERANCE = 2e-2
-
-
-def copy_bandwidth() -> float:
-    """Bytes per second of a device-to-device copy of 2 GiB (read + write)."""
-    x = torch.randn(S(2**30), dtype=torch.bfloat16, device=DEV)
-    y = torch.empty_like(x)
-    ms = bench_ms(lambda: y.copy_(x), 20)
-    return 2 * x.numel() * 2 / (ms / 1e3)
 
 
 def sweep_case(batch: int, keys: int, hq: int, bw: float, fa3: bool) -> list[dict[str, Any]]:
@@ -136,7 +128,7 @@ def main(argv: list[str]) -> int:
     out = Path(argv[1] if len(argv) > 1 else "decode-sweep")
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(int(time.time()))
-    bw = copy_bandwidth()
+    bw = ceilings()["copy_bw_GBps"] * 1e9   # bytes/s of a 2 GiB device copy (read + write)
     fa3 = fa3_available()
     print(f"copy bandwidth {bw / 1e9:.0f} GB/s; vLLM's FA3 {'beside' if fa3 else 'not installed'}", flush=True)
     rows: list[dict[str, Any]] = []

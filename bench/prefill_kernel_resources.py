@@ -106,11 +106,16 @@ def variants(tile: tuple[int, int, int, int]) -> list[tuple[str, Any]]:
     ]
 
 
+def json_arg(argv: list[str]) -> tuple[str | None, list[str]]:
+    """(the path after --json, or None; the other arguments)."""
+    if "--json" not in argv:
+        return None, argv
+    i = argv.index("--json")
+    return argv[i + 1], argv[:i] + argv[i + 2:]
+
+
 def main(argv: list[str]) -> int:
-    json_out = None
-    if "--json" in argv:
-        i = argv.index("--json")
-        json_out, argv = argv[i + 1], argv[:i] + argv[i + 2:]
+    json_out, argv = json_arg(argv)
     tiles = [tuple(int(x) for x in a.split(",")) for a in argv] or [default_tile_v2(8192, _bf16())]
     rows = [measure(name, build, {"tile": list(tile)}, ",".join(map(str, tile)))
             for tile in tiles for name, build in variants(tile)]   # type: ignore[arg-type]

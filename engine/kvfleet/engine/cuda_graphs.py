@@ -37,7 +37,7 @@ import torch
 from kvfleet.engine.attention import shared_prefix as sp
 from kvfleet.engine.attention.metadata import AttentionMetadata
 from kvfleet.engine.distributed import parallel_state
-from kvfleet.engine.kernels.paged_decode import choose_decode_split
+from kvfleet.engine.kernels import paged_decode
 from kvfleet.engine.models.base import CausalLM
 
 if TYPE_CHECKING:
@@ -93,8 +93,8 @@ def short_context_sizes(sizes: list[int], num_kv_heads: int, max_model_len: int,
     if not 0 < long_split < max_model_len:
         return []
     return [bs for bs in sizes
-            if choose_decode_split(bs, num_kv_heads, long_split, num_sms, long_split)
-            != choose_decode_split(bs, num_kv_heads, max_model_len, num_sms, long_split)]
+            if paged_decode.choose_decode_split(bs, num_kv_heads, long_split, num_sms, long_split)
+            != paged_decode.choose_decode_split(bs, num_kv_heads, max_model_len, num_sms, long_split)]
 
 
 def pick_bucket(sizes: list[int], n: int) -> int | None:
@@ -344,8 +344,6 @@ def build_graph_runner(model: CausalLM, kv_caches: list[torch.Tensor], max_num_s
         hq, hkv = model.config.num_heads, kv_caches[0].shape[3]
         runner.enable_shared_prefix(hq, members_per_item(hq, hkv))
     if model.attention_fn is triton_paged_attention:
-        from kvfleet.engine.kernels import paged_decode
-
         runner.enable_short_contexts(torch.cuda.get_device_properties(device).multi_processor_count,
                                      paged_decode.DEFAULT_LONG_SPLIT)
     if mixed_max_tokens > 0:
