@@ -23,6 +23,7 @@ from kvfleet.engine import LLM, AsyncLLM, SamplingParams
 from kvfleet.engine.core.request import Request, RequestStatus
 from kvfleet.engine.core.scheduler import ScheduledRequest, Scheduler, SchedulerOutput, may_continue
 from kvfleet.engine.model_runner import ModelRunner
+from kvfleet.engine.sampling_params import StructuredOutputsParams
 
 PROMPT_LENS = (3, 16, 17, 33, 41)
 MAX_NEW = 10
@@ -47,7 +48,7 @@ def assert_no_leak(llm: LLM) -> None:
     eng.kv.check_invariants()
     assert eng.kv.pool.num_free_blocks == s["kv_blocks_total"]
     assert not eng.groups and eng._inflight is None
-    assert not eng.runner._block_rows.row_of and not eng.runner._generators
+    assert not eng.runner._block_rows.row_of and not eng.runner._generators and not eng.runner._param_rows
     # Blocks are hashed only once their token ids are known: every cached block is a full one.
     bs = eng.kv.block_size
     assert all(t is None or len(t) == bs for t in eng.kv.pool.block_tokens)
@@ -246,6 +247,60 @@ def test_min_tokens_counts_the_token_in_flight_when_launched_ahead(tiny_model_di
     assert_no_leak(fast)
 
 
+def test_forward_ahead_queues_the_forward_and_samples_after_the_tokens_are_taken(tiny_model_dir) -> None:
+    """KVFLEET_FORWARD_AHEAD: a step whose sampler reads the tokens in flight (a penalty, a regex, prompt logprobs)
+    has its forward queued before those tokens are collected and is sampled after the scheduler takes them: the same
+    outputs as the synchronous engine. A sequence that those tokens end (a stop id) is forwarded but not sampled:
+    its generator, parameters and grammar are gone, nothing is left behind."""
+    kw = dict(num_kv_blocks=96, max_num_batched_tokens=64)
+    fast = LLM(str(tiny_model_dir), async_scheduling=True, **kw)
+    sync = LLM(str(tiny_model_dir), async_scheduling=False, **kw)
+    eng, runner = fast.llm_engine, fast.llm_engine.runner
+    eng.forward_ahead = True
+    events: list[str] = []
+    ended_before_sampling, sampled_after_end = [0], [0]
+
+    def recording(name: str, method: Any) -> Any:
+        def hook(*a: Any, **k: Any) -> Any:
+            events.append(name)
+            out = method(*a, **k)
+            if name == "sample_step":
+                ended_before_sampling[0] += sum(s.request.is_finished for s in a[0].reqs)
+                sampled_after_end[0] += sum(s.request.is_finished for s in out.reqs)
+            return out
+        return hook
+
+    for name in ("forward_step", "sample_step", "collect"):
+        setattr(runner, name, recording(name, getattr(runner, name)))
+    prompts = prompts_for(500, (4, 11, 23), seed=9)
+    penalized = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, repetition_penalty=1.5)
+    assert summary(fast.generate(prompts, penalized)) == summary(sync.generate(prompts, penalized))
+    i = events.index("collect")
+    assert events[i - 1:i + 2] == ["forward_step", "collect", "sample_step"]   # forward before, sampler after
+    assert eng.num_forwarded_ahead == penalized.max_tokens - 1 and eng.num_launched_ahead == 0
+    assert_no_leak(fast)
+    cases = [
+        SamplingParams(temperature=0.9, seed=4, max_tokens=9, ignore_eos=True, presence_penalty=0.7, logprobs=2),
+        SamplingParams(temperature=0.0, max_tokens=6, prompt_logprobs=2, frequency_penalty=0.4),
+        SamplingParams(temperature=0.0, max_tokens=10, structured_outputs=StructuredOutputsParams(regex="[a-f]{6}")),
+    ]
+    for p in cases:
+        assert summary(sync.generate(prompts, p)) == summary(fast.generate(prompts, p)), p
+        assert_no_leak(fast)
+    # Each prompt's own (penalized, seeded) token 3 is a stop id: N's tokens end it while N+1 is forwarded.
+    seeded = SamplingParams(temperature=1.0, seed=6, max_tokens=12, ignore_eos=True, repetition_penalty=1.2)
+    free = sync.generate(prompts, seeded)
+    stops = [SamplingParams(temperature=1.0, seed=6, max_tokens=12, repetition_penalty=1.2,
+                            stop_token_ids=[o.outputs[0].token_ids[3]]) for o in free]
+    eng.num_forwarded_ahead = 0
+    a, b = sync.generate(prompts, stops), fast.generate(prompts, stops)
+    assert summary(a) == summary(b)
+    assert all(len(o.outputs[0].token_ids) <= 4 and o.outputs[0].finish_reason == "stop" for o in b)
+    assert eng.num_forwarded_ahead > 0
+    assert ended_before_sampling[0] > 0 and sampled_after_end[0] == 0   # forwarded, then ended: not sampled
+    assert_no_leak(fast)
+
+
 def test_which_steps_wait_for_the_token_values_in_flight() -> None:
     """Launching ahead is skipped only where the sampler reads token values: penalties on a sampled row, prompt
     logprobs while the prompt is computed."""
@@ -325,13 +380,16 @@ def test_throughput_bench_with_async_scheduling(tiny_model_dir, tmp_path) -> Non
     assert decode["prepare_async_ms"] > 0 and decode["outputs_ms"] >= 0   # the async path's inputs, apart
 
 
-@pytest.mark.parametrize("broken", ["launch", "collect"])
+@pytest.mark.parametrize("broken", ["launch", "collect", "forward_step", "sample_step"])
 def test_a_failing_step_ends_its_requests_and_the_rest_goes_on(tiny_model_dir, broken) -> None:
     """A failure while step N+1 is planned on step N ends the requests of both (a request admitted
-    in N+1 was advanced by the scheduler but never computed); the engine goes on."""
-    greedy = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    in N+1 was advanced by the scheduler but never computed); the engine goes on. The halves of a forwarded-ahead
+    step (a penalty: forward before N's tokens are read, sampler after) alike."""
+    halves = broken in ("forward_step", "sample_step")
+    greedy = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, repetition_penalty=1.3 if halves else 1.0)
     llm = LLM(str(tiny_model_dir), num_kv_blocks=64, async_scheduling=True)
     eng = llm.llm_engine
+    eng.forward_ahead = halves
     eng.add_request("in-step", [1, 2, 3], greedy)
     eng.step()                                 # in-step's prefill is launched (step N)
     eng.add_request("joins", [7, 8, 9, 10], greedy)   # admitted in step N+1

@@ -19,6 +19,11 @@ token it takes from N) and prompt logprobs (read back at launch).
 min_tokens needs only N's token count: a sequence sampled in N has one more output token than it holds.
 KVFLEET_LAUNCH_AHEAD=0 always launches after the update (issue 16's A/B).
 
+KVFLEET_FORWARD_AHEAD=1 (off by default until a lease measures it): such a step's forward is still queued at step
+3 (`ModelRunner.forward_step`), and only its sampler waits for step 4's update (`ModelRunner.sample_step`): the
+device runs N+1's forward while the host reads and takes N's tokens, so one request with a penalty or a grammar no
+longer leaves the device idle between the steps of the whole batch. A sequence that N's tokens end is not sampled.
+
 Correctness cases:
 - no placeholder where the token just planned surely ends the sequence (max_tokens,
   max_model_len: `scheduler.may_continue`), nor for beam search (the engine picks the tokens) or a
@@ -47,14 +52,15 @@ from kvfleet.engine.core.scheduler import ScheduledRequest
 from kvfleet.engine.sampler import SamplerOutput, TokenLogprobs
 
 
-def _launch_ahead_from_env() -> bool:
-    raw = os.environ.get("KVFLEET_LAUNCH_AHEAD", "").strip() or "1"
+def _flag_from_env(name: str, default: str) -> bool:
+    raw = os.environ.get(name, "").strip() or default
     if raw not in ("0", "1"):
-        raise ValueError(f"KVFLEET_LAUNCH_AHEAD: expected '0' or '1', got {raw!r}")
+        raise ValueError(f"{name}: expected '0' or '1', got {raw!r}")
     return raw == "1"
 
 
-LAUNCH_AHEAD = _launch_ahead_from_env()
+LAUNCH_AHEAD = _flag_from_env("KVFLEET_LAUNCH_AHEAD", "1")
+FORWARD_AHEAD = _flag_from_env("KVFLEET_FORWARD_AHEAD", "0")
 
 
 @dataclass

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, NoReturn, Optional
 import torch
 
 from kvfleet.engine import gc_policy
-from kvfleet.engine.async_step import LAUNCH_AHEAD, InFlight
+from kvfleet.engine.async_step import FORWARD_AHEAD, LAUNCH_AHEAD, InFlight
 from kvfleet.engine.config import EngineConfig
 from kvfleet.engine.core.beam_search import Beam, BeamSearchState, Hypothesis
 from kvfleet.engine.core.grammar import TokenGrammar
@@ -34,7 +34,7 @@ from kvfleet.engine.token_rules import all_of, token_rules
 from kvfleet.engine.warmup import WarmupReport, run_warmup
 
 if TYPE_CHECKING:
-    from kvfleet.engine.model_runner import Prepared
+    from kvfleet.engine.model_runner import Forwarded, Prepared
     from kvfleet.engine.structured_outputs import GrammarCompiler
 
 logger = logging.getLogger(__name__)
@@ -128,6 +128,8 @@ class LLMEngine:
         self._inflight: Optional[tuple[SchedulerOutput, InFlight]] = None
         self.num_overlapped_steps = 0   # steps scheduled and prepared while the previous one ran
         self.num_launched_ahead = 0     # of those, steps launched before the previous one's tokens were collected
+        self.forward_ahead = FORWARD_AHEAD   # the others: forward queued before, sampler after (async_step)
+        self.num_forwarded_ahead = 0    # of the others, steps whose forward was queued before the collect
         gc_policy.apply_once()
 
     # --- requests ------------------------------------------------------------------
@@ -288,8 +290,8 @@ class LLMEngine:
     def _step_overlapped(self, final_only: bool) -> list[RequestOutput]:
         """Async scheduling: schedule and prepare step N+1 while step N (launched by the last call)
         runs on the device, launch N+1 behind it (or, where its sampler needs N's token values, after
-        the next part), wait for N's ids and update the scheduler, then process N's outputs while N+1
-        runs. Returns step N's outputs."""
+        the next part; with `forward_ahead`, only its sampler after), wait for N's ids and update the
+        scheduler, then process N's outputs while N+1 runs. Returns step N's outputs."""
         prev, self._inflight = self._inflight, None
         sched = self.scheduler.schedule()
         if sched.is_empty and prev is None:
@@ -308,9 +310,13 @@ class LLMEngine:
                 self.num_overlapped_steps += 1
         ahead = (prepared is not None and prev is not None and LAUNCH_AHEAD
                  and not self.runner.needs_token_values(sched))
+        forwarded: Optional[Forwarded] = None
         if ahead and prepared is not None and prev is not None:
             self._launch(sched, prepared, prev, ahead=True)
             self.num_launched_ahead += 1
+        elif prepared is not None and prev is not None and LAUNCH_AHEAD and self.forward_ahead:
+            forwarded = self._forward(sched, prepared, prev)   # its sampler waits for N's tokens (below)
+            self.num_forwarded_ahead += 1
         updates: list[RequestUpdate] = []
         result = None
         if prev is not None:
@@ -320,7 +326,9 @@ class LLMEngine:
                 self._inflight = None
                 self._fail_step(SchedulerOutput(prev[0].scheduled + sched.scheduled), e)
             updates = self.scheduler.update_from_output(prev[0], result)
-        if prepared is not None and not ahead:
+        if forwarded is not None:
+            self._sample(sched, forwarded, prev)
+        elif prepared is not None and not ahead:
             self._launch(sched, prepared, prev, ahead=False)
         outs = self._process(prev[0], updates, result, final_only) if prev is not None and result is not None else []
         if not self.groups and self._inflight is not None:
@@ -334,6 +342,22 @@ class LLMEngine:
             self._inflight = (sched, self.runner.launch(sched, async_copy=True, prepared=prepared,
                                                         ahead_of=prev[1] if ahead and prev is not None else None))
         except Exception as e:   # N's updates are lost with the raise: its requests end too
+            self._fail_step(SchedulerOutput(sched.scheduled + (prev[0].scheduled if prev else [])), e)
+
+    def _forward(self, sched: SchedulerOutput, prepared: Prepared,
+                 prev: tuple[SchedulerOutput, InFlight]) -> Forwarded:
+        """Queue step `sched`'s forward behind `prev` before `prev`'s tokens are collected."""
+        try:
+            return self.runner.forward_step(sched, prepared)
+        except Exception as e:   # N's updates are lost with the raise: its requests end too
+            self._fail_step(SchedulerOutput(sched.scheduled + prev[0].scheduled), e)
+
+    def _sample(self, sched: SchedulerOutput, forwarded: Forwarded,
+                prev: Optional[tuple[SchedulerOutput, InFlight]]) -> None:
+        """Sample step `sched`, forwarded by `_forward`, once `prev`'s tokens are taken (exact counts and masks)."""
+        try:
+            self._inflight = (sched, self.runner.sample_step(forwarded, async_copy=True))
+        except Exception as e:   # N's updates are taken; N's outputs go with the raise: its requests end too
             self._fail_step(SchedulerOutput(sched.scheduled + (prev[0].scheduled if prev else [])), e)
 
     def _mark_scheduled(self, sched: SchedulerOutput) -> None:

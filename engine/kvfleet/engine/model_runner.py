@@ -97,6 +97,16 @@ class _PromptRow(NamedTuple):
     token_id: int
 
 
+@dataclass
+class Forwarded:
+    """A step whose forward is queued on the device and whose rows are not sampled yet (`forward_step`)."""
+
+    reqs: list[ScheduledRequest]   # the sequences to sample, in the logits' first rows
+    logits: Optional[torch.Tensor]   # [len(reqs) + len(plp_rows), vocab]; None when the step samples nothing
+    plp_rows: list[_PromptRow]   # prompt tokens whose logprobs are asked for, in the rows after
+    plp_k: int
+
+
 def sampling_row(r: Request, vocab: int) -> SamplingRow:
     p = r.sampling_params
     temp = 0.0 if r.external_tokens else float(p.temperature)
@@ -316,15 +326,20 @@ class ModelRunner:
         `ahead_of`: the launched step whose tokens are not collected yet (launching ahead, which
         `needs_token_values` allows): each of its sequences counts one output token more than it holds
         (min_tokens), and one that its tokens will end is sampled too (the scheduler drops that token)."""
+        return self.sample_step(self.forward_step(sched, prepared), async_copy, ahead_of)
+
+    @torch.inference_mode()
+    def forward_step(self, sched: SchedulerOutput, prepared: Optional[Prepared] = None) -> Forwarded:
+        """The first half of `launch`: block copies, the forward and the logits of the rows to sample, queued on
+        the device; `sample_step` samples them. Between the two the scheduler may take the tokens of the step
+        before (async scheduling: the forward runs behind that step while its tokens are read and taken)."""
         if sched.copy_pairs:
             self.executor.copy_blocks(self.kv_caches, sched.copy_pairs)
-        out = ModelRunnerOutput()
         scheduled = sched.scheduled
         if prepared is None:
             prepared = self.prepare(sched)
         if prepared is None:
-            return InFlight([], None, out)
-        dev = self.device
+            return Forwarded([], None, [], 0)
         qsl, md = prepared.inputs.query_start_loc, prepared.md
         live = [i for i, s in enumerate(scheduled) if s.needs_sample and not s.request.is_finished]
         reqs = [scheduled[i] for i in live]
@@ -335,8 +350,25 @@ class ModelRunner:
         hidden = self.executor.forward(prepared.input_ids, prepared.positions, self.kv_caches, md, idx,
                                        eager=self.eager_forward)
         if not idx:
+            return Forwarded([], None, [], 0)
+        logits = self.executor.compute_logits(hidden[host_tensor(idx, np.int64, self.device, self.non_blocking)])
+        return Forwarded(reqs, logits, plp_rows, plp_k)
+
+    @torch.inference_mode()
+    def sample_step(self, fwd: Forwarded, async_copy: bool = False,
+                    ahead_of: Optional[InFlight] = None) -> InFlight:
+        """The second half of `launch`: sample the rows of `forward_step` (`ahead_of`, `async_copy`: as `launch`).
+        A row whose sequence finished after its forward (the tokens of the step before ended it) is not sampled:
+        its grammar, generator and parameters are gone with it."""
+        out = ModelRunnerOutput()
+        if fwd.logits is None:
             return InFlight([], None, out)
-        logits = self.executor.compute_logits(hidden[host_tensor(idx, np.int64, dev, self.non_blocking)])
+        reqs, logits = fwd.reqs, fwd.logits
+        keep = [i for i, s in enumerate(reqs) if not s.request.is_finished]
+        if len(keep) < len(reqs):
+            rows = keep + list(range(len(reqs), logits.shape[0]))   # (prompt logprob rows after the sampled ones)
+            logits = logits[host_tensor(rows, np.int64, self.device, self.non_blocking)]
+            reqs = [reqs[i] for i in keep]
         step = InFlight(reqs, None, out)
         if reqs:
             batch = self._sampling_batch(reqs, logits.shape[-1], ahead_of)
@@ -344,8 +376,8 @@ class ModelRunner:
             step.sampled_on_device = step.res.sampled
             if async_copy:
                 step.res, step.event = copy_to_host_async(step.res)
-        if plp_rows:
-            self._collect_prompt_logprobs(plp_rows, logits[len(reqs):], plp_k, out)
+        if fwd.plp_rows:
+            self._collect_prompt_logprobs(fwd.plp_rows, logits[len(reqs):], fwd.plp_k, out)
         return step
 
     # --- sampling inputs / outputs -------------------------------------------------

@@ -231,7 +231,7 @@ def _clean_up(engine: Any) -> None:
     if used:
         raise RuntimeError(f"warm-up: {used} KV blocks still in use")
     engine.prompt_tokens = engine.generation_tokens = 0
-    engine.num_overlapped_steps = engine.num_launched_ahead = 0
+    engine.num_overlapped_steps = engine.num_launched_ahead = engine.num_forwarded_ahead = 0
     engine.idle_steps = 0
     sched.num_preemptions = 0
     kv.prefix_cache_hits = kv.prefix_cache_queries = 0

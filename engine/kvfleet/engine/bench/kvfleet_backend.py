@@ -57,7 +57,8 @@ class StepTimers:
 
         orig_schedule = sched.schedule
         self._originals = [(sched, "schedule", sched.schedule), (sched, "update_from_output", sched.update_from_output),
-                           (runner, "execute", runner.execute), (runner, "launch", runner.launch),
+                           (runner, "execute", runner.execute), (runner, "forward_step", runner.forward_step),
+                           (runner, "sample_step", runner.sample_step),
                            (runner, "collect", runner.collect), (runner, "prepare", runner.prepare),
                            (executor, "forward", executor.forward),
                            (executor, "compute_logits", executor.compute_logits), (runner, "sampler", runner.sampler),
@@ -80,7 +81,8 @@ class StepTimers:
             runner.execute = timed("execute", runner.execute)
         else:   # the async engine prepares and launches a step, then collects it (its wait) one step later
             runner.prepare = timed("prepare_async", runner.prepare)
-            runner.launch = timed("execute", runner.launch)
+            runner.forward_step = timed("execute", runner.forward_step)   # (launch calls both)
+            runner.sample_step = timed("execute", runner.sample_step)
             runner.collect = timed("wait", runner.collect)
         executor.forward = timed("forward", executor.forward, synced=sync_forward)
         executor.compute_logits = timed("logits", executor.compute_logits, synced=sync_forward)
@@ -196,7 +198,8 @@ class _TimedCallable:
 def _params(r: BenchRequest) -> Any:
     from kvfleet.engine.sampling_params import SamplingParams
 
-    return SamplingParams(max_tokens=r.max_tokens, n=r.n, temperature=r.temperature, ignore_eos=True)
+    return SamplingParams(max_tokens=r.max_tokens, n=r.n, temperature=r.temperature, ignore_eos=True,
+                          repetition_penalty=r.repetition_penalty)
 
 
 _ALLOCATOR_COUNTS = {"device": ("num_alloc_retries", "num_device_alloc", "num_device_free", "num_sync_all_streams"),
@@ -297,6 +300,7 @@ class KvfleetBench:
                             num_running=len(running), tokens_in_kv=tokens,
                             **kv_fragmentation(st["kv_blocks_used"], block_size, tokens, len(running)))
 
+        ahead_before, forwarded_before = engine.num_launched_ahead, engine.num_forwarded_ahead
         t0 = time.monotonic()
         for i, r in enumerate(reqs):
             engine.add_request(f"r{i}", {"prompt_token_ids": r.prompt_token_ids}, _params(r), arrival_time=t0)
@@ -343,6 +347,10 @@ class KvfleetBench:
             "prefix_cache_hits": stats["prefix_cache_hits"] - before["prefix_cache_hits"],
             "step_breakdown_ms": timers.report(),
             "cuda_graphs": engine.runner.executor.graphs is not None,
+            # async scheduling: steps launched before the last one's tokens were read, and those whose forward only
+            # was (KVFLEET_FORWARD_AHEAD: a penalty or a grammar in the batch)
+            "steps_launched_ahead": engine.num_launched_ahead - ahead_before,
+            "steps_forwarded_ahead": engine.num_forwarded_ahead - forwarded_before,
         }
         graphs = engine.runner.executor.graphs
         if graphs is not None:

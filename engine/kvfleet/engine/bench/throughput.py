@@ -13,6 +13,7 @@ starts; the time is the wall time of the whole workload. With ``--workloads A B 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
@@ -25,6 +26,16 @@ from typing import Any
 from kvfleet.engine.bench.workloads import NAMES, BenchRequest, load_workload, summary
 
 logger = logging.getLogger(__name__)
+
+
+def positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{text} must be > 0")
+    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -64,6 +75,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--hf-batch-size", type=int, default=64)
     ap.add_argument("--warmup-requests", type=int, default=4)
     ap.add_argument("--label", default=None, help="free text stored in the JSON")
+    ap.add_argument("--repetition-penalty", type=positive_float, default=1.0,
+                    help="every request's repetition_penalty (1.0: none); a penalty makes the sampler read the "
+                         "tokens of the step before (kvfleet: KVFLEET_FORWARD_AHEAD)")
     ap.add_argument("--decode-probe", default=None, metavar="BxCTX",
                     help="after the run, time one decode step at batch B and context CTX (CUDA), e.g. 256x1024")
     return ap
@@ -168,6 +182,8 @@ def workload_requests(args: argparse.Namespace) -> dict[str, list[BenchRequest]]
     out = {}
     for name in names:
         reqs = load_workload(name)
+        if args.repetition_penalty != 1.0:
+            reqs = [dataclasses.replace(r, repetition_penalty=args.repetition_penalty) for r in reqs]
         out[Path(name).stem if name.endswith(".jsonl") else name] = reqs[: args.num_prompts] if args.num_prompts \
             else reqs
     return out
@@ -181,6 +197,7 @@ def record(args: argparse.Namespace, workload: str, reqs: list[BenchRequest], re
     return {
         "backend": args.backend, "model": Path(args.model).name, "workload": workload,
         "label": args.label, "quantization": args.quantization, "num_requests": len(reqs),
+        "repetition_penalty": args.repetition_penalty,
         "workload_summary": summary(reqs), "prompt_tokens": prompt_tokens, "output_tokens": output_tokens,
         "requests_per_s": len(reqs) / wall, "output_tokens_per_s": output_tokens / wall,
         "total_tokens_per_s": (prompt_tokens + output_tokens) / wall,
@@ -226,7 +243,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 def out_name(rec: dict[str, Any]) -> str:
     quant = f"-{rec['quantization']}" if rec.get("quantization") else ""
     label = f"-{rec['label']}" if rec.get("label") else ""
-    return f"{rec['backend']}-{rec['model']}-{rec['workload']}{quant}{label}.json"
+    penalty = f"-rp{rec['repetition_penalty']:g}" if rec.get("repetition_penalty", 1.0) != 1.0 else ""
+    return f"{rec['backend']}-{rec['model']}-{rec['workload']}{quant}{penalty}{label}.json"
 
 
 def _print_line(out: dict[str, Any]) -> None:

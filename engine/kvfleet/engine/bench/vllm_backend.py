@@ -48,7 +48,7 @@ def llm_kwargs(args: argparse.Namespace, max_model_len: int) -> dict[str, Any]:
 def sampling_kwargs(r: BenchRequest) -> dict[str, Any]:
     """``vllm.SamplingParams(**kwargs)`` of one request."""
     return {"n": r.n, "temperature": r.temperature, "max_tokens": r.max_tokens, "ignore_eos": True,
-            "detokenize": False}
+            "detokenize": False, "repetition_penalty": r.repetition_penalty}
 
 
 class VllmBench:

@@ -42,6 +42,7 @@ class BenchRequest:
     prompt_token_ids: list[int]
     max_tokens: int
     n: int = 1   # sequences sampled from this prompt (each max_tokens long)
+    repetition_penalty: float = 1.0   # 1.0: none (`--repetition-penalty` sets it for a whole run)
 
     @property
     def output_tokens(self) -> int:
