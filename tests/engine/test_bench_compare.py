@@ -22,7 +22,7 @@ VLLM_0_26_ENGINE_ARGS = {"model", "dtype", "max_model_len", "max_num_seqs", "max
                          "gpu_memory_utilization", "enable_prefix_caching", "enforce_eager", "tensor_parallel_size",
                          "seed", "skip_tokenizer_init", "load_format", "quantization", "num_gpu_blocks_override",
                          "block_size"}
-VLLM_0_26_SAMPLING_FIELDS = {"n", "temperature", "max_tokens", "ignore_eos", "detokenize"}
+VLLM_0_26_SAMPLING_FIELDS = {"n", "temperature", "max_tokens", "ignore_eos", "detokenize", "repetition_penalty"}
 
 
 def test_workload_classes_are_seeded_and_shaped() -> None:
