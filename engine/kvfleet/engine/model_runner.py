@@ -359,7 +359,7 @@ class ModelRunner:
                     ahead_of: Optional[InFlight] = None) -> InFlight:
         """The second half of `launch`: sample the rows of `forward_step` (`ahead_of`, `async_copy`: as `launch`).
         A row whose sequence finished after its forward (the tokens of the step before ended it) is not sampled:
-        its grammar, generator and parameters are gone with it."""
+        the sequence is done, its grammar may have ended, and its token would be dropped."""
         out = ModelRunnerOutput()
         if fwd.logits is None:
             return InFlight([], None, out)
