@@ -68,6 +68,27 @@ def test_throughput_cli_on_a_tiny_model(backend: str, tiny_model_factory, tmp_pa
         assert res["batches"] == 2
 
 
+def test_throughput_cli_repetition_penalty_and_forward_ahead(tiny_model_factory, tmp_path: Path, monkeypatch) -> None:
+    # --repetition-penalty reaches every request; with async scheduling and KVFLEET_FORWARD_AHEAD its steps are
+    # forwarded ahead (the sampler reads the tokens in flight), which the JSON counts, and the file name says it.
+    monkeypatch.setattr("kvfleet.engine.llm_engine.FORWARD_AHEAD", True)
+    model = tiny_model_factory("llama")
+    reqs = [BenchRequest(list(range(3 + i, 20 + 2 * i)), 6) for i in range(4)]
+    write_jsonl(reqs, tmp_path / "w.jsonl")
+    rc = main(["--model", str(model), "--workloads", str(tmp_path / "w.jsonl"), "--out-dir", str(tmp_path / "out"),
+               "--dtype", "float32", "--device", "cpu", "--num-kv-blocks", "32", "--warmup-requests", "1",
+               "--async-scheduling", "--repetition-penalty", "1.3"])
+    assert rc == 0
+    (path,) = (tmp_path / "out").glob("*.json")
+    res = json.loads(path.read_text())
+    assert path.name.endswith("-w-rp1.3.json") and res["repetition_penalty"] == 1.3
+    assert res["steps_forwarded_ahead"] > 0 and res["steps_launched_ahead"] == 0
+    assert res["requests_with_wrong_length"] == 0
+    with pytest.raises(SystemExit) as exc:   # argparse's usage error
+        main(["--model", str(model), "--workload", "chat-mix", "--repetition-penalty", "0"])
+    assert exc.value.code == 2
+
+
 def test_throughput_cli_tensor_parallel_2_on_cpu_generates_the_same_tokens(tiny_model_factory, tmp_path: Path) -> None:
     # TP=2 (gloo, two processes) through the benchmark: same requests done, exact lengths, same greedy work.
     model = tiny_model_factory("llama")
