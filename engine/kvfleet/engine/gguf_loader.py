@@ -14,6 +14,7 @@ from collections.abc import Iterator
 import numpy as np
 import torch
 
+from kvfleet.engine.gguf_file import read_gguf, tensor_data
 from kvfleet.engine.model_config import ModelConfig
 from kvfleet.engine.progress import progress_bar
 
@@ -60,27 +61,26 @@ def reverse_permute(weights: np.ndarray, n_head: int) -> np.ndarray:
 
 def iter_gguf_tensors(cfg: ModelConfig, quiet: bool | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """Dequantize every tensor of cfg.gguf_path (float32 on the host, one at a time)."""
-    import gguf
+    from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
 
     if cfg.gguf_path is None:
         raise ValueError("model: not a GGUF model")
-    reader = gguf.GGUFReader(str(cfg.gguf_path))
-    field = reader.fields["general.architecture"]
-    arch_name = bytes(field.parts[field.data[0]]).decode()
+    contents = read_gguf(cfg.gguf_path)
+    arch_name = contents.architecture
     mapping = gguf_to_hf_map(arch_name, cfg.num_layers)
     permute = arch_name == "llama"
-    with progress_bar(len(reader.tensors), "Loading GGUF", quiet) as bar:
-        for tensor in reader.tensors:
+    with progress_bar(len(contents.tensors), "Loading GGUF", quiet) as bar:
+        for tensor in contents.tensors:
             bar.update(1)
             name = mapping.get(tensor.name)
             if name is None:
                 logger.debug("skipping GGUF tensor %s", tensor.name)
                 continue
-            weights = dequantize(tensor.data, tensor.tensor_type)
+            weights = dequantize(tensor_data(contents, tensor), GGMLQuantizationType(tensor.ggml_type))
             if permute and ".attn_q." in tensor.name:
                 weights = reverse_permute(weights, cfg.num_heads)
             elif permute and ".attn_k." in tensor.name:
                 weights = reverse_permute(weights, cfg.num_kv_heads)
-            # A copy: the reader maps the file read-only.
+            # A copy: the file is mapped read-only.
             yield name, torch.from_numpy(np.array(weights, dtype=np.float32))

@@ -20,6 +20,9 @@ from typing import Any
 
 import torch
 
+from kvfleet.engine.gguf_config import hf_config
+from kvfleet.engine.gguf_file import read_gguf
+
 logger = logging.getLogger(__name__)
 
 _DTYPE_NAMES: dict[str, torch.dtype] = {
@@ -165,8 +168,11 @@ class ModelConfig:
         from transformers import AutoConfig
 
         folder, gguf_file = split_model_path(path_or_gguf)
-        kwargs = {"gguf_file": gguf_file} if gguf_file else {}
-        hf = AutoConfig.from_pretrained(str(folder), local_files_only=True, **kwargs)
+        # a GGUF of an architecture we serve: its config from our one pass over the header (gguf_config says why)
+        hf = hf_config(read_gguf(folder / gguf_file), str(folder)) if gguf_file else None
+        if hf is None:
+            kwargs = {"gguf_file": gguf_file} if gguf_file else {}
+            hf = AutoConfig.from_pretrained(str(folder), local_files_only=True, **kwargs)
         return cls.from_hf_config(hf, str(path_or_gguf), folder, gguf_file, max_model_len, dtype, device)
 
     @classmethod
