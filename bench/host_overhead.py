@@ -142,11 +142,13 @@ def summarize(samples: list[dict[str, float]], batches: list[int]) -> dict[str, 
     return out
 
 
-def params(max_tokens: int) -> SamplingParams:
-    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+def params(max_tokens: int, repetition_penalty: float = 1.0) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True,
+                          repetition_penalty=repetition_penalty)
 
 
-def run_batch(model_dir: Path, batch: int, steps: int, budget: int, rng: np.random.Generator) -> dict[str, Any]:
+def run_batch(model_dir: Path, batch: int, steps: int, budget: int, rng: np.random.Generator,
+              repetition_penalty: float = 1.0) -> dict[str, Any]:
     # Sequences decode while later ones still prefill: room for that, both timed modes and the mixed rounds.
     prefill_steps = -(-batch * PROMPT_LEN // max(1, budget - batch))
     max_tokens = prefill_steps + 2 * (steps + 3) + 64
@@ -157,10 +159,12 @@ def run_batch(model_dir: Path, batch: int, steps: int, budget: int, rng: np.rand
     engine = LLMEngine(cfg)
     parts = StepParts(engine)
     for i in range(batch):
-        engine.add_request(f"d{i}", rng.integers(3, 500, PROMPT_LEN).tolist(), params(max_tokens))
+        engine.add_request(f"d{i}", rng.integers(3, 500, PROMPT_LEN).tolist(),
+                           params(max_tokens, repetition_penalty))
     while any(not r.is_prefill_done for r in engine.scheduler.running) or engine.scheduler.waiting:
         engine.step()
-    res: dict[str, Any] = {"batch": batch, "prompt_len": PROMPT_LEN, "token_budget": budget, "kv_blocks": blocks}
+    res: dict[str, Any] = {"batch": batch, "prompt_len": PROMPT_LEN, "token_budget": budget, "kv_blocks": blocks,
+                           "repetition_penalty": repetition_penalty}
     for mode, final_only in (("decode_stream", False), ("decode_final", True)):
         for _ in range(3):   # warm-up
             parts.step(engine, final_only)
@@ -174,7 +178,8 @@ def run_batch(model_dir: Path, batch: int, steps: int, budget: int, rng: np.rand
     samples, batches = [], []
     for r in range(3):
         for j in range(MIXED_NEW):
-            engine.add_request(f"m{r}_{j}", rng.integers(3, 500, MIXED_PROMPT_LEN).tolist(), params(1))
+            engine.add_request(f"m{r}_{j}", rng.integers(3, 500, MIXED_PROMPT_LEN).tolist(),
+                               params(1, repetition_penalty))
         while any(rid.startswith("m") for rid in engine.groups):
             p, _ = parts.step(engine, False)
             samples.append(p)
@@ -202,6 +207,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=20, help="timed decode steps per mode")
     ap.add_argument("--budget", type=int, default=8192, help="max_num_batched_tokens")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--repetition-penalty", type=float, default=1.0,
+                    help="on every request: the sampler's penalty inputs are built each step")
     ap.add_argument("--out-dir", default=str(Path(__file__).resolve().parent / "results" / "host"))
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
@@ -215,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
         model_dir = write_model_dir(Path(tmp))
         for b in (int(x) for x in args.batches.split(",")):
             gc.collect()
-            run = run_batch(model_dir, b, args.steps, args.budget, rng)
+            run = run_batch(model_dir, b, args.steps, args.budget, rng, args.repetition_penalty)
             result["runs"].append(run)
             for mode in ("decode_stream", "decode_final", "mixed_stream"):
                 m = run[mode]

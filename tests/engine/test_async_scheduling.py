@@ -49,6 +49,7 @@ def assert_no_leak(llm: LLM) -> None:
     assert eng.kv.pool.num_free_blocks == s["kv_blocks_total"]
     assert not eng.groups and eng._inflight is None
     assert not eng.runner._block_rows.row_of and not eng.runner._generators and not eng.runner._param_rows
+    assert not eng.runner._token_histories
     # Blocks are hashed only once their token ids are known: every cached block is a full one.
     bs = eng.kv.block_size
     assert all(t is None or len(t) == bs for t in eng.kv.pool.block_tokens)

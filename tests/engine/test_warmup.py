@@ -153,6 +153,7 @@ def test_warmup_leaves_nothing_behind(tiny_model_factory: Any) -> None:
     assert st["kv_blocks_used"] == 0 and st["kv_blocks_cached"] == 0   # nothing in use, nothing cached
     assert st == fresh   # counters as a fresh engine's (the server's /metrics read these)
     assert not engine.runner._generators and not engine.runner._param_rows
+    assert not engine.runner._token_histories
     engine.kv.check_invariants()
     engine.scheduler.check_invariants()
     # a real request afterwards finds no warm-up block in the prefix cache, and works

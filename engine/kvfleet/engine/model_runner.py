@@ -32,6 +32,7 @@ from kvfleet.engine.cuda_graphs import mixed_graph_limit
 from kvfleet.engine.kv_cache import allocate_kv_cache
 from kvfleet.engine.model_config import ModelConfig
 from kvfleet.engine.model_executor import ModelExecutor, build_executor
+from kvfleet.engine.penalty_tokens import TokenHistory, padded_rows
 from kvfleet.engine.sampler import (
     AllowedTokens,
     LogitBias,
@@ -166,6 +167,7 @@ class ModelRunner:
         self.kv_caches: list[torch.Tensor] = []
         self._generators: dict[str, torch.Generator] = {}
         self._param_rows: dict[str, SamplingRow] = {}
+        self._token_histories: dict[str, TokenHistory] = {}   # penalized sequences' ids (penalty_tokens)
         # Persistent block tables, one row per sequence (rows are added as sequences appear).
         # Async scheduling on CUDA: host-to-device copies must not wait for the step in flight.
         self.non_blocking = bool(engine_config.async_scheduling) and device.type == "cuda"
@@ -251,6 +253,7 @@ class ModelRunner:
         for rid in request_ids:
             self._generators.pop(rid, None)
             self._param_rows.pop(rid, None)
+            self._token_histories.pop(rid, None)
             self._block_rows.release(rid)
 
     def shutdown(self) -> None:
@@ -424,11 +427,17 @@ class ModelRunner:
                 return None
             return host_tensor(values, np.float32, dev, nb)
 
-        def padded(lists: list[list[int]]) -> torch.Tensor:
-            width = max(1, max(len(x) for x in lists))
-            return to_device(torch.tensor([x + [vocab] * (width - len(x)) for x in lists], dtype=torch.long), dev, nb)
-
         reps, freqs, press = opt(rep, 1.0), opt(freq, 0.0), opt(pres, 0.0)
+        histories: list[TokenHistory] = []
+        if reps is not None or freqs is not None or press is not None:
+            for s in reqs:
+                history = self._token_histories.get(s.request_id)
+                if history is None:
+                    history = self._token_histories[s.request_id] = TokenHistory(s.request.prompt_token_ids)
+                histories.append(history)
+
+        def padded(arrays: list[np.ndarray]) -> torch.Tensor:
+            return to_device(torch.from_numpy(padded_rows(arrays, vocab)), dev, nb)
         min_mask = None
         if banned:
             min_mask = torch.zeros(len(reqs), vocab, dtype=torch.bool, device=dev)
@@ -440,9 +449,10 @@ class ModelRunner:
             top_p=opt(top_p, 1.0),
             min_p=opt(min_p, 0.0),
             presence_penalty=press, frequency_penalty=freqs, repetition_penalty=reps,
-            prompt_tokens=padded([s.request.prompt_token_ids for s in reqs]) if reps is not None else None,
-            output_tokens=(padded([s.request.output_token_ids for s in reqs])
-                           if reps is not None or freqs is not None or press is not None else None),
+            prompt_tokens=padded([h.prompt for h in histories]) if reps is not None else None,
+            output_tokens=(padded([h.outputs(s.request.output_token_ids)
+                                   for h, s in zip(histories, reqs, strict=True)])
+                           if histories else None),
             min_tokens_mask=min_mask, logit_bias=logit_bias(rows, biased, dev, nb),
             allowed=allowed_tokens(constrained, dev, nb), generators=gens,
             max_num_logprobs=max_logprobs,
