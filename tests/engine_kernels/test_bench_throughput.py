@@ -64,6 +64,8 @@ def test_throughput_cli_on_a_tiny_model(backend: str, tiny_model_factory, tmp_pa
         slowest = decode["slowest"]
         assert 0 < len(slowest) <= 5 and slowest[0]["step_ms"] >= slowest[-1]["step_ms"] > 0
         assert slowest[0]["batch"] >= 1 and slowest[0]["forward_ms"] > 0
+        # on the CPU Triton's interpreter loads no kernel: none readied in the run (the count is for CUDA)
+        assert res["triton_variants_in_run"] in (0, None) and "warmup_triton_compiles" in res
     else:
         assert res["batches"] == 2
 

@@ -248,6 +248,7 @@ class KvfleetBench:
     def __init__(self, args: argparse.Namespace, max_model_len: int, warm: list[BenchRequest]) -> None:
         from kvfleet.engine.config import EngineConfig
         from kvfleet.engine.llm_engine import LLMEngine
+        from kvfleet.engine.warmup import TRITON_COMPILES
 
         self.args = args
         self.max_model_len = max_model_len
@@ -271,15 +272,19 @@ class KvfleetBench:
             engine.add_request(f"warm{i}", {"prompt_token_ids": r.prompt_token_ids}, _params(r))
         _drain(engine)
         self.engine.kv.reset_prefix_cache()   # the timed runs find nothing cached by the warm-up
+        TRITON_COMPILES.serving()   # from here each kernel variant readied is logged by name: the warm-up missed it
 
     def run(self, reqs: list[BenchRequest]) -> dict[str, Any]:
         import torch
+
+        from kvfleet.engine.warmup import TRITON_COMPILES
 
         engine, args, cuda = self.engine, self.args, self.cuda
         if cuda:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
         alloc_before = _allocator_counts(cuda)
+        compiles_before = TRITON_COMPILES.count
         before = engine.stats()
         graphs_before = engine.runner.executor.graphs
         shared_before = graphs_before.shared_replays if graphs_before is not None else 0
@@ -340,6 +345,9 @@ class KvfleetBench:
         res: dict[str, Any] = {
             "wall_s": wall, "init_s": self.init_s, "warmup_s": self.warmup.seconds,
             "warmup_triton_compiles": self.warmup.triton_compiles, "max_model_len": self.max_model_len,
+            # kernel variants first launched inside this timed run (each a compile or a module load on its time;
+            # None without Triton's hook, i.e. off CUDA)
+            "triton_variants_in_run": TRITON_COMPILES.count - compiles_before if TRITON_COMPILES.installed else None,
             "requests_with_wrong_length": short,
             "ttft_ms": _ms(percentiles(ttft)), "tpot_ms": _ms(percentiles(tpot)),
             "kv_blocks_total": stats["kv_blocks_total"], "kv_block_size": block_size,
