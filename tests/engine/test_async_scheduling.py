@@ -217,14 +217,50 @@ def test_next_step_is_scheduled_and_prepared_before_the_last_ids_are_read(tiny_m
     assert eng.num_overlapped_steps == params.max_tokens - 1
     assert eng.num_launched_ahead == params.max_tokens - 1
     assert_no_leak(fast)
-    # A penalty counts the output tokens: that step waits for N's ids and is launched after them.
+    # Penalties count the token in flight on the device: launched ahead too, the same tokens.
     events.clear()
     eng.num_overlapped_steps = eng.num_launched_ahead = 0
     penalized = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, repetition_penalty=1.5)
     assert summary(fast.generate(prompts, penalized)) == summary(sync.generate(prompts, penalized))
     i = events.index("launch")
+    assert events[i:i + 5] == ["launch", "schedule", "prepare", "launch", "collect"]
+    assert eng.num_launched_ahead == penalized.max_tokens - 1
+    assert_no_leak(fast)
+    # A grammar's next mask needs the token it has not taken: that step waits for N's ids, launched after them.
+    events.clear()
+    eng.num_overlapped_steps = eng.num_launched_ahead = 0
+    constrained = SamplingParams(temperature=0.0, max_tokens=8, structured_outputs=StructuredOutputsParams(
+        regex="[a-f]{40}"))
+    assert summary(fast.generate(prompts, constrained)) == summary(sync.generate(prompts, constrained))
+    i = events.index("launch")
     assert events[i:i + 5] == ["launch", "schedule", "prepare", "collect", "launch"]
-    assert eng.num_overlapped_steps == penalized.max_tokens - 1 and eng.num_launched_ahead == 0
+    assert eng.num_overlapped_steps > 0 and eng.num_launched_ahead == 0
+    assert_no_leak(fast)
+
+
+def test_penalties_launched_ahead_count_the_token_in_flight(tiny_model_dir) -> None:
+    """Launched ahead, a sequence's token of the step before is not appended yet: the penalties take it from the
+    device, so greedy penalized outputs equal the synchronous engine's (repetition, frequency and presence, mixed
+    with unpenalized rows and seeded sampling) and every step after the first is launched ahead."""
+    kw = dict(num_kv_blocks=96, max_num_batched_tokens=64)
+    fast = LLM(str(tiny_model_dir), async_scheduling=True, **kw)
+    sync = LLM(str(tiny_model_dir), async_scheduling=False, **kw)
+    prompts = prompts_for(500, (4, 11, 23, 30), seed=12)
+    cases = [
+        SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, repetition_penalty=2.0),
+        SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, frequency_penalty=1.5),
+        SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, presence_penalty=1.5),
+        SamplingParams(temperature=1.0, seed=3, max_tokens=16, ignore_eos=True, repetition_penalty=1.4),
+    ]
+    for p in cases:
+        fast.llm_engine.num_launched_ahead = 0
+        assert summary(fast.generate(prompts, p)) == summary(sync.generate(prompts, p)), p
+        assert fast.llm_engine.num_launched_ahead >= p.max_tokens - 1
+        assert_no_leak(fast)
+    mixed = [cases[0], SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True), cases[2], cases[3]]
+    assert summary(fast.generate(prompts, mixed)) == summary(sync.generate(prompts, mixed))
+    unpenalized = sync.generate(prompts, SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True))
+    assert summary(unpenalized) != summary(sync.generate(prompts, cases[0]))   # the penalty changes the tokens
     assert_no_leak(fast)
 
 
@@ -274,11 +310,12 @@ def test_forward_ahead_queues_the_forward_and_samples_after_the_tokens_are_taken
     for name in ("forward_step", "sample_step", "collect"):
         setattr(runner, name, recording(name, getattr(runner, name)))
     prompts = prompts_for(500, (4, 11, 23), seed=9)
-    penalized = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, repetition_penalty=1.5)
-    assert summary(fast.generate(prompts, penalized)) == summary(sync.generate(prompts, penalized))
+    constrained = SamplingParams(temperature=0.0, max_tokens=8, structured_outputs=StructuredOutputsParams(
+        regex="[a-f]{40}"))
+    assert summary(fast.generate(prompts, constrained)) == summary(sync.generate(prompts, constrained))
     i = events.index("collect")
     assert events[i - 1:i + 2] == ["forward_step", "collect", "sample_step"]   # forward before, sampler after
-    assert eng.num_forwarded_ahead == penalized.max_tokens - 1 and eng.num_launched_ahead == 0
+    assert eng.num_forwarded_ahead == constrained.max_tokens - 1 and eng.num_launched_ahead == 0
     assert_no_leak(fast)
     cases = [
         SamplingParams(temperature=0.9, seed=4, max_tokens=9, ignore_eos=True, presence_penalty=0.7, logprobs=2),
@@ -288,10 +325,12 @@ def test_forward_ahead_queues_the_forward_and_samples_after_the_tokens_are_taken
     for p in cases:
         assert summary(sync.generate(prompts, p)) == summary(fast.generate(prompts, p)), p
         assert_no_leak(fast)
-    # Each prompt's own (penalized, seeded) token 3 is a stop id: N's tokens end it while N+1 is forwarded.
-    seeded = SamplingParams(temperature=1.0, seed=6, max_tokens=12, ignore_eos=True, repetition_penalty=1.2)
+    # Each prompt's own (constrained, seeded) token 3 is a stop id: N's tokens end it while N+1 is forwarded.
+    regex = StructuredOutputsParams(regex="[a-f]{40}")
+    seeded = SamplingParams(temperature=1.0, seed=6, max_tokens=12, ignore_eos=True, structured_outputs=regex)
     free = sync.generate(prompts, seeded)
-    stops = [SamplingParams(temperature=1.0, seed=6, max_tokens=12, repetition_penalty=1.2,
+    assert all(len(o.outputs[0].token_ids) > 3 for o in free)
+    stops = [SamplingParams(temperature=1.0, seed=6, max_tokens=12, structured_outputs=regex,
                             stop_token_ids=[o.outputs[0].token_ids[3]]) for o in free]
     eng.num_forwarded_ahead = 0
     a, b = sync.generate(prompts, stops), fast.generate(prompts, stops)
@@ -303,8 +342,9 @@ def test_forward_ahead_queues_the_forward_and_samples_after_the_tokens_are_taken
 
 
 def test_which_steps_wait_for_the_token_values_in_flight() -> None:
-    """Launching ahead is skipped only where the sampler reads token values: penalties on a sampled row, prompt
-    logprobs while the prompt is computed."""
+    """Launching ahead is skipped only where the sampler reads token values on the host: prompt logprobs while the
+    prompt is computed (a grammar's: `TokenGrammar.needs_last_token`). Penalties take the token in flight on the
+    device."""
     def step(params: SamplingParams, start: int, needs_sample: bool) -> SchedulerOutput:
         req = Request("a#0", list(range(1, 9)), max_tokens=4, sampling_params=params)
         return SchedulerOutput([ScheduledRequest(req, start, 1 if start else 8, [0], needs_sample)])
@@ -313,7 +353,7 @@ def test_which_steps_wait_for_the_token_values_in_flight() -> None:
     penalized = SamplingParams(presence_penalty=0.5)
     plp = SamplingParams(prompt_logprobs=1)
     assert not ModelRunner.needs_token_values(step(plain, 8, True))
-    assert ModelRunner.needs_token_values(step(penalized, 8, True))
+    assert not ModelRunner.needs_token_values(step(penalized, 8, True))
     assert not ModelRunner.needs_token_values(step(penalized, 0, False))   # a prompt chunk: nothing sampled
     assert ModelRunner.needs_token_values(step(plp, 0, True))
     assert not ModelRunner.needs_token_values(step(plp, 8, True))          # decoding: its prompt is done
@@ -385,9 +425,10 @@ def test_throughput_bench_with_async_scheduling(tiny_model_dir, tmp_path) -> Non
 def test_a_failing_step_ends_its_requests_and_the_rest_goes_on(tiny_model_dir, broken) -> None:
     """A failure while step N+1 is planned on step N ends the requests of both (a request admitted
     in N+1 was advanced by the scheduler but never computed); the engine goes on. The halves of a forwarded-ahead
-    step (a penalty: forward before N's tokens are read, sampler after) alike."""
+    step (a grammar: forward before N's tokens are read, sampler after) alike."""
     halves = broken in ("forward_step", "sample_step")
-    greedy = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, repetition_penalty=1.3 if halves else 1.0)
+    greedy = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, structured_outputs=StructuredOutputsParams(
+        regex="[a-f]{40}") if halves else None)
     llm = LLM(str(tiny_model_dir), num_kv_blocks=64, async_scheduling=True)
     eng = llm.llm_engine
     eng.forward_ahead = halves

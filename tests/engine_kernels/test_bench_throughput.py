@@ -70,9 +70,10 @@ def test_throughput_cli_on_a_tiny_model(backend: str, tiny_model_factory, tmp_pa
         assert res["batches"] == 2
 
 
-def test_throughput_cli_repetition_penalty_and_forward_ahead(tiny_model_factory, tmp_path: Path, monkeypatch) -> None:
-    # --repetition-penalty reaches every request; with async scheduling and KVFLEET_FORWARD_AHEAD its steps are
-    # forwarded ahead (the sampler reads the tokens in flight), which the JSON counts, and the file name says it.
+def test_throughput_cli_repetition_penalty_launches_ahead(tiny_model_factory, tmp_path: Path, monkeypatch) -> None:
+    # --repetition-penalty reaches every request and the file name says it; with async scheduling its steps are
+    # launched ahead (the penalty takes the token in flight on the device), even with KVFLEET_FORWARD_AHEAD on,
+    # which the JSON counts.
     monkeypatch.setattr("kvfleet.engine.llm_engine.FORWARD_AHEAD", True)
     model = tiny_model_factory("llama")
     reqs = [BenchRequest(list(range(3 + i, 20 + 2 * i)), 6) for i in range(4)]
@@ -84,7 +85,7 @@ def test_throughput_cli_repetition_penalty_and_forward_ahead(tiny_model_factory,
     (path,) = (tmp_path / "out").glob("*.json")
     res = json.loads(path.read_text())
     assert path.name.endswith("-w-rp1.3.json") and res["repetition_penalty"] == 1.3
-    assert res["steps_forwarded_ahead"] > 0 and res["steps_launched_ahead"] == 0
+    assert res["steps_launched_ahead"] > 0 and res["steps_forwarded_ahead"] == 0
     assert res["requests_with_wrong_length"] == 0
     with pytest.raises(SystemExit) as exc:   # argparse's usage error
         main(["--model", str(model), "--workload", "chat-mix", "--repetition-penalty", "0"])

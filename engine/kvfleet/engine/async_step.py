@@ -14,14 +14,15 @@ With it on, one `LLMEngine.step()` does, while step N (launched by the previous 
    returned are step N's.
 
 Launching ahead is skipped, and N+1 launched after step 4's update as before, when its sampler needs N's
-token values: penalties (they count the output tokens), structured outputs (a constraint's next mask needs the
-token it takes from N) and prompt logprobs (read back at launch).
-min_tokens needs only N's token count: a sequence sampled in N has one more output token than it holds.
+token values: structured outputs (a constraint's next mask needs the token it takes from N) and prompt logprobs
+(read back at launch). min_tokens needs only N's token count: a sequence sampled in N has one more output token
+than it holds. Penalties count N's token from the device: `ModelRunner._sampling_batch` writes each sequence's
+sample of N (`InFlight.sampled_on_device`) after the output ids it holds, as the inputs take their placeholders.
 KVFLEET_LAUNCH_AHEAD=0 always launches after the update (issue 16's A/B).
 
 KVFLEET_FORWARD_AHEAD=1 (off by default until a lease measures it): such a step's forward is still queued at step
 3 (`ModelRunner.forward_step`), and only its sampler waits for step 4's update (`ModelRunner.sample_step`): the
-device runs N+1's forward while the host reads and takes N's tokens, so one request with a penalty or a grammar no
+device runs N+1's forward while the host reads and takes N's tokens, so one request with a grammar no
 longer leaves the device idle between the steps of the whole batch. A sequence that N's tokens end is not sampled.
 
 Correctness cases:

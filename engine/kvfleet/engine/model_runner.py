@@ -301,10 +301,11 @@ class ModelRunner:
     @staticmethod
     def needs_token_values(sched: SchedulerOutput) -> bool:
         """Whether launching `sched` needs the sampled values of the step still in flight, so that it cannot
-        be launched ahead of them (kvfleet.engine.async_step): penalties count the output tokens, a constraint
-        whose mask follows the output (structured outputs, a reasoning gate, multi-token bad_words) needs the token
-        it has not taken yet, and a prompt's logprobs are read back at launch (the launch would wait for the step
-        it queued). allowed_token_ids and one-token bad_words mask the same tokens at every step: launched ahead."""
+        be launched ahead of them (kvfleet.engine.async_step): a constraint whose mask follows the output
+        (structured outputs, a reasoning gate, multi-token bad_words) needs the token it has not taken yet, and a
+        prompt's logprobs are read back at launch (the launch would wait for the step it queued).
+        allowed_token_ids and one-token bad_words mask the same tokens at every step, and penalties count the
+        token in flight from the device (`_sampling_batch`): launched ahead."""
         for s in sched.scheduled:
             p = s.request.sampling_params
             if p is None:
@@ -312,9 +313,7 @@ class ModelRunner:
             if p.prompt_logprobs is not None and s.start < s.request.num_prompt_tokens - 1:
                 return True
             grammar = s.request.grammar
-            if s.needs_sample and (p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0
-                                   or p.presence_penalty != 0.0
-                                   or (grammar is not None and grammar.needs_last_token())):
+            if s.needs_sample and grammar is not None and grammar.needs_last_token():
                 return True   # (a constraint's next mask needs the token it has not taken yet)
         return False
 
@@ -387,7 +386,8 @@ class ModelRunner:
     def _sampling_batch(self, reqs: list[ScheduledRequest], vocab: int,
                         ahead_of: Optional[InFlight] = None) -> SamplingBatch:
         """The batch's sampling parameters as tensors (each sequence's row is read once, then cached).
-        `ahead_of`: the step whose tokens are not appended yet; each of its sequences' counts toward min_tokens."""
+        `ahead_of`: the step whose tokens are not appended yet; each of its sequences counts one token more toward
+        min_tokens, and its token joins the penalties' output ids on the device."""
         dev, nb = self.device, self.non_blocking
         cache = self._param_rows
         rows: list[SamplingRow] = []
@@ -438,6 +438,19 @@ class ModelRunner:
 
         def padded(arrays: list[np.ndarray]) -> torch.Tensor:
             return to_device(torch.from_numpy(padded_rows(arrays, vocab)), dev, nb)
+
+        def outputs_so_far() -> torch.Tensor:
+            """Each penalized sequence's output ids; launched ahead, with the token it has in flight (the step
+            before's sample, still on the device) after them, where the sampler counts it as appended."""
+            outs = [h.outputs(s.request.output_token_ids) for h, s in zip(histories, reqs, strict=True)]
+            in_flight = ahead_of.row_of() if ahead_of is not None and ahead_of.sampled_on_device is not None else {}
+            rows = [i for i, s in enumerate(reqs) if s.request_id in in_flight]
+            tokens = to_device(torch.from_numpy(padded_rows(outs, vocab, spare=1 if rows else 0)), dev, nb)
+            if rows and ahead_of is not None and ahead_of.sampled_on_device is not None:
+                src = host_tensor([in_flight[reqs[i].request_id] for i in rows], np.int64, dev, nb)
+                tokens[host_tensor(rows, np.int64, dev, nb), host_tensor([len(outs[i]) for i in rows], np.int64,
+                                                                          dev, nb)] = ahead_of.sampled_on_device[src]
+            return tokens
         min_mask = None
         if banned:
             min_mask = torch.zeros(len(reqs), vocab, dtype=torch.bool, device=dev)
@@ -450,9 +463,7 @@ class ModelRunner:
             min_p=opt(min_p, 0.0),
             presence_penalty=press, frequency_penalty=freqs, repetition_penalty=reps,
             prompt_tokens=padded([h.prompt for h in histories]) if reps is not None else None,
-            output_tokens=(padded([h.outputs(s.request.output_token_ids)
-                                   for h, s in zip(histories, reqs, strict=True)])
-                           if histories else None),
+            output_tokens=outputs_so_far() if histories else None,
             min_tokens_mask=min_mask, logit_bias=logit_bias(rows, biased, dev, nb),
             allowed=allowed_tokens(constrained, dev, nb), generators=gens,
             max_num_logprobs=max_logprobs,

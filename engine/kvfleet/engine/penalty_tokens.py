@@ -35,9 +35,9 @@ class TokenHistory:
         return self._out[:n]
 
 
-def padded_rows(rows: list[np.ndarray], pad: int) -> np.ndarray:
-    """int64 [len(rows), longest row (at least 1)], each row's ids first, then `pad`."""
-    width = max(1, max((len(r) for r in rows), default=0))
+def padded_rows(rows: list[np.ndarray], pad: int, spare: int = 0) -> np.ndarray:
+    """int64 [len(rows), longest row + `spare` (at least 1)], each row's ids first, then `pad`."""
+    width = max(1, max((len(r) for r in rows), default=0) + spare)
     out = np.full((len(rows), width), pad, dtype=np.int64)
     for i, r in enumerate(rows):
         out[i, :len(r)] = r
