@@ -154,3 +154,7 @@ def test_bad_files_get_clear_errors(tmp_path: Path) -> None:
     path.write_bytes(whole[:4] + (9).to_bytes(4, "little") + whole[8:])
     with pytest.raises(ValueError, match="GGUF v9"):
         read_gguf(path)
+    for short in (b"", b"GGUF"):
+        path.write_bytes(short)
+        with pytest.raises(ValueError, match=f"not a GGUF file \\({len(short)} bytes\\)"):
+            read_gguf(path)

@@ -111,6 +111,8 @@ def read_gguf(path: str | os.PathLike[str]) -> GGUFContents:
 @lru_cache(maxsize=4)
 def _read_cached(path: Path, size: int, mtime_ns: int) -> GGUFContents:
     # size and mtime are part of the key so that a file replaced in place is read again
+    if size < 24:   # (mmap refuses an empty file; 24 bytes: magic, version and the two counts)
+        raise ValueError(f"model: {path} is not a GGUF file ({size} bytes)")
     with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
         cur = _Cursor(buf, path)
         if buf[:4] != _MAGIC:
