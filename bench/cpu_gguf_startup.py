@@ -16,7 +16,6 @@ import argparse
 import json
 import os
 import re
-import socket
 import statistics
 import subprocess
 import sys
@@ -30,15 +29,10 @@ sys.path.insert(0, str(REPO / "engine"))
 
 from kvfleet.engine.bench.compare import stop_server, wait_healthy  # noqa: E402
 from kvfleet.engine.tokenizer import find_default_model  # noqa: E402
+from kvfleet.gateway.testing import free_port  # noqa: E402
 
 _STAMP = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) ")
 _PHASES = {"serving": "kvfleet.server serving", "loaded": "model_loader loaded", "ready": "model ready"}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _phase_times(log: str, t_start: float) -> dict[str, float]:
@@ -56,7 +50,7 @@ def _phase_times(log: str, t_start: float) -> dict[str, float]:
 
 
 def start_once(tree: Path, model: str, limit_s: float) -> dict[str, Any]:
-    port = _free_port()
+    port = free_port()
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tree / "engine"), os.environ.get("PYTHONPATH", "")])}
     cmd = [sys.executable, "-m", "kvfleet.engine.cli", "serve", model, "--device", "cpu", "--host", "127.0.0.1",
            "--port", str(port), "--max-model-len", "4096", "--max-num-seqs", "8"]
