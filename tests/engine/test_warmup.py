@@ -191,16 +191,20 @@ def test_warmup_plan_takes_a_long_prompt_beside_a_decode_where_it_fits() -> None
     assert len(plan) == 9
     decoding, long, chunk = plan[-3], plan[-2], plan[-1]
     assert decoding.steps == 1 and decoding.requests[0].max_tokens > 2   # still decoding when the long one comes
-    assert long.requests[0].prompt_len > SHORT_QUERY_MAX_TOKENS and long.steps is None
-    assert long.requests[0].prompt_len + long.requests[0].max_tokens < 8448
+    beside, long_req = long.requests
+    assert long_req.prompt_len > SHORT_QUERY_MAX_TOKENS and long.steps is None
+    assert long_req.prompt_len + long_req.max_tokens < 8448
+    assert 1 < beside.prompt_len <= SHORT_QUERY_MAX_TOKENS   # rows for the Triton kernel beside the Gluon one
     # then a chunk over the long prompt's cached tokens, of the shape the paged Gluon kernel takes
     req = chunk.requests[0]
-    assert req.reuse_prefix == long.requests[0].prompt_len and req.prompt_len + req.max_tokens < 8448
+    assert req.reuse_prefix == long_req.prompt_len and req.prompt_len + req.max_tokens < 8448
     cached = req.reuse_prefix // 16 * 16   # whole blocks
     assert long_prefix_chunks([0, req.prompt_len - cached], [req.prompt_len]) == [True]
     assert req.prompt_len - cached >= GLUON_CHUNK_MIN_QUERY_TOKENS and req.prompt_len >= GLUON_CHUNK_MIN_KEYS
     assert len(warmup_plan(SHORT_QUERY_MAX_TOKENS + 200, 32000, 1024, 16384)) == 8   # room for the long one only
     assert len(warmup_plan(8448, 32000, 1024, SHORT_QUERY_MAX_TOKENS)) == 6   # the budget chunks it short
+    # a budget that takes the long prompt whole but not the short one beside it: the long one alone
+    assert len(warmup_plan(8448, 32000, 1024, long_req.prompt_len)[-2].requests) == 1
     assert len(warmup_plan(SHORT_QUERY_MAX_TOKENS, 32000, 1024, 16384)) == 6   # the context cannot hold it
     assert len(warmup_plan(128, 100)) == 6
 
@@ -377,3 +381,44 @@ def test_warmup_runs_a_chunk_over_a_cached_prefix(tiny_model_factory: Any) -> No
     report = run_warmup(engine, plan)
     assert report.prefix_cache_hits == 96   # the 6 full blocks of the first prompt
     assert engine.stats()["kv_blocks_cached"] == 0 and engine.stats()["prefix_cache_hits"] == 0
+
+
+def test_warmup_runs_the_long_tile_beside_decode_rows_with_rows_for_the_triton_kernel(tiny_model_factory: Any,
+                                                                                      monkeypatch: pytest.MonkeyPatch
+                                                                                      ) -> None:
+    """Plan step 7 through a real engine (the plan as on CUDA, its steps on the CPU): one step holds a decode row, a
+    fresh prompt long enough for the Gluon kernel, and a prompt of more than one token that the Triton prefill kernel
+    attends for, with the long-query tile that step's longest query picks (lease 23: without the short prompt the
+    Triton kernel had no rows there, and chat-mix compiled that variant on a request's time)."""
+    import torch
+
+    from kvfleet.engine.attention import register_attention_backend, torch_paged_attention
+    from kvfleet.engine.attention.fresh_prompts import fresh_long_prompts
+    from kvfleet.engine.kernels.prefill_attention_v2 import SHORT_QUERY_MAX_TOKENS, default_tile_v2
+
+    steps: list[tuple[list[int], list[int]]] = []   # (query_start_loc, seq_lens) of each step with a prompt
+
+    def attention(q: Any, k: Any, v: Any, kv_cache: Any, md: Any, scale: float, rotary: Any = None) -> Any:
+        if md.max_query_len > 1:
+            steps.append((list(md.query_start_loc_cpu), list(md.seq_lens_cpu)))
+        return torch_paged_attention(q, k, v, kv_cache, md, scale, rotary=rotary)
+
+    register_attention_backend("test-step-recording", attention, device_types=("cpu",), priority=-100)
+    monkeypatch.setenv("KVFLEET_ATTENTION_BACKEND", "test-step-recording")
+    engine = LLMEngine(EngineConfig(model=str(tiny_model_factory("llama", max_position_embeddings=4608)),
+                                    dtype="float32", device="cpu", num_kv_blocks=512, max_model_len=4608,
+                                    max_num_seqs=16, max_num_batched_tokens=8192))
+    plan = warmup_plan(4608, engine.model_config.vocab_size, 16, 8192)
+    steps.clear()   # start-up's profiling forward
+    run_warmup(engine, plan)
+
+    def triton_rows_beside_gluon_and_decodes(qsl: list[int], seq_lens: list[int]) -> bool:
+        q_lens = [b - a for a, b in zip(qsl, qsl[1:], strict=False)]
+        gluon = fresh_long_prompts(qsl, seq_lens)
+        triton_prompts = [n for n, g in zip(q_lens, gluon, strict=True) if not g and n > 1]
+        long_tile = default_tile_v2(max(q_lens), torch.bfloat16) == default_tile_v2(SHORT_QUERY_MAX_TOKENS + 1,
+                                                                                    torch.bfloat16)
+        return any(gluon) and bool(triton_prompts) and 1 in q_lens and long_tile
+
+    assert any(triton_rows_beside_gluon_and_decodes(*s) for s in steps), steps
+    assert engine.stats()["kv_blocks_used"] == 0

@@ -19,10 +19,12 @@ real engine, so it covers what the model runner really launches:
    shared-prefix pass (`attention.shared_prefix`); after one decode step
 6. a 20-token prompt: a mixed step whose decode rows share a prefix;
 7. on CUDA, where the context and the step's token budget allow, while a 16-token prompt decodes, a prompt of more than
-   2,048 tokens: a mixed step with the long-query tile (queries of 17..2,048 tokens take a tile of their own,
-   `kernels.prefill_attention_v2.default_tile_v2`; a prefill-only step with it runs at start-up's profiling), and
-   with the Gluon choices of `KVFLEET_PREFILL_KERNEL` (`gluon-chunks`, the default, or `gluon`) the Gluon kernel of
-   fresh long prompts;
+   2,048 tokens and a 24-token one: a mixed step with the long-query tile (a step's tile follows its longest query;
+   queries of 17..2,048 tokens take a tile of their own, `kernels.prefill_attention_v2.default_tile_v2`; a
+   prefill-only step with it runs at start-up's profiling), and with the Gluon choices of `KVFLEET_PREFILL_KERNEL`
+   (`gluon-chunks`, the default, or `gluon`) the Gluon kernel of fresh long prompts, beside the Triton kernel,
+   which then has the short prompt's rows (lease 23: without them it did not launch, and chat-mix compiled that
+   variant on a request's time);
 8. then that prompt again with 192 tokens more: a chunk over its cached prefix (a prefix-cache hit), the shape
    `gluon-chunks` sends to the paged Gluon kernel (`attention.fresh_prompts.long_prefix_chunks`).
 
@@ -61,6 +63,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 WARMUP_SALT = "kvfleet-warmup"   # its prompts hash apart from every user's (and are evicted after)
+BESIDE_LONG_PROMPT_TOKENS = 24   # 7.'s short prompt: more than one token (the prefill kernel skips one-token rows)
 
 
 @dataclass(frozen=True)
@@ -102,8 +105,14 @@ def warmup_plan(max_model_len: int, vocab_size: int, max_num_seqs: int = 256,
     stop = min(1, vocab_size - 1)
     long_len = SHORT_QUERY_MAX_TOKENS + 64
     chunk_len = GLUON_CHUNK_MIN_QUERY_TOKENS + 64
+    # a short prompt beside the long one where the step's budget takes both: the long one goes to the Gluon kernel,
+    # so without it the step's Triton prefill kernel has no rows and never launches its long-query tile beside
+    # decode rows (lease 23: compiled on the first request's time in chat-mix). Added first: the chunk below
+    # reuses the prompt added last.
+    beside_long = (WarmupRequest(BESIDE_LONG_PROMPT_TOKENS, 2, {"temperature": 0.0}),) \
+        if max_num_batched_tokens >= long_len + BESIDE_LONG_PROMPT_TOKENS else ()
     long_wave = [Wave((WarmupRequest(plen(16), 8, {"temperature": 0.0}),), 1),
-                 Wave((WarmupRequest(long_len, 2, {"temperature": 0.0}),), None)]
+                 Wave(beside_long + (WarmupRequest(long_len, 2, {"temperature": 0.0}),), None)]
     if long_len + chunk_len + 2 <= room:
         long_wave.append(Wave((WarmupRequest(long_len + chunk_len, 2, {"temperature": 0.0}, reuse_prefix=long_len),),
                               None))
