@@ -45,6 +45,9 @@
 #   decode-sweep      bench/gpu_decode_sweep.py: decode attention's tile (KVFLEET_DECODE_TILE: the default's one
 #                     K/V buffer against 5-6 stages' two) at B = 16..256, 1k-4k keys, against the copy floor (~1;
 #                     into decode-sweep/, its txt into $OUT)
+#   penalties         bench/gpu_penalties.py: the sampler's penalties on their ids' columns against the [B, V]
+#                     counts and masks they replaced, B = 64..1,024 over 128k logits, equal or status 1 (~0.5;
+#                     into penalties/, its txt into $OUT)
 #   gemm-sweep        bench/gpu_small_m_gemm_sweep.py alone: bf16 linear layers of Llama-3.1-8B at M = 1..16, cuBLAS
 #                     against the Triton small-M GEMM (its default config and a grid around it), the crossover M
 #                     for KVFLEET_SMALL_M_GEMM_MAX and a batch-1 step's estimate (~1.5; SWEEP_BUDGET_S, default 80,
@@ -211,6 +214,9 @@ gpu-tests)
 decode-sweep)
   step decode-sweep 120 env $KV_ENV $PY bench/gpu_decode_sweep.py "$RUNS/decode-sweep"
   cp "$RUNS/decode-sweep/decode_sweep.txt" "$OUT/" 2>/dev/null ;;
+penalties)
+  step penalties 90 env $KV_ENV $PY bench/gpu_penalties.py "$RUNS/penalties"
+  cp "$RUNS/penalties/penalties.txt" "$OUT/" 2>/dev/null ;;
 gemm-sweep)
   step gemm-sweep 150 env $KV_ENV $PY bench/gpu_small_m_gemm_sweep.py "$RUNS/gemm-sweep"
   cp "$RUNS/gemm-sweep/small_m_gemm_sweep.txt" "$OUT/" 2>/dev/null ;;

@@ -93,6 +93,54 @@ def test_penalties() -> None:
     assert out.sampled.tolist() == [3, 1]   # 1 -> 1.5, 2 -> 1.25, 3 stays 2.0
 
 
+def test_penalties_touch_only_listed_columns_and_equal_the_dense_definition() -> None:
+    """Random batches of a larger vocabulary: ids repeated within and across the prompt and output lists, padding,
+    rows with no output yet, rows without any id, neutral rows beside penalized ones, -inf logits (a min_tokens
+    ban), each penalty alone and all three; the caller's logits are left as they were."""
+    from kvfleet.engine.sampler import apply_penalties, apply_penalties_ref
+
+    vocab, rows = 50, 7
+    gen = torch.Generator().manual_seed(16)
+    for case in range(40):
+        high = 12 if case % 2 else vocab   # a few ids: many repeats
+
+        def ids(width: int, lengths: list[int], high: int = high) -> torch.Tensor:
+            t = torch.full((rows, width), vocab)
+            for r, n in enumerate(lengths):
+                t[r, :n] = torch.randint(0, high, (n,), generator=gen)
+            return t
+
+        plen = [int(x) for x in torch.randint(1, 9, (rows,), generator=gen)]
+        olen = [int(x) for x in torch.randint(0, 6, (rows,), generator=gen)]
+        olen[0] = 0   # no output yet
+        with_prompt = case % 3 != 2
+        if not with_prompt:
+            olen[1] = 0   # no id at all in this row
+        prompt = ids(max(plen), plen) if with_prompt else None
+        output = ids(max(olen) + case % 2, olen)   # at times a spare padding column (a token in flight's)
+        logits = torch.randn(rows, vocab, generator=gen) * 3
+        logits[2, :5] = float("-inf")
+        which = case % 4   # repetition, frequency, presence, all three
+
+        def knob(active: bool, lo: float, hi: float) -> Optional[torch.Tensor]:
+            if not active:
+                return None
+            v = torch.empty(rows).uniform_(lo, hi, generator=gen)
+            v[3] = 1.0 if lo > 0 else 0.0   # a neutral row in the batch
+            return v
+
+        b = batch(rows, [0.0] * rows, prompt_tokens=prompt if which in (0, 3) else None, output_tokens=output)
+        b.repetition_penalty = knob(which in (0, 3), 0.5, 2.0)
+        b.frequency_penalty = knob(which in (1, 3), -2.0, 2.0)
+        b.presence_penalty = knob(which in (2, 3), -2.0, 2.0)
+        if b.repetition_penalty is None:
+            b.prompt_tokens = None
+        before = logits.clone()
+        got = apply_penalties(logits, b)
+        assert torch.equal(got, apply_penalties_ref(logits, b)), case
+        assert torch.equal(logits, before)
+
+
 def test_min_tokens_mask_bans_stop_tokens() -> None:
     mask = torch.zeros(1, V, dtype=torch.bool)
     mask[0, 1] = True
