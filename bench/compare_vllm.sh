@@ -74,7 +74,8 @@
 # setting), WORKLOADS_LLAMA, WORKLOADS_QWEN, WORKLOADS_FP8, WORKLOADS_AB, LOADS (name:rate:requests,...),
 # ONLINE_ARGS (more flags for the online stage), PREFILL_AB (space-separated settings, each
 # VAR=VALUE[,VAR=VALUE...] for one run), ARGS_AB (space-separated settings, each --flag=V[,--flag=V...]),
-# LLAMA/QWEN (model folders: a dry run on CPU takes tiny ones), STEP_PROFILE_ARGS (more flags for the kvfleet side of
+# LLAMA/QWEN (model folders: a dry run on CPU takes tiny ones), PROFILE_MODEL (step-profile's and host-profile's;
+# default LLAMA), STEP_PROFILE_ARGS (more flags for the kvfleet side of
 # step-profile: "--dry" on CPU, "--scenarios burst").
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -91,6 +92,7 @@ START=$(date +%s)
 LOG="$OUT/log.txt"
 LLAMA=${LLAMA:-bench/models/llama-3.1-8b}   # (overridable for a dry run on CPU with tiny models)
 QWEN=${QWEN:-bench/models/qwen3-0.6b}
+PROFILE_MODEL=${PROFILE_MODEL:-$LLAMA}   # the model step-profile and host-profile run (e.g. "$QWEN")
 WORKLOADS_LLAMA=${WORKLOADS_LLAMA:-chat-mix random-1024-128 long-prompt shared-prefix parallel-sampling}
 WORKLOADS_QWEN=${WORKLOADS_QWEN:-chat-mix random-1024-128}
 WORKLOADS_FP8=${WORKLOADS_FP8:-chat-mix random-1024-128}
@@ -160,14 +162,14 @@ profile)
   step profile 180 env $KV_ENV $PY bench/gpu_profile_issue16.py "$RUNS/profile"
   cp "$RUNS/profile/profile.txt" "$OUT/" 2>/dev/null ;;
 step-profile)
-  step "step-profile kvfleet" 180 env $KV_ENV $PY bench/gpu_step_profile.py run --engine kvfleet --model "$LLAMA" \
+  step "step-profile kvfleet" 180 env $KV_ENV $PY bench/gpu_step_profile.py run --engine kvfleet --model "$PROFILE_MODEL" \
     --out "$RUNS/step-profile" ${STEP_PROFILE_ARGS:-}
-  need_vllm "$s" && step "step-profile vllm" 300 $PY bench/gpu_step_profile.py run --engine vllm --model "$LLAMA" \
+  need_vllm "$s" && step "step-profile vllm" 300 $PY bench/gpu_step_profile.py run --engine vllm --model "$PROFILE_MODEL" \
     --out "$RUNS/step-profile" \
     && $PY bench/gpu_step_profile.py compare "$RUNS/step-profile" >> "$LOG" 2>&1
   cp "$RUNS/step-profile/step_profile_compare.txt" "$OUT/" 2>/dev/null ;;
 host-profile)
-  step host-profile 200 env $KV_ENV $PY bench/gpu_host_profile.py "$RUNS/host-profile"
+  step host-profile 200 env $KV_ENV $PY bench/gpu_host_profile.py "$RUNS/host-profile" "$PROFILE_MODEL"
   cp "$RUNS/host-profile/host_profile.txt" "$OUT/" 2>/dev/null ;;
 kv-diag)
   step sync-probe 60 env $KV_ENV $PY bench/gpu_sync_probe.py "$RUNS/sync-probe"
