@@ -17,11 +17,12 @@ one tile at a time.
 Cases: Llama-3.1-8B heads (32 query, 8 KV, D 128, bf16, 16-token blocks, blocks scattered) at B = 256, 64 and 16
 with 1,024 keys, 48 x 6,144 (the long-prompt row), 128 x 4,096, and Qwen3-0.6B's 16 query heads at B = 256; the
 engine's split count for each (`choose_num_splits`), and from 4,096 keys also two splits (what
-`KVFLEET_DECODE_LONG_SPLIT=2048` gives). Each: the error against the float32 reference (NaN-poisoned output first),
-then the median of 30 timed calls (CUDA events), GB/s of K/V read and the time over the copy floor (measured copy
-bandwidth). Where vLLM's wheels are installed, its FlashAttention-3 on the same paged cache (its own split
-heuristic) is a row of each case: the target. A tile worth trying end to end: `KVFLEET_DECODE_TILE=<tile>` in the
-online or offline A/B stages.
+`KVFLEET_DECODE_LONG_SPLIT=2048` gives); the default tile also at 1, 2, 4 and 8 splits (of 128 keys or more): which
+split count each batch wants, beside FA3's own choice. Each: the error against the float32 reference (NaN-poisoned
+output first), then the median of 30 timed calls (CUDA events), GB/s of K/V read and the time over the copy floor
+(measured copy bandwidth). Where vLLM's wheels are installed, its FlashAttention-3 on the same paged cache (its own
+split heuristic) is a row of each case: the target. A tile worth trying end to end: `KVFLEET_DECODE_TILE=<tile>` in
+the online or offline A/B stages.
 """
 
 from __future__ import annotations
@@ -59,6 +60,8 @@ TILES: list[Tile] = [DEFAULT_TILE, (64, 4, 2), (64, 4, 5), (32, 4, 6), (32, 4, 4
 CASES = [(256, 1024, 32), (64, 1024, 32), (16, 1024, 32), (48, 6144, 32), (128, 4096, 32),
          (256, 1024, 16)]   # batch, keys, Hq
 LONG_KEYS = 4096   # from here on each tile also runs in two splits
+SPLITS = (1, 2, 4, 8)   # the default tile's other split counts, where each split keeps MIN_SPLIT_KEYS keys
+MIN_SPLIT_KEYS = 128
 HKV, D = 8, 128
 TOLERANCE = 2e-2
 
@@ -73,6 +76,9 @@ def sweep_case(batch: int, keys: int, hq: int, bw: float, fa3: bool) -> list[dic
     kv_bytes = b * n * HKV * D * 2 * 2
     engine_splits = choose_num_splits(b, HKV, n)
     split_counts = sorted({engine_splits, 2}) if keys >= LONG_KEYS else [engine_splits]
+    # the default tile alone at other split counts too: lease 22 put B=64 x 1k keys (one split) at 1.50x the floor
+    # and B=16 (three) at 3.9x, against 1.13x at B=256
+    default_only = [k for k in SPLITS if k not in split_counts and n // k >= S(MIN_SPLIT_KEYS)]
     case = f"B={b} keys={n} Hq={hq}"
     rows = []
 
@@ -88,8 +94,8 @@ def sweep_case(batch: int, keys: int, hq: int, bw: float, fa3: bool) -> list[dic
             row["error"] = f"{type(e).__name__}: {e}"[:500]
         return row
 
-    for splits in split_counts:
-        for tile in TILES:
+    for splits in split_counts + default_only:
+        for tile in TILES if splits in split_counts else [DEFAULT_TILE]:
             bn, warps, stages = tile
 
             def call(out: torch.Tensor, bn: int = bn, warps: int = warps, stages: int = stages,
