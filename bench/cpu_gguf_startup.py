@@ -1,12 +1,15 @@
-"""Start to healthy of `kvfleet serve` on the embedded GGUF model (CPU), for two source trees side by side.
+"""Start to first token of `kvfleet serve` on the embedded GGUF model (CPU), for two source trees or settings side
+by side.
 
 What a replica woken from zero on CPU pays before its first token (the demo's "first token N s after the
-request"). Each tree's `engine/` goes first on PYTHONPATH, so one virtualenv runs both; runs alternate
-between the trees (A B A B ...) so that load on the machine falls on both alike. Phase times come from the
-server's log lines (process start, "serving", "loaded", "model ready").
+request"): start to healthy, then its first request (a sampled, streamed chat completion) to its first token. Each
+tree's `engine/` goes first on PYTHONPATH, so one virtualenv runs both; runs alternate between the trees (A B A B
+...) so that load on the machine falls on both alike. Phase times come from the server's log lines (process start,
+"serving", "loaded", "model ready").
 
     git worktree add /tmp/kvf-before <rev>
     .venv/bin/python bench/cpu_gguf_startup.py --tree before=/tmp/kvf-before --tree after=. --runs 3
+    .venv/bin/python bench/cpu_gguf_startup.py --tree plan=.,KVFLEET_WARMUP=1 --tree step=.,KVFLEET_WARMUP=0
     # -> bench/results/gguf-startup/<label>.json
 """
 
@@ -49,42 +52,79 @@ def _phase_times(log: str, t_start: float) -> dict[str, float]:
     return out
 
 
-def start_once(tree: Path, model: str, limit_s: float) -> dict[str, Any]:
+FIRST_PROMPT = ("Once upon a time there lived a king in a small city by a river. " * 8).strip()
+
+
+def first_request(base_url: str, model: str) -> dict[str, float]:
+    """A woken replica's first request, as a client sends it (a chat completion, sampled, streamed): seconds to its
+    first content token and to its end."""
+    import httpx
+
+    body = {"model": model, "messages": [{"role": "user", "content": FIRST_PROMPT}], "max_tokens": 16,
+            "temperature": 0.7, "top_p": 0.9, "stream": True}
+    t0 = time.monotonic()
+    first = None
+    with httpx.stream("POST", f"{base_url}/v1/chat/completions", json=body, timeout=120) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if first is None and line.startswith("data: {") and '"content"' in line:
+                first = time.monotonic() - t0
+    if first is None:
+        raise RuntimeError("the first request streamed no content")
+    return {"first_request_ttft_s": round(first, 3), "first_request_s": round(time.monotonic() - t0, 3)}
+
+
+def start_once(tree: Path, model: str, limit_s: float, extra_env: dict[str, str]) -> dict[str, Any]:
     port = free_port()
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tree / "engine"), os.environ.get("PYTHONPATH", "")])}
+    env = {**os.environ, **extra_env,
+           "PYTHONPATH": os.pathsep.join([str(tree / "engine"), os.environ.get("PYTHONPATH", "")])}
     cmd = [sys.executable, "-m", "kvfleet.engine.cli", "serve", model, "--device", "cpu", "--host", "127.0.0.1",
            "--port", str(port), "--max-model-len", "4096", "--max-num-seqs", "8"]
     wall0 = time.time()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, start_new_session=True,
                             text=True)
-    healthy = wait_healthy(proc, f"http://127.0.0.1:{port}", limit_s)
+    base_url = f"http://127.0.0.1:{port}"
+    healthy = wait_healthy(proc, base_url, limit_s)
+    first = first_request(base_url, model) if healthy is not None else {}
     stop_server(proc)
     log = proc.stdout.read() if proc.stdout else ""
     if healthy is None:
         raise RuntimeError(f"{tree}: not healthy within {limit_s} s:\n{log[-2000:]}")
-    return {"time_to_healthy_s": round(healthy, 2), **_phase_times(log, wall0)}
+    return {"time_to_healthy_s": round(healthy, 2), **first,
+            "start_to_first_token_s": round(healthy + first["first_request_ttft_s"], 2), **_phase_times(log, wall0)}
+
+
+def parse_tree(spec: str) -> tuple[str, Path, dict[str, str]]:
+    """NAME=PATH[,VAR=VALUE...] -> (name, tree, environment for its server)."""
+    name, rest = spec.split("=", 1)
+    path, *settings = rest.split(",")
+    return name, Path(path).resolve(), dict(s.split("=", 1) for s in settings)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--tree", action="append", required=True, help="NAME=PATH of a source tree (twice or more)")
+    ap.add_argument("--tree", action="append", required=True,
+                    help="NAME=PATH[,VAR=VALUE...]: a source tree and its server's environment (twice or more)")
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--limit-s", type=float, default=300.0)
     ap.add_argument("--label", default="side-by-side")
     args = ap.parse_args()
-    trees = dict(t.split("=", 1) for t in args.tree)
+    trees = {name: (path, env) for name, path, env in map(parse_tree, args.tree)}
     model = str(find_default_model())
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in trees}
     for i in range(args.runs):
-        for name, path in trees.items():
-            r = start_once(Path(path).resolve(), model, args.limit_s)
+        for name, (path, env) in trees.items():
+            r = start_once(path, model, args.limit_s, env)
             runs[name].append(r)
             print(f"run {i + 1} {name}: healthy after {r['time_to_healthy_s']} s {r}", flush=True)
-    summary = {name: {"median_time_to_healthy_s": statistics.median(r["time_to_healthy_s"] for r in rs)}
-               for name, rs in runs.items()}
-    for name, path in trees.items():
+    summary: dict[str, dict[str, Any]] = {
+        name: {f"median_{k}": statistics.median(r[k] for r in rs)
+               for k in ("time_to_healthy_s", "first_request_ttft_s", "start_to_first_token_s")}
+        for name, rs in runs.items()}
+    for name, (path, env) in trees.items():
         rev = subprocess.run(["git", "-C", path, "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
-        summary[name]["tree"] = path
+        summary[name]["tree"] = str(path)
+        summary[name]["env"] = env
         dirty = subprocess.run(["git", "-C", path, "status", "--porcelain", "--", "engine"], capture_output=True,
                                text=True)
         summary[name]["head"] = rev.stdout.strip()

@@ -20,7 +20,7 @@ import pytest
 from kvfleet.engine.config import EngineConfig
 from kvfleet.engine.llm_engine import LLMEngine
 from kvfleet.engine.sampling_params import SamplingParams
-from kvfleet.engine.warmup import WARMUP_SALT, run_warmup, warm_logits, warmup_enabled, warmup_plan
+from kvfleet.engine.warmup import WARMUP_SALT, run_warmup, warm_logits, warmup_plan, warmup_runs_plan
 
 
 class VariantRecorder:
@@ -271,13 +271,17 @@ def test_warm_logits_computes_every_row_count_a_step_can_sample(tiny_model_facto
 
 
 def test_warmup_switch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """KVFLEET_WARMUP: unset or auto, the plan on CUDA only; 1 and 0 as set, on any device."""
     monkeypatch.delenv("KVFLEET_WARMUP", raising=False)
-    assert warmup_enabled()
+    assert warmup_runs_plan("cuda") and not warmup_runs_plan("cpu")
+    assert warmup_runs_plan("cuda", "auto") and not warmup_runs_plan("cpu", "")
+    monkeypatch.setenv("KVFLEET_WARMUP", "1")
+    assert warmup_runs_plan("cpu")
     monkeypatch.setenv("KVFLEET_WARMUP", "0")
-    assert not warmup_enabled()
+    assert not warmup_runs_plan("cuda")
     monkeypatch.setenv("KVFLEET_WARMUP", "maybe")
     with pytest.raises(ValueError, match="KVFLEET_WARMUP"):
-        warmup_enabled()
+        warmup_runs_plan("cuda")
 
 
 def test_health_is_503_until_the_warmup_ran(tiny_model_factory: Any, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -300,6 +304,7 @@ def test_health_is_503_until_the_warmup_ran(tiny_model_factory: Any, monkeypatch
         return out
 
     monkeypatch.setattr(LLMEngine, "warm_up", slow_warm_up)
+    monkeypatch.setenv("KVFLEET_WARMUP", "1")   # the plan on this CPU too (by default only on CUDA)
     state = ServerState(model_name="tiny", model_path=model, keys=None)
     app = build_app(state, lambda: AsyncLLM(model, dtype="float32", device="cpu", num_kv_blocks=64,
                                             max_model_len=128))
@@ -331,6 +336,51 @@ def test_health_is_503_until_the_warmup_ran(tiny_model_factory: Any, monkeypatch
     assert seen[-1][0] == 200 and seen[-1][1] == "done"
     assert (503, "running") in seen   # not ready while the warm-up ran
     assert all(code == 503 for code, _ in seen[:-1])
+
+
+def test_a_cpu_server_is_ready_after_one_real_step_without_the_plan(tiny_model_factory: Any,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """By default a CPU replica skips the plan (nothing to compile there: it only delayed /health): the load path
+    runs one real one-token step, then serves, and leaves nothing behind."""
+    import httpx
+
+    from kvfleet.engine.async_llm import AsyncLLM
+    from kvfleet.engine.server.app import build_app
+    from kvfleet.engine.server.state import ServerState
+
+    monkeypatch.delenv("KVFLEET_WARMUP", raising=False)
+    plans: list[str] = []
+    monkeypatch.setattr(LLMEngine, "warm_up", lambda self: plans.append("plan"))
+    steps: list[int] = []
+    real_step = LLMEngine.step
+
+    def counted_step(self: LLMEngine, final_only: bool = False) -> Any:
+        steps.append(1)
+        return real_step(self, final_only)
+
+    monkeypatch.setattr(LLMEngine, "step", counted_step)
+    state = ServerState(model_name="tiny", model_path=str(tiny_model_factory("llama")), keys=None)
+    app = build_app(state, lambda: AsyncLLM(str(tiny_model_factory("llama")), dtype="float32", device="cpu",
+                                            num_kv_blocks=64, max_model_len=128))
+
+    async def scenario() -> tuple[int, int]:
+        async with app.router.lifespan_context(app):
+            transport = httpx.ASGITransport(app=app)
+            async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+                deadline = time.monotonic() + 120
+                while (await client.get("/health")).status_code != 200:
+                    assert time.monotonic() < deadline, "never ready"
+                    await asyncio.sleep(0.05)
+                steps_before_serving = len(steps)
+                ok = await client.post("/v1/completions", json={"model": "tiny", "prompt": [1, 2, 3],
+                                                                "max_tokens": 2})
+                assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 2
+                stats = state.engine.stats()
+                assert stats["kv_blocks_used"] == 0 and stats["num_running"] == 0
+                return steps_before_serving, ok.status_code
+
+    ran_before_ready, _ = asyncio.run(scenario())
+    assert plans == [] and ran_before_ready >= 1   # a real step ran before /health said ready, and not the plan
 
 
 def test_compile_counter_counts_triton_kernel_loads_not_compile_hooks(caplog: pytest.LogCaptureFixture) -> None:

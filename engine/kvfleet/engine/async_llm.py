@@ -74,6 +74,11 @@ class AsyncLLM:
     def model_config(self) -> Any:
         return self.engine.model_config
 
+    @property
+    def device_type(self) -> str:
+        """"cuda" or "cpu": the device the engine runs on."""
+        return self.engine.device.type
+
     def stats(self) -> dict[str, Any]:
         with self._pending_lock:
             stats = dict(self.engine.stats())

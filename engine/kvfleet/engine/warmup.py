@@ -41,7 +41,8 @@ a whole step's GPU time with nothing queued behind it (~1 s of the first workloa
 
 Afterwards nothing is left behind: no request, no KV block in use, the prefix cache emptied (the warm-up's
 blocks were cached on their salted hashes), and the counters the server exports reset.
-`KVFLEET_WARMUP=0` skips it (the server then runs only a one-token request, as before).
+`KVFLEET_WARMUP=0` skips it (the server then runs only a one-token request, as before); by default the server runs
+it on CUDA only (`warmup_runs_plan`: on a CPU it bought nothing and cost seconds of every start).
 """
 
 from __future__ import annotations
@@ -130,11 +131,18 @@ def warmup_plan(max_model_len: int, vocab_size: int, max_num_seqs: int = 256,
     ] + (long_wave if fits_long else [])
 
 
-def warmup_enabled() -> bool:
-    raw = os.environ.get("KVFLEET_WARMUP", "1").strip().lower()
-    if raw not in ("0", "1", "false", "true", "no", "yes", "off", "on"):
-        raise ValueError(f"KVFLEET_WARMUP: expected 0 or 1, got {raw!r}")
-    return raw in ("1", "true", "yes", "on")
+def warmup_runs_plan(device_type: str, raw: str | None = None) -> bool:
+    """Whether the server runs the warm-up's plan before /health (`KVFLEET_WARMUP`, read when ``raw`` is None): 1 or
+    0 as set; unset or "auto", on CUDA only. On a CPU nothing is compiled or loaded on first use (torch's CPU kernels,
+    no Triton, no graphs): the plan took as long a second time, and a replica of the embedded model was healthy ~4 s
+    later with it for the same first request's time to first token (`bench/cpu_gguf_startup.py`); there the server
+    runs one real one-token step instead."""
+    value = (os.environ.get("KVFLEET_WARMUP", "auto") if raw is None else raw).strip().lower() or "auto"
+    if value == "auto":
+        return device_type == "cuda"
+    if value not in ("0", "1", "false", "true", "no", "yes", "off", "on"):
+        raise ValueError(f"KVFLEET_WARMUP: expected 0, 1 or auto, got {value!r}")
+    return value in ("1", "true", "yes", "on")
 
 
 def run_warmup(engine: Any, plan: list[Wave] | None = None) -> WarmupReport:

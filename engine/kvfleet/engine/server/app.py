@@ -273,12 +273,12 @@ async def _load(state: ServerState, load_engine: Callable[[], AsyncLLM]) -> None
 
 async def _warm_up(engine: AsyncLLM) -> None:
     """/health is 200 only once the engine has run every step shape and sampler path it will meet
-    (kvfleet.engine.warmup: nothing is compiled or loaded on a request's time), or with KVFLEET_WARMUP=0
-    one real one-token step."""
+    (kvfleet.engine.warmup: nothing is compiled or loaded on a request's time), or where that plan buys nothing
+    (a CPU; `warmup_runs_plan`) or KVFLEET_WARMUP=0 says so, one real one-token step."""
     from kvfleet.engine.sampling_params import SamplingParams
-    from kvfleet.engine.warmup import TRITON_COMPILES, warmup_enabled
+    from kvfleet.engine.warmup import TRITON_COMPILES, warmup_runs_plan
 
-    if warmup_enabled():
+    if warmup_runs_plan(engine.device_type):
         await engine.warm_up()
         TRITON_COMPILES.serving()
         return
