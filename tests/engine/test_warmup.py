@@ -296,10 +296,10 @@ def test_health_is_503_until_the_warmup_ran(tiny_model_factory: Any, monkeypatch
     calls: list[str] = []
     real = LLMEngine.warm_up
 
-    def slow_warm_up(self: LLMEngine) -> Any:
+    def slow_warm_up(self: LLMEngine, plan: Any = None) -> Any:
         calls.append("start")
         time.sleep(1.0)
-        out = real(self)
+        out = real(self, plan)
         calls.append("done")
         return out
 
@@ -347,23 +347,22 @@ def test_a_cpu_server_is_ready_after_one_real_step_without_the_plan(tiny_model_f
     from kvfleet.engine.async_llm import AsyncLLM
     from kvfleet.engine.server.app import build_app
     from kvfleet.engine.server.state import ServerState
+    from kvfleet.engine.warmup import ONE_STEP_PLAN
 
     monkeypatch.delenv("KVFLEET_WARMUP", raising=False)
-    plans: list[str] = []
-    monkeypatch.setattr(LLMEngine, "warm_up", lambda self: plans.append("plan"))
-    steps: list[int] = []
-    real_step = LLMEngine.step
+    reports: list[Any] = []
+    real = LLMEngine.warm_up
 
-    def counted_step(self: LLMEngine, final_only: bool = False) -> Any:
-        steps.append(1)
-        return real_step(self, final_only)
+    def recorded_warm_up(self: LLMEngine, plan: Any = None) -> Any:
+        reports.append((plan, real(self, plan)))
+        return reports[-1][1]
 
-    monkeypatch.setattr(LLMEngine, "step", counted_step)
+    monkeypatch.setattr(LLMEngine, "warm_up", recorded_warm_up)
     state = ServerState(model_name="tiny", model_path=str(tiny_model_factory("llama")), keys=None)
     app = build_app(state, lambda: AsyncLLM(str(tiny_model_factory("llama")), dtype="float32", device="cpu",
                                             num_kv_blocks=64, max_model_len=128))
 
-    async def scenario() -> tuple[int, int]:
+    async def scenario() -> None:
         async with app.router.lifespan_context(app):
             transport = httpx.ASGITransport(app=app)
             async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
@@ -371,16 +370,17 @@ def test_a_cpu_server_is_ready_after_one_real_step_without_the_plan(tiny_model_f
                 while (await client.get("/health")).status_code != 200:
                     assert time.monotonic() < deadline, "never ready"
                     await asyncio.sleep(0.05)
-                steps_before_serving = len(steps)
+                stats = state.engine.stats()   # the step's tokens are not counted as served
+                assert stats["prompt_tokens"] == 0 and stats["generation_tokens"] == 0
                 ok = await client.post("/v1/completions", json={"model": "tiny", "prompt": [1, 2, 3],
                                                                 "max_tokens": 2})
                 assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 2
                 stats = state.engine.stats()
                 assert stats["kv_blocks_used"] == 0 and stats["num_running"] == 0
-                return steps_before_serving, ok.status_code
 
-    ran_before_ready, _ = asyncio.run(scenario())
-    assert plans == [] and ran_before_ready >= 1   # a real step ran before /health said ready, and not the plan
+    asyncio.run(scenario())
+    (plan, report), = reports   # before /health said ready: one real step, not the plan
+    assert plan is ONE_STEP_PLAN and report.requests == 1 and report.steps >= 1
 
 
 def test_compile_counter_counts_triton_kernel_loads_not_compile_hooks(caplog: pytest.LogCaptureFixture) -> None:

@@ -24,7 +24,7 @@ from kvfleet.engine.core.inputs import PromptType
 from kvfleet.engine.llm_engine import EngineInputs, LLMEngine, StepError
 from kvfleet.engine.outputs import RequestOutput
 from kvfleet.engine.sampling_params import SamplingParams
-from kvfleet.engine.warmup import WarmupReport
+from kvfleet.engine.warmup import WarmupReport, Wave
 
 logger = logging.getLogger(__name__)
 
@@ -172,14 +172,14 @@ class AsyncLLM:
         self._commands.put(run)
         await done
 
-    async def warm_up(self) -> WarmupReport:
+    async def warm_up(self, plan: Optional[list[Wave]] = None) -> WarmupReport:
         """`LLMEngine.warm_up` on the loop thread (between steps; the engine must have no request yet)."""
         loop = asyncio.get_running_loop()
         done: asyncio.Future = loop.create_future()
 
         def run() -> None:
             try:
-                report = self.engine.warm_up()
+                report = self.engine.warm_up(plan)
             except BaseException as e:   # noqa: BLE001 - handed to the caller
                 err = e   # `e` is unbound once the except block ends, before the callback runs
 

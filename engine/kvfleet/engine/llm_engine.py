@@ -31,7 +31,7 @@ from kvfleet.engine.model_config import ModelConfig
 from kvfleet.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from kvfleet.engine.sampling_params import SamplingParams, StructuredOutputsParams
 from kvfleet.engine.token_rules import all_of, token_rules
-from kvfleet.engine.warmup import WarmupReport, run_warmup
+from kvfleet.engine.warmup import WarmupReport, Wave, run_warmup
 
 if TYPE_CHECKING:
     from kvfleet.engine.model_runner import Forwarded, Prepared
@@ -262,10 +262,10 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self.groups)
 
-    def warm_up(self) -> WarmupReport:
-        """Run every step shape and sampler path once (kvfleet.engine.warmup), leaving nothing behind:
-        the server calls it before /health says ready, so no request pays a first-use compile."""
-        return run_warmup(self)
+    def warm_up(self, plan: Optional[list[Wave]] = None) -> WarmupReport:
+        """Run every step shape and sampler path once (kvfleet.engine.warmup), or only ``plan``, leaving nothing
+        behind: the server calls it before /health says ready, so no request pays a first-use compile."""
+        return run_warmup(self, plan)
 
     # --- the step ------------------------------------------------------------------
     def step(self, final_only: bool = False) -> list[RequestOutput]:

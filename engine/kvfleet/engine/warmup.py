@@ -41,8 +41,8 @@ a whole step's GPU time with nothing queued behind it (~1 s of the first workloa
 
 Afterwards nothing is left behind: no request, no KV block in use, the prefix cache emptied (the warm-up's
 blocks were cached on their salted hashes), and the counters the server exports reset.
-`KVFLEET_WARMUP=0` skips it (the server then runs only a one-token request, as before); by default the server runs
-it on CUDA only (`warmup_runs_plan`: on a CPU it bought nothing and cost seconds of every start).
+`KVFLEET_WARMUP=0` skips it (the server then runs only a one-token request, `ONE_STEP_PLAN`); by default the server
+runs it on CUDA only (`warmup_runs_plan`: on a CPU it bought nothing and cost seconds of every start).
 """
 
 from __future__ import annotations
@@ -131,12 +131,17 @@ def warmup_plan(max_model_len: int, vocab_size: int, max_num_seqs: int = 256,
     ] + (long_wave if fits_long else [])
 
 
+# what the server runs instead of the plan (a CPU by default, or KVFLEET_WARMUP=0): one real one-token step, so
+# /health is 200 only once the model has run, with the same clean-up after it
+ONE_STEP_PLAN = [Wave((WarmupRequest(1, 1, {"temperature": 0.0}),), None)]
+
+
 def warmup_runs_plan(device_type: str, raw: str | None = None) -> bool:
     """Whether the server runs the warm-up's plan before /health (`KVFLEET_WARMUP`, read when ``raw`` is None): 1 or
     0 as set; unset or "auto", on CUDA only. On a CPU nothing is compiled or loaded on first use (torch's CPU kernels,
     no Triton, no graphs): the plan took as long a second time, and a replica of the embedded model was healthy ~4 s
     later with it for the same first request's time to first token (`bench/cpu_gguf_startup.py`); there the server
-    runs one real one-token step instead."""
+    runs `ONE_STEP_PLAN` instead."""
     value = (os.environ.get("KVFLEET_WARMUP", "auto") if raw is None else raw).strip().lower() or "auto"
     if value == "auto":
         return device_type == "cuda"
@@ -146,7 +151,9 @@ def warmup_runs_plan(device_type: str, raw: str | None = None) -> bool:
 
 
 def run_warmup(engine: Any, plan: list[Wave] | None = None) -> WarmupReport:
-    """Drive `engine` (an idle LLMEngine: no request of its own) through the plan, then clean up."""
+    """Drive `engine` (an idle LLMEngine: no request of its own) through the plan, then clean up. The whole plan
+    (``plan`` None) ends on CUDA with the logits of every row count and the structured-output mask kernel; a plan
+    given is run alone."""
     import numpy as np
 
     from kvfleet.engine.sampling_params import SamplingParams
@@ -158,6 +165,7 @@ def run_warmup(engine: Any, plan: list[Wave] | None = None) -> WarmupReport:
     runner = engine.runner
     # the long prompt (7.) warms a Triton tile: only on CUDA (on a CPU it would only cost seconds of prefill)
     budget = runner.max_num_batched_tokens if engine.device.type == "cuda" else 0
+    whole = plan is None
     plan = plan if plan is not None else warmup_plan(mc.max_model_len, mc.vocab_size, engine.config.max_num_seqs,
                                                      budget)
     rng = np.random.default_rng(20261201)
@@ -187,7 +195,7 @@ def run_warmup(engine: Any, plan: list[Wave] | None = None) -> WarmupReport:
                 raise RuntimeError("warm-up: requests did not finish in 1000 steps")
     finally:
         runner.eager_forward = False
-    if engine.device.type == "cuda":
+    if engine.device.type == "cuda" and whole:
         secs = warm_logits(runner.executor, engine.config.max_num_seqs, mc.hidden_size, mc.dtype, engine.device)
         logger.info("warm-up: logits for 1..%d rows in %.2f s", engine.config.max_num_seqs, secs)
         warm_token_bitmask(mc.vocab_size, engine.device)

@@ -275,13 +275,7 @@ async def _warm_up(engine: AsyncLLM) -> None:
     """/health is 200 only once the engine has run every step shape and sampler path it will meet
     (kvfleet.engine.warmup: nothing is compiled or loaded on a request's time), or where that plan buys nothing
     (a CPU; `warmup_runs_plan`) or KVFLEET_WARMUP=0 says so, one real one-token step."""
-    from kvfleet.engine.sampling_params import SamplingParams
-    from kvfleet.engine.warmup import TRITON_COMPILES, warmup_runs_plan
+    from kvfleet.engine.warmup import ONE_STEP_PLAN, TRITON_COMPILES, warmup_runs_plan
 
-    if warmup_runs_plan(engine.device_type):
-        await engine.warm_up()
-        TRITON_COMPILES.serving()
-        return
-    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
-    async for _ in engine.generate({"prompt_token_ids": [0]}, params, "warmup"):
-        pass
+    await engine.warm_up(None if warmup_runs_plan(engine.device_type) else ONE_STEP_PLAN)
+    TRITON_COMPILES.serving()
