@@ -18,7 +18,9 @@ prefix-cache hits):
 - burst: 300 prompts of 1,024 tokens, 128 output tokens each, submitted at once (the online burst's work without
   HTTP): its whole run's kernels, prefill, mixed and decode steps together;
 - burst-prefill: the same prompts to their first token only; `compare` takes it from the burst, kind by kind, for
-  what the other 127 tokens of 300 sequences cost (decode attention at ~1k keys, small-M GEMMs).
+  what the other 127 tokens of 300 sequences cost (decode attention at ~1k keys, small-M GEMMs);
+- decode-192x512 and decode-192x512-prefill: the same at chat-mix's decode operating point (192 sequences, 512-token
+  prompts, 128 decode steps over 513-640 keys), where Llama-3.1-8B's decode-only steps took 14.8 ms in lease 23.
 Each is run once to warm, then timed (`--repeats`, median), then once under the profiler (device kernels only).
 `--dry`: kvfleet on the CPU at 1/64 of the sizes with a tiny model; aten ops' CPU time stands in for kernels.
 """
@@ -55,9 +57,14 @@ class Scenario:
 
 
 SCENARIOS = {s.name: s for s in (Scenario("prefill-8x1024", 8, 1024, 1), Scenario("prefill-1x8192", 1, 8192, 1),
-                                  Scenario("burst", 300, 1024, 128), Scenario("burst-prefill", 300, 1024, 1))}
-# kernel time of the burst's decoding: its whole run less the same prompts run to their first token
-DERIVED = {"burst decoding (burst less burst-prefill)": ("burst", "burst-prefill")}
+                                  Scenario("burst", 300, 1024, 128), Scenario("burst-prefill", 300, 1024, 1),
+                                  Scenario("decode-192x512", 192, 512, 129),
+                                  Scenario("decode-192x512-prefill", 192, 512, 1))}
+# kernel time of decoding: a run less the same prompts run to their first token (the burst's; and chat-mix's
+# operating point, where most of its tokens come from decode-only steps at a mean batch of ~190 sequences of
+# ~450-650 keys: lease 23, 14.8 ms a step)
+DERIVED = {"burst decoding (burst less burst-prefill)": ("burst", "burst-prefill"),
+           "decoding at B=192 (decode-192x512 less its prefill)": ("decode-192x512", "decode-192x512-prefill")}
 
 
 def scaled(s: Scenario, dry: bool) -> Scenario:
