@@ -152,8 +152,8 @@ def warmup_runs_plan(device_type: str, raw: str | None = None) -> bool:
 
 def run_warmup(engine: Any, plan: list[Wave] | None = None) -> WarmupReport:
     """Drive `engine` (an idle LLMEngine: no request of its own) through the plan, then clean up. The whole plan
-    (``plan`` None) ends on CUDA with the logits of every row count and the structured-output mask kernel; a plan
-    given is run alone."""
+    (``plan`` None) runs again eagerly where graphs were captured and ends on CUDA with the logits of every row
+    count and the structured-output mask kernel; a plan given is run once, alone."""
     import numpy as np
 
     from kvfleet.engine.sampling_params import SamplingParams
@@ -174,7 +174,8 @@ def run_warmup(engine: Any, plan: list[Wave] | None = None) -> WarmupReport:
     t0 = time.monotonic()
     steps, n = 0, 0
     previous: list[int] = []
-    passes = [False, True] if runner.executor.graphs is not None else [False]   # eager: the steps no graph fits
+    # eager: the steps no graph fits
+    passes = [False, True] if runner.executor.graphs is not None and whole else [False]
     try:
         for eager in passes:
             runner.eager_forward = eager
