@@ -20,6 +20,7 @@ from typing import Any, Callable
 
 import torch
 
+from kvfleet.engine.bench.decode_probe import median_cuda_ms
 from kvfleet.engine.sampler import SamplingBatch, apply_penalties, apply_penalties_ref
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -53,27 +54,19 @@ def penalty_batch(rows: int, prompt_len: int, output_len: int, vocab: int, all_t
 
 def timed(fn: Penalties, logits: torch.Tensor, b: SamplingBatch, rounds: int) -> tuple[float, float | None]:
     """(median ms, MiB allocated beyond the inputs at the peak) of `fn` on the device; wall ms and None on a CPU."""
-    fn(logits, b)
-    cuda = logits.is_cuda
-    if cuda:
-        torch.cuda.synchronize()
-        base = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
-    times = []
-    for _ in range(rounds):
-        if cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn(logits, b)
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
+    if not logits.is_cuda:
+        fn(logits, b)
+        times = []
+        for _ in range(rounds):
             t = time.perf_counter()
             fn(logits, b)
             times.append((time.perf_counter() - t) * 1e3)
-    extra = (torch.cuda.max_memory_allocated() - base) / 2**20 if cuda else None
-    return statistics.median(times), extra
+        return statistics.median(times), None
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    ms = median_cuda_ms(lambda: fn(logits, b), rounds)
+    return ms, (torch.cuda.max_memory_allocated() - base) / 2**20
 
 
 def mib(value: float | None) -> str:

@@ -444,15 +444,15 @@ class ModelRunner:
             before's sample, still on the device) after them, where the sampler counts it as appended."""
             outs = [h.outputs(s.request.output_token_ids) for h, s in zip(histories, reqs, strict=True)]
             sampled = ahead_of.sampled_on_device if ahead_of is not None else None
-            in_flight: dict[str, int] = {}
-            if ahead_of is not None and sampled is not None:
-                in_flight = pending if pending is not None else ahead_of.row_of()   # (min_tokens may have it)
-            rows = [i for i, s in enumerate(reqs) if s.request_id in in_flight]
-            tokens = to_device(torch.from_numpy(padded_rows(outs, vocab, spare=1 if rows else 0)), dev, nb)
-            if rows and sampled is not None:
-                at_rows = host_tensor(rows, np.int64, dev, nb)
-                at_cols = host_tensor([len(outs[i]) for i in rows], np.int64, dev, nb)
-                src = host_tensor([in_flight[reqs[i].request_id] for i in rows], np.int64, dev, nb)
+            if ahead_of is None or sampled is None:
+                return to_device(torch.from_numpy(padded_rows(outs, vocab)), dev, nb)
+            in_flight = pending if pending is not None else ahead_of.row_of()   # (min_tokens may have it)
+            flying = [i for i, s in enumerate(reqs) if s.request_id in in_flight]
+            tokens = to_device(torch.from_numpy(padded_rows(outs, vocab, spare=1 if flying else 0)), dev, nb)
+            if flying:
+                at_rows = host_tensor(flying, np.int64, dev, nb)
+                at_cols = host_tensor([len(outs[i]) for i in flying], np.int64, dev, nb)
+                src = host_tensor([in_flight[reqs[i].request_id] for i in flying], np.int64, dev, nb)
                 tokens[at_rows, at_cols] = sampled[src]
             return tokens
         min_mask = None
