@@ -70,10 +70,11 @@ def triton_engine(monkeypatch: pytest.MonkeyPatch, tiny_model_factory: Any) -> A
     from kvfleet.engine.attention import register_attention_backend, torch_paged_attention
     from kvfleet.engine.attention.triton_backend import triton_paged_attention
 
-    def attention(q: Any, k: Any, v: Any, kv_cache: Any, md: Any, scale: float, rotary: Any = None) -> Any:
+    def attention(q: Any, k: Any, v: Any, kv_cache: Any, md: Any, scale: float, rotary: Any = None,
+                  qk_norm: Any = None) -> Any:
         if md.max_query_len <= 1:   # decode-only: CUDA graphs on a GPU (compiled at capture); torch here, faster
-            return torch_paged_attention(q, k, v, kv_cache, md, scale, rotary=rotary)
-        return triton_paged_attention(q, k, v, kv_cache, md, scale, rotary=rotary)
+            return torch_paged_attention(q, k, v, kv_cache, md, scale, rotary=rotary, qk_norm=qk_norm)
+        return triton_paged_attention(q, k, v, kv_cache, md, scale, rotary=rotary, qk_norm=qk_norm)
 
     register_attention_backend("test-triton-recording", attention, device_types=("cpu",), priority=-100)
     monkeypatch.setenv("KVFLEET_ATTENTION_BACKEND", "test-triton-recording")
@@ -448,10 +449,11 @@ def test_warmup_runs_the_long_tile_beside_decode_rows_with_rows_for_the_triton_k
 
     steps: list[tuple[list[int], list[int]]] = []   # (query_start_loc, seq_lens) of each step with a prompt
 
-    def attention(q: Any, k: Any, v: Any, kv_cache: Any, md: Any, scale: float, rotary: Any = None) -> Any:
+    def attention(q: Any, k: Any, v: Any, kv_cache: Any, md: Any, scale: float, rotary: Any = None,
+                  qk_norm: Any = None) -> Any:
         if md.max_query_len > 1:
             steps.append((list(md.query_start_loc_cpu), list(md.seq_lens_cpu)))
-        return torch_paged_attention(q, k, v, kv_cache, md, scale, rotary=rotary)
+        return torch_paged_attention(q, k, v, kv_cache, md, scale, rotary=rotary, qk_norm=qk_norm)
 
     register_attention_backend("test-step-recording", attention, device_types=("cpu",), priority=-100)
     monkeypatch.setenv("KVFLEET_ATTENTION_BACKEND", "test-step-recording")

@@ -167,10 +167,13 @@ def test_paged_decode_rejects_unknown_merge() -> None:
                                batch.query_start_loc, 1.0, torch.empty_like(batch.q), num_splits=2, merge="x")
 
 
-@pytest.mark.parametrize("dtype,half_table,rotate_k", [(torch.float32, False, False), (torch.bfloat16, False, False),
-                                                       (torch.float16, True, False), (torch.bfloat16, False, True),
-                                                       (torch.float32, True, True)])
-def test_rotary_and_cache_matches_reference(dtype: torch.dtype, half_table: bool, rotate_k: bool) -> None:
+@pytest.mark.parametrize("dtype,half_table,rotate_k,norm", [
+    (torch.float32, False, False, False), (torch.bfloat16, False, False, False), (torch.float16, True, False, False),
+    (torch.bfloat16, False, True, False), (torch.float32, True, True, False),
+    (torch.float32, False, False, True), (torch.bfloat16, False, True, True), (torch.float16, True, True, True),
+])
+def test_rotary_and_cache_matches_reference(dtype: torch.dtype, half_table: bool, rotate_k: bool,
+                                            norm: bool) -> None:
     gen = torch.Generator().manual_seed(torch.seed() % 2**31)
     batch = make_batch(gen, [5, 17, 3], [5, 2, 1], hq=6, hkv=2, d=16, block_size=4, dtype=dtype)
     batch.slot_mapping[1] = -1  # a skipped (padding) token
@@ -178,12 +181,18 @@ def test_rotary_and_cache_matches_reference(dtype: torch.dtype, half_table: bool
     freqs = torch.rand(t, 8, generator=gen) * 10
     emb = freqs if half_table else torch.cat([freqs, freqs], dim=-1)
     cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
+    qw = kw = None
+    if norm:   # per-head RMSNorm first (Qwen3), weights far from 1 so a missing or swapped weight shows
+        qw, kw = (torch.rand(16, generator=gen) * 2 + 0.25).to(dtype), (torch.rand(16, generator=gen) * 2).to(dtype)
     q, k = batch.q.clone(), batch.k.clone()
     got_cache, ref_cache = batch.kv_cache.clone(), batch.kv_cache.clone()
-    rotary_and_cache(q, k, batch.v, cos, sin, got_cache, batch.slot_mapping, rotate_k=rotate_k)
-    ref_q = rotary_and_cache_ref(batch.q, batch.k, batch.v, cos, sin, ref_cache, batch.slot_mapping)
+    rotary_and_cache(q, k, batch.v, cos, sin, got_cache, batch.slot_mapping, rotate_k=rotate_k,
+                     q_norm_weight=qw, k_norm_weight=kw, norm_eps=1e-5)
+    ref_q = rotary_and_cache_ref(batch.q, batch.k, batch.v, cos, sin, ref_cache, batch.slot_mapping,
+                                 q_norm_weight=qw, k_norm_weight=kw, norm_eps=1e-5)
     if rotate_k:   # rotated in place, every row (the padding one too), exactly as the cache got it
-        ref_k = rotary_and_cache_ref(batch.k, batch.k, batch.v, cos, sin, ref_cache.clone(), batch.slot_mapping)
+        ref_k = rotary_and_cache_ref(batch.k, batch.k, batch.v, cos, sin, ref_cache.clone(), batch.slot_mapping,
+                                     q_norm_weight=kw, k_norm_weight=kw, norm_eps=1e-5)
         assert rel_err(k, ref_k) < TOL[dtype]
         written = batch.slot_mapping >= 0
         assert torch.equal(got_cache[0].flatten(0, 1)[batch.slot_mapping[written]], k[written])
@@ -197,6 +206,43 @@ def test_rotary_and_cache_matches_reference(dtype: torch.dtype, half_table: bool
     others = torch.ones(flat_got.shape[0], dtype=torch.bool)
     others[written] = False
     assert torch.equal(flat_got[others], batch.kv_cache[0].flatten(0, 1)[others])
+
+
+def test_rotary_and_cache_normalises_strided_heads_of_one_qkv_buffer() -> None:
+    """As the model calls it: q, k, v are column slices of the qkv projection's output. q and k are normalised and
+    rotated in place (k with rotate_k), v and the padding between nothing else is touched."""
+    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    t, hq, hk, d = 7, 4, 2, 16
+    qkv = torch.randn(t, (hq + 2 * hk) * d, generator=gen, dtype=torch.bfloat16)
+    before = qkv.clone()
+    q, k, v = (x.reshape(t, -1, d) for x in qkv.split([hq * d, hk * d, hk * d], dim=-1))
+    freqs = torch.rand(t, d // 2, generator=gen) * 10
+    cos, sin = freqs.cos(), freqs.sin()
+    qw, kw = torch.rand(d, generator=gen).to(torch.bfloat16) + 0.5, torch.rand(d, generator=gen).to(torch.bfloat16)
+    cache, ref_cache = torch.zeros(2, 4, 4, hk, d, dtype=torch.bfloat16), torch.zeros(2, 4, 4, hk, d,
+                                                                                       dtype=torch.bfloat16)
+    slots = torch.tensor([3, 0, 9, -1, 4, 12, 7])
+    b_q, b_k, b_v = (x.reshape(t, -1, d) for x in before.split([hq * d, hk * d, hk * d], dim=-1))
+    ref_q = rotary_and_cache_ref(b_q, b_k, b_v, cos, sin, ref_cache, slots, q_norm_weight=qw, k_norm_weight=kw)
+    ref_k = rotary_and_cache_ref(b_k, b_k, b_v, cos, sin, ref_cache.clone(), slots, q_norm_weight=kw,
+                                 k_norm_weight=kw)
+    rotary_and_cache(q, k, v, cos, sin, cache, slots, rotate_k=True, q_norm_weight=qw, k_norm_weight=kw)
+    assert rel_err(q, ref_q) < TOL[torch.bfloat16] and rel_err(k, ref_k) < TOL[torch.bfloat16]
+    assert torch.equal(v, b_v)
+    assert rel_err(cache, ref_cache) < TOL[torch.bfloat16]
+
+
+def test_rotary_and_cache_rejects_bad_norm_weights() -> None:
+    cache = torch.zeros(2, 4, 4, 2, 8)
+    q, k = torch.zeros(3, 4, 8), torch.zeros(3, 2, 8)
+    cs, slots = torch.zeros(3, 8), torch.zeros(3, dtype=torch.int64)
+    with pytest.raises(ValueError, match="^k_norm_weight: missing"):
+        rotary_and_cache(q, k, k, cs, cs, cache, slots, q_norm_weight=torch.ones(8))
+    with pytest.raises(ValueError, match="^q_norm_weight: size 4 != head_dim 8"):
+        rotary_and_cache(q, k, k, cs, cs, cache, slots, q_norm_weight=torch.ones(4), k_norm_weight=torch.ones(8))
+    with pytest.raises(ValueError, match="^norm_eps"):
+        rotary_and_cache(q, k, k, cs, cs, cache, slots, q_norm_weight=torch.ones(8), k_norm_weight=torch.ones(8),
+                         norm_eps=0.0)
 
 
 def test_rotary_and_cache_rejects_bad_shapes() -> None:

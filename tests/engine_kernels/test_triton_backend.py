@@ -21,6 +21,7 @@ from kvfleet.engine.attention.triton_backend import (
     prefill_kernel_choice,
     triton_paged_attention,
 )
+from kvfleet.engine.head_norm import QKNorm
 from kvfleet.engine.kernels import apply_rotary_cos_sin
 from kvfleet.engine.kernels.prefill_attention import prefill_work_pairs
 from kvfleet.engine.kernels.prefill_attention_gluon import GLUON_SCHEDULES, engine_tiles, gluon_applies
@@ -57,6 +58,26 @@ def test_triton_op_matches_torch_op(q_lens: list[int], seq_lens: list[int], rota
     assert rel_err(out, ref) < 1e-5
     if max(q_lens) > 1:
         assert md.plans["triton_prefill"].kernel == kernel   # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("rotary", ["fused", "separate"])
+def test_triton_op_normalises_q_and_k_heads_as_the_torch_op(rotary: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Qwen3's per-head q/k norm handed to the op: in the fused kernel, or by the norm kernel before the rotary
+    one; the same output and cache as the torch op's, and far from the op without the norm."""
+    monkeypatch.setattr(triton_backend, "FUSED_ROTARY_CACHE", rotary == "fused")
+    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    q_lens, seq_lens = [1, 7, 1, 20], [33, 7, 2, 50]
+    q, k, v, cache, md = _step(gen, q_lens, seq_lens)
+    positions = torch.tensor([p for ql, s in zip(q_lens, seq_lens, strict=True) for p in range(s - ql, s)])
+    rope = Rotary(*RotaryEmbedding(16, 10000.0)(positions, torch.float32))
+    norm = QKNorm(torch.rand(16, generator=gen) + 0.5, torch.rand(16, generator=gen) * 2, 1e-6)
+    cache_ref, q_ref, k_ref = cache.clone(), q.clone(), k.clone()
+    plain = torch_paged_attention(q.clone(), k.clone(), v, cache.clone(), md, 0.25, rotary=rope)
+    out = triton_paged_attention(q, k, v, cache, md, 0.25, rotary=rope, qk_norm=norm)
+    ref = torch_paged_attention(q_ref, k_ref, v, cache_ref, md, 0.25, rotary=rope, qk_norm=norm)
+    assert rel_err(cache, cache_ref) < 1e-6
+    assert rel_err(out, ref) < 1e-5
+    assert rel_err(plain, ref) > 1e-2
 
 
 def test_prefill_kernel_choice() -> None:
@@ -325,7 +346,9 @@ def test_rotary_cos_sin_matches_model_layer() -> None:
     ("llama", False, "kernel", "v1", 16, 0),
     ("llama", True, "fused", "v2", 16, 0),   # the prefill reads its fresh K/V from k, rotated in place by the fused
                                              # kernel
-    ("qwen3", False, "fused", "v2", 16, 0),  # ... rotated by the rotary kernel
+    ("qwen3", True, "fused", "v2", 16, 0),   # ... normalised there too (Qwen3's q/k norm)
+    ("qwen3", False, "fused", "v2", 16, 0),  # ... normalised by the norm kernel, rotated by the rotary kernel
+    ("qwen3-norms-in-model", True, "fused", "v2", 16, 0),   # KVFLEET_FUSED_QK_NORM=0: the model's own norms
     ("llama", True, "fused", "v2", 32, 0),   # 32-token blocks: the second chunk's cached keys come a block by TMA
     ("llama", True, "fused", "v2", 16, 2),   # two chunks, the loop over the cached keys two stages deeper
 ])
@@ -340,7 +363,11 @@ def test_model_on_triton_op_matches_transformers(arch: str, rotary_cache: bool, 
     from kvfleet.engine.kernels import paged_decode
     from kvfleet.engine.model_config import ModelConfig
     from kvfleet.engine.model_loader import load_model
+    from kvfleet.engine.models import llama
 
+    if arch == "qwen3-norms-in-model":
+        arch = "qwen3"
+        monkeypatch.setattr(llama, "FUSED_QK_NORM", False)
     monkeypatch.setattr(triton_backend, "FUSED_ROTARY_CACHE", rotary_cache)
     monkeypatch.setattr(triton_backend, "PREFILL_KERNEL", kernel)
     monkeypatch.setattr(triton_backend, "PREFILL_CACHE_EXTRA_STAGES", extra_stages)

@@ -1,11 +1,13 @@
 """Attention backends. Every backend has the signature of `torch_paged_attention`:
 
     out = attention(q[T, Hq, D], k[T, Hkv, D], v[T, Hkv, D], kv_cache, attn_metadata, scale,
-                    rotary=None) -> [T, Hq, D]
+                    rotary=None, qk_norm=None) -> [T, Hq, D]
 
 `rotary` (`kvfleet.engine.rope.Rotary`, per-token cos/sin) asks the backend to rotate q and k
 before it caches k and attends, so a backend can fuse the rotation into its cache write (the
-Triton one does: one kernel instead of two per layer); q may be rotated in place.
+Triton one does: one kernel instead of two per layer); q may be rotated in place. `qk_norm`
+(`kvfleet.engine.head_norm.QKNorm`, Qwen3's per-head RMSNorm) asks it to normalise each head
+of q and k before that; the Triton backend does it in the same kernel.
 
 The torch path is registered here; the Triton path (`triton_backend.py`, over
 `kvfleet.engine.kernels`) is imported and registered for CUDA when a backend is first

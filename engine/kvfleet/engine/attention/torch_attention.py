@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from kvfleet.engine.attention.metadata import AttentionMetadata
+from kvfleet.engine.head_norm import QKNorm, apply_qk_norm
 from kvfleet.engine.rope import Rotary, apply_rotary
 
 
@@ -85,11 +86,14 @@ def torch_paged_attention(
     attn_metadata: AttentionMetadata,
     scale: float,
     rotary: Rotary | None = None,
+    qk_norm: QKNorm | None = None,
 ) -> torch.Tensor:
-    """q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq, D]; rotates q and k by `rotary` when given, then writes
-    k/v into kv_cache."""
+    """q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq, D]; normalises each head of q and k by `qk_norm` and rotates
+    them by `rotary` when given, then writes k/v into kv_cache."""
     if q.shape[1] % k.shape[1] != 0:
         raise ValueError(f"q: {q.shape[1]} query heads is not a multiple of {k.shape[1]} KV heads")
+    if qk_norm is not None:
+        q, k = apply_qk_norm(q, k, qk_norm)
     if rotary is not None:
         q, k = apply_rotary(q, rotary.cos, rotary.sin), apply_rotary(k, rotary.cos, rotary.sin)
     write_kv(k, v, kv_cache, attn_metadata.slot_mapping)

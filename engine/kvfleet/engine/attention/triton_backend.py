@@ -25,6 +25,7 @@ import torch
 from kvfleet.engine.attention import shared_prefix as sp
 from kvfleet.engine.attention.fresh_prompts import GLUON_MIN_QUERY_TOKENS, fresh_long_prompts, long_prefix_chunks
 from kvfleet.engine.attention.metadata import AttentionMetadata
+from kvfleet.engine.head_norm import QKNorm
 from kvfleet.engine.kernels.paged_decode import SharedPrefixArgs, choose_decode_split, paged_decode_attention
 from kvfleet.engine.kernels.prefill_attention import (
     default_block_m,
@@ -47,6 +48,7 @@ from kvfleet.engine.kernels.prefill_attention_v2 import (
     tma_applies,
 )
 from kvfleet.engine.kernels.reshape_and_cache import reshape_and_cache
+from kvfleet.engine.kernels.rms_norm import rms_norm
 from kvfleet.engine.kernels.rotary import apply_rotary_cos_sin
 from kvfleet.engine.kernels.rotary_cache import rotary_and_cache
 from kvfleet.engine.kernels.shared_prefix import members_per_item, shared_prefix_attention
@@ -296,9 +298,10 @@ def triton_paged_attention(
     attn_metadata: AttentionMetadata,
     scale: float,
     rotary: Rotary | None = None,
+    qk_norm: QKNorm | None = None,
 ) -> torch.Tensor:
-    """q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq, D]; rotates q (in place) and k by `rotary` when given,
-    writes k/v into kv_cache, then attends."""
+    """q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq, D]; normalises each head of q and k by `qk_norm` and rotates
+    them by `rotary` when given (q in place), writes k/v into kv_cache, then attends."""
     md = attn_metadata
     plan = _prefill_plan(md, q, k, v, kv_cache) if md.max_query_len > 1 else None
     # v2: the step's new keys and values are read from k/v themselves, by TMA (Hopper); where TMA does not apply,
@@ -308,10 +311,15 @@ def triton_paged_attention(
     new_kv = (plan is not None and plan.kernel == "v2" and k.dtype == kv_cache.dtype
                 and tma_applies(k, v, plan.tile[1]))
     gluon_work = plan.gluon_work if plan is not None else None
-    if rotary is not None and FUSED_ROTARY_CACHE:
+    if rotary is not None and FUSED_ROTARY_CACHE:   # the norm, the rotation and the cache write: one kernel
         rotary_and_cache(q, k, v, rotary.cos, rotary.sin, kv_cache, md.slot_mapping,
-                         rotate_k=new_kv or gluon_work is not None)
+                         rotate_k=new_kv or gluon_work is not None,
+                         q_norm_weight=qk_norm.q_weight if qk_norm is not None else None,
+                         k_norm_weight=qk_norm.k_weight if qk_norm is not None else None,
+                         norm_eps=qk_norm.eps if qk_norm is not None else 1e-6)
     else:
+        if qk_norm is not None:
+            q, k = rms_norm(q, qk_norm.q_weight, qk_norm.eps), rms_norm(k, qk_norm.k_weight, qk_norm.eps)
         if rotary is not None:
             apply_rotary_cos_sin(q, k, rotary.cos, rotary.sin)
         if k.dtype != kv_cache.dtype:

@@ -26,12 +26,18 @@ def build_cos_sin_cache(inv_freq: torch.Tensor, max_positions: int, device: torc
 
 
 @triton.jit
-def rotated(p, mask, cos, sin, HALF: tl.constexpr):
-    """The rotated halves (x1 cos - x2 sin, x2 cos + x1 sin) of the heads ``[x1 | x2]`` at ``p``, in their dtype."""
-    x1 = tl.load(p, mask=mask, other=0.0)
-    x2 = tl.load(p + HALF, mask=mask, other=0.0)
+def rotate_halves(x1, x2, cos, sin):
+    """(x1 cos - x2 sin, x2 cos + x1 sin) in float32, rounded to the halves' dtype."""
     a, b = x1.to(tl.float32), x2.to(tl.float32)
     return (a * cos - b * sin).to(x1.dtype), (b * cos + a * sin).to(x1.dtype)
+
+
+@triton.jit
+def rotated(p, mask, cos, sin, HALF: tl.constexpr):
+    """The rotated halves of the heads ``[x1 | x2]`` at ``p``, in their dtype."""
+    x1 = tl.load(p, mask=mask, other=0.0)
+    x2 = tl.load(p + HALF, mask=mask, other=0.0)
+    return rotate_halves(x1, x2, cos, sin)
 
 
 @triton.jit

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvfleet.engine import kernels
+from kvfleet.engine.head_norm import rms_norm_torch
 from kvfleet.engine.rope import apply_rotary, rope_inv_freq
 
 __all__ = ["RMSNorm", "RotaryEmbedding", "apply_rotary", "silu_and_mul"]
@@ -40,11 +41,7 @@ class RMSNorm(nn.Module):
             if self.quant_fp8:
                 return kernels.rms_norm_quant_fp8(x, self.weight, self.eps)
             return kernels.rms_norm(x, self.weight, self.eps)
-        dtype = x.dtype
-        h = x.to(torch.float32)
-        variance = h.pow(2).mean(-1, keepdim=True)
-        h = h * torch.rsqrt(variance + self.eps)
-        return self.weight * h.to(dtype)
+        return rms_norm_torch(x, self.weight, self.eps)
 
     def add_and_norm(self, x: torch.Tensor,
                      residual: torch.Tensor) -> tuple[torch.Tensor | kernels.QuantizedActivation, torch.Tensor]:

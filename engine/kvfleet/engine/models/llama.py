@@ -16,6 +16,7 @@ from torch import nn
 
 from kvfleet.engine.attention import get_attention_backend
 from kvfleet.engine.attention.metadata import AttentionMetadata
+from kvfleet.engine.head_norm import QKNorm
 from kvfleet.engine.model_config import ModelConfig
 from kvfleet.engine.models.base import CausalLM
 from kvfleet.engine.models.fp8 import Fp8Linear
@@ -40,6 +41,11 @@ _STACKED = {
 }
 
 
+# read once: "0" runs Qwen3's q/k norms as two RMSNorm calls before the attention op (the A/B baseline) instead of
+# handing them to the op, whose Triton kernel normalises the heads where it rotates them
+FUSED_QK_NORM = os.environ.get("KVFLEET_FUSED_QK_NORM", "1") != "0"
+
+
 class LlamaAttention(nn.Module):
     def __init__(self, cfg: ModelConfig, attention_fn: Any) -> None:
         super().__init__()
@@ -62,10 +68,14 @@ class LlamaAttention(nn.Module):
         q = q.reshape(tokens, self.num_heads, self.head_dim)
         k = k.reshape(tokens, self.num_kv_heads, self.head_dim)
         v = v.reshape(tokens, self.num_kv_heads, self.head_dim)
+        qk_norm = None
         if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        # the attention op rotates q and k: its cache write and the rotation are one kernel on CUDA
-        out = self.attention_fn(q, k, v, kv_cache, attn_metadata, self.scale, rotary=rotary)
+            if FUSED_QK_NORM:
+                qk_norm = QKNorm(self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
+            else:
+                q, k = self.q_norm(q), self.k_norm(k)
+        # the attention op normalises (Qwen3) and rotates q and k: with its cache write one kernel on CUDA
+        out = self.attention_fn(q, k, v, kv_cache, attn_metadata, self.scale, rotary=rotary, qk_norm=qk_norm)
         return self.o_proj(out.reshape(tokens, q_size))
 
 
