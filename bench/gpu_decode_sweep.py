@@ -19,15 +19,19 @@ with 1,024 keys, 48 x 6,144 (the long-prompt row), 128 x 4,096, and Qwen3-0.6B's
 engine's split count for each (`choose_num_splits`), and from 4,096 keys also two splits (what
 `KVFLEET_DECODE_LONG_SPLIT=2048` gives); the default tile also at 1, 2, 4 and 8 splits (of 128 keys or more): which
 split count each batch wants, beside FA3's own choice. Each: the error against the float32 reference (NaN-poisoned
-output first), then the median of 30 timed calls (CUDA events), GB/s of K/V read and the time over the copy floor
-(measured copy bandwidth). Where vLLM's wheels are installed, its FlashAttention-3 on the same paged cache (its own
-split heuristic) is a row of each case: the target. A tile worth trying end to end: `KVFLEET_DECODE_TILE=<tile>` in
-the online or offline A/B stages.
+output first), then the time per call in a CUDA graph (as the engine's decode steps run: lease 24's eager timing put
+the wrapper's host time inside every figure, most of it at B=16), over copies of the case whose caches together
+exceed three times the L2 cache (a call does not find the previous one's keys there), GB/s of K/V read and the time
+over the copy floor (measured copy bandwidth). Where vLLM's wheels are installed, its FlashAttention-3 on the same
+paged cache (its own split heuristic) is a row of each case: the target. A tile worth trying end to end:
+`KVFLEET_DECODE_TILE=<tile>` in the online or offline A/B stages.
 """
 
 from __future__ import annotations
 
+import functools
 import json
+import math
 import os
 import sys
 import time
@@ -40,6 +44,7 @@ if DRY:
 
 import torch  # noqa: E402
 
+from kvfleet.engine.bench.decode_probe import ms_per_call  # noqa: E402
 from kvfleet.engine.kernels.paged_decode import (  # noqa: E402
     DEFAULT_BLOCK_N,
     DEFAULT_NUM_STAGES,
@@ -51,7 +56,7 @@ from kvfleet.engine.kernels.paged_decode import (  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_attention_sweep import fa3_available  # noqa: E402
-from gpu_kernels import S, bench_ms, ceilings, paged_case, rel_err  # noqa: E402
+from gpu_kernels import DEV, S, ceilings, paged_case, rel_err  # noqa: E402
 
 Tile = tuple[int, int, int]   # BLOCK_N, num_warps, num_stages
 DEFAULT_TILE: Tile = (DEFAULT_BLOCK_N, DEFAULT_NUM_WARPS, DEFAULT_NUM_STAGES)
@@ -62,18 +67,29 @@ CASES = [(256, 1024, 32), (64, 1024, 32), (16, 1024, 32), (48, 6144, 32), (128, 
 LONG_KEYS = 4096   # from here on each tile also runs in two splits
 SPLITS = (1, 2, 4, 8)   # the default tile's other split counts, where each split keeps MIN_SPLIT_KEYS keys
 MIN_SPLIT_KEYS = 128
+GRAPH_CALLS = 8   # calls a timing graph holds (cycling through the case's cache copies)
 HKV, D = 8, 128
 TOLERANCE = 2e-2
 
 
+def cache_copies(kv_bytes: int, l2_bytes: int, most: int = 8) -> int:
+    """How many copies of a case its graph cycles through: enough that together they exceed 3x the L2 cache."""
+    return max(1, min(most, math.ceil(3 * l2_bytes / kv_bytes)))
+
+
+def l2_bytes() -> int:
+    return 0 if DRY else int(torch.cuda.get_device_properties(0).L2_cache_size)
+
+
 def sweep_case(batch: int, keys: int, hq: int, bw: float, fa3: bool) -> list[dict[str, Any]]:
     b, n = S(batch), S(keys)
-    c = paged_case(b, [n] * b, [1] * b, hq, HKV, D)
+    kv_bytes = b * n * HKV * D * 2 * 2
+    cases = [paged_case(b, [n] * b, [1] * b, hq, HKV, D) for _ in range(cache_copies(kv_bytes, l2_bytes()))]
+    c = cases[0]
     md = c["md"]
     scale = D ** -0.5
     ref = paged_attention_ref(c["q"].float(), c["cache"].float(), md.block_tables, md.seq_lens, md.query_start_loc,
                               scale)
-    kv_bytes = b * n * HKV * D * 2 * 2
     engine_splits = choose_num_splits(b, HKV, n)
     split_counts = sorted({engine_splits, 2}) if keys >= LONG_KEYS else [engine_splits]
     # the default tile alone at other split counts too: lease 22 put B=64 x 1k keys (one split) at 1.50x the floor
@@ -82,14 +98,17 @@ def sweep_case(batch: int, keys: int, hq: int, bw: float, fa3: bool) -> list[dic
     case = f"B={b} keys={n} Hq={hq}"
     rows = []
 
-    def measure(row: dict[str, Any], call: Callable[[torch.Tensor], None]) -> dict[str, Any]:
-        out = torch.full_like(c["q"], float("nan"))
+    def measure(row: dict[str, Any], call: Callable[[dict[str, Any], torch.Tensor], None]) -> dict[str, Any]:
+        outs = [torch.full_like(x["q"], float("nan")) for x in cases]
         try:
-            call(out)
-            row["rel_err"] = rel_err(out.float(), ref)
+            call(c, outs[0])
+            row["rel_err"] = rel_err(outs[0].float(), ref)
             row["ok"] = bool(row["rel_err"] < TOLERANCE)
-            ms = bench_ms(lambda: call(out), 30)
-            row.update(ms=ms, GBps=kv_bytes / (ms / 1e3) / 1e9, x_floor=ms / (kv_bytes / bw * 1e3))
+            calls = [functools.partial(call, cases[i % len(cases)], outs[i % len(cases)])
+                     for i in range(max(GRAPH_CALLS, len(cases)))]
+            ms, row["graph"] = ms_per_call(calls, DEV, 20)
+            row.update(ms=ms, GBps=kv_bytes / (ms / 1e3) / 1e9, x_floor=ms / (kv_bytes / bw * 1e3),
+                       cache_copies=len(cases))
         except Exception as e:  # noqa: BLE001 - a tile that does not launch is a row too
             row["error"] = f"{type(e).__name__}: {e}"[:500]
         return row
@@ -98,9 +117,10 @@ def sweep_case(batch: int, keys: int, hq: int, bw: float, fa3: bool) -> list[dic
         for tile in TILES if splits in split_counts else [DEFAULT_TILE]:
             bn, warps, stages = tile
 
-            def call(out: torch.Tensor, bn: int = bn, warps: int = warps, stages: int = stages,
+            def call(x: dict[str, Any], out: torch.Tensor, bn: int = bn, warps: int = warps, stages: int = stages,
                      splits: int = splits) -> None:
-                paged_decode_attention(c["q"], c["cache"], md.block_tables, md.seq_lens, md.query_start_loc, scale,
+                m = x["md"]
+                paged_decode_attention(x["q"], x["cache"], m.block_tables, m.seq_lens, m.query_start_loc, scale,
                                        out, num_splits=splits, block_n=bn, num_warps=warps, num_stages=stages)
             rows.append(measure({"case": case, "impl": "kvfleet", "tile": "{},{},{}".format(*tile),
                                  "default": tile == DEFAULT_TILE and splits == engine_splits, "splits": splits},
@@ -108,10 +128,11 @@ def sweep_case(batch: int, keys: int, hq: int, bw: float, fa3: bool) -> list[dic
     if fa3:
         from vllm.vllm_flash_attn import flash_attn_varlen_func
 
-        def fa3_call(out: torch.Tensor) -> None:
-            flash_attn_varlen_func(c["q"], c["cache"][0], c["cache"][1], 1, md.query_start_loc, n,
-                                   seqused_k=md.seq_lens, softmax_scale=scale, causal=True,
-                                   block_table=md.block_tables, out=out, fa_version=3)
+        def fa3_call(x: dict[str, Any], out: torch.Tensor) -> None:
+            m = x["md"]
+            flash_attn_varlen_func(x["q"], x["cache"][0], x["cache"][1], 1, m.query_start_loc, n,
+                                   seqused_k=m.seq_lens, softmax_scale=scale, causal=True,
+                                   block_table=m.block_tables, out=out, fa_version=3)
         rows.append(measure({"case": case, "impl": "vLLM FA3", "tile": "-", "default": False, "splits": "auto"},
                             fa3_call))
     return rows
@@ -125,7 +146,8 @@ def table(rows: list[dict[str, Any]]) -> str:
         if "error" in r:
             lines.append(f"{head} error: {r['error'][:80]} | | | |")
             continue
-        lines.append(f"{head} {r['ms']:.4f} | {r['GBps']:.0f} | "
+        eager = "" if r.get("graph", True) else " (eager)"
+        lines.append(f"{head} {r['ms']:.4f}{eager} | {r['GBps']:.0f} | "
                      f"{r['x_floor']:.3f} | {r['rel_err']:.1e}{'' if r['ok'] else ' WRONG'} |")
     return "\n".join(lines) + "\n"
 
