@@ -76,7 +76,8 @@
 # VAR=VALUE[,VAR=VALUE...] for one run), ARGS_AB (space-separated settings, each --flag=V[,--flag=V...]),
 # LLAMA/QWEN (model folders: a dry run on CPU takes tiny ones), PROFILE_MODEL (step-profile's and host-profile's;
 # default LLAMA), STEP_PROFILE_ARGS (more flags for the kvfleet side of
-# step-profile: "--dry" on CPU, "--scenarios burst").
+# step-profile: "--dry" on CPU), STEP_PROFILE_SCENARIOS (both sides' scenarios, e.g. "long-prompts"; default all;
+# results into step-profile-<model folder's name>/).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/kvfleet-out}
@@ -162,12 +163,14 @@ profile)
   step profile 180 env $KV_ENV $PY bench/gpu_profile_issue16.py "$RUNS/profile"
   cp "$RUNS/profile/profile.txt" "$OUT/" 2>/dev/null ;;
 step-profile)
-  step "step-profile kvfleet" 180 env $KV_ENV $PY bench/gpu_step_profile.py run --engine kvfleet --model "$PROFILE_MODEL" \
-    --out "$RUNS/step-profile" ${STEP_PROFILE_ARGS:-}
+  sp="$RUNS/step-profile-$(basename "$PROFILE_MODEL")"
+  scen=(); [[ -n ${STEP_PROFILE_SCENARIOS:-} ]] && scen=(--scenarios "$STEP_PROFILE_SCENARIOS")
+  step "step-profile kvfleet" 240 env $KV_ENV $PY bench/gpu_step_profile.py run --engine kvfleet --model "$PROFILE_MODEL" \
+    --out "$sp" "${scen[@]}" ${STEP_PROFILE_ARGS:-}
   need_vllm "$s" && step "step-profile vllm" 300 $PY bench/gpu_step_profile.py run --engine vllm --model "$PROFILE_MODEL" \
-    --out "$RUNS/step-profile" \
-    && $PY bench/gpu_step_profile.py compare "$RUNS/step-profile" >> "$LOG" 2>&1
-  cp "$RUNS/step-profile/step_profile_compare.txt" "$OUT/" 2>/dev/null ;;
+    --out "$sp" "${scen[@]}" \
+    && $PY bench/gpu_step_profile.py compare "$sp" >> "$LOG" 2>&1
+  cp "$sp/step_profile_compare.txt" "$OUT/" 2>/dev/null ;;
 host-profile)
   step host-profile 200 env $KV_ENV $PY bench/gpu_host_profile.py "$RUNS/host-profile" "$PROFILE_MODEL"
   cp "$RUNS/host-profile/host_profile.txt" "$OUT/" 2>/dev/null ;;

@@ -20,7 +20,10 @@ prefix-cache hits):
 - burst-prefill: the same prompts to their first token only; `compare` takes it from the burst, kind by kind, for
   what the other 127 tokens of 300 sequences cost (decode attention at ~1k keys, small-M GEMMs);
 - decode-192x512 and decode-192x512-prefill: the same at chat-mix's decode operating point (192 sequences, 512-token
-  prompts, 128 decode steps over 513-640 keys), where Llama-3.1-8B's decode-only steps took 14.8 ms in lease 23.
+  prompts, 128 decode steps over 513-640 keys), where Llama-3.1-8B's decode-only steps took 14.8 ms in lease 23;
+- long-prompts: 12 prompts of 6,144 tokens, 32 output tokens each: at 8,192 tokens a step most prompts are split,
+  so chunks over a cached prefix (the long-prompt row's remaining gap, the paged Gluon kernel against FA3) run
+  beside fresh prompts and then ~6k-key decode steps.
 Each is run once to warm, then timed (`--repeats`, median), then once under the profiler (device kernels only).
 `--dry`: kvfleet on the CPU at 1/64 of the sizes with a tiny model; aten ops' CPU time stands in for kernels.
 """
@@ -59,7 +62,8 @@ class Scenario:
 SCENARIOS = {s.name: s for s in (Scenario("prefill-8x1024", 8, 1024, 1), Scenario("prefill-1x8192", 1, 8192, 1),
                                   Scenario("burst", 300, 1024, 128), Scenario("burst-prefill", 300, 1024, 1),
                                   Scenario("decode-192x512", 192, 512, 129),
-                                  Scenario("decode-192x512-prefill", 192, 512, 1))}
+                                  Scenario("decode-192x512-prefill", 192, 512, 1),
+                                  Scenario("long-prompts", 12, 6144, 32))}
 # kernel time of decoding: a run less the same prompts run to their first token (the burst's; and chat-mix's
 # operating point, where most of its tokens come from decode-only steps at a mean batch of ~190 sequences of
 # ~450-650 keys: lease 23, 14.8 ms a step)

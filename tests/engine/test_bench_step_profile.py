@@ -59,9 +59,9 @@ def test_step_profile_dry_run_and_compare(tmp_path: Path, bench_module: Callable
     model = make_tiny_model("llama", tmp_path / "model")
     out = tmp_path / "out"
     assert module.main(["run", "--engine", "kvfleet", "--model", str(model), "--out", str(out), "--dry",
-                        "--scenarios", "prefill-8x1024,burst,burst-prefill", "--repeats", "2"]) == 0
+                        "--scenarios", "prefill-8x1024,burst,burst-prefill,long-prompts", "--repeats", "2"]) == 0
     res = json.loads((out / "step_profile_kvfleet.json").read_text())
-    assert set(res["scenarios"]) == {"prefill-8x1024", "burst", "burst-prefill"}
+    assert set(res["scenarios"]) == {"prefill-8x1024", "burst", "burst-prefill", "long-prompts"}
     burst = res["scenarios"]["burst"]
     assert burst["output_tokens"] == 16 * 4 and len(burst["wall_ms"]) == 2   # dry sizes: 16 prompts x 4 tokens
     assert res["scenarios"]["burst-prefill"]["output_tokens"] == 16
