@@ -1,7 +1,8 @@
 """Compile the decode attention kernels for Hopper (sm_90) on a machine without a GPU, as
 `prefill_kernel_resources.py` does for prefill: the decode kernel (with and without the shared-prefix pass, one and
 several key splits), its merge kernel, and the shared-prefix kernel, specialized as Llama-3.1-8B's launches (32 query
-heads, 8 KV heads, D 128, bf16, 16-token blocks). Usage:
+heads, 8 KV heads, D 128, bf16, 16-token blocks); and the rotary + cache-write kernel for Llama's and Qwen3-0.6B's
+heads (the latter with its per-head q/k norm). Usage:
     python bench/decode_kernel_resources.py [BLOCK_N,WARPS,STAGES ...] [--json OUT]
 
 Tiles given (KVFLEET_DECODE_TILE's form) compile the decode kernel's one-split variants at each, besides the default
@@ -22,7 +23,9 @@ from typing import Any, Callable
 if os.environ.get("TRITON_INTERPRET") == "1":
     sys.exit("decode_kernel_resources: unset TRITON_INTERPRET (this compiles for the GPU)")
 
-from prefill_kernel_resources import _compile, json_arg, measure, write_rows  # noqa: E402
+import triton  # noqa: E402
+from prefill_kernel_resources import TARGET, _compile, json_arg, measure, write_rows  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
 
 from kvfleet.engine.kernels import shared_prefix as pk  # noqa: E402
 from kvfleet.engine.kernels.paged_decode import (  # noqa: E402
@@ -32,6 +35,7 @@ from kvfleet.engine.kernels.paged_decode import (  # noqa: E402
     _decode_kernel,
     _merge_kernel,
 )
+from kvfleet.engine.kernels.rotary_cache import _rotary_cache_kernel  # noqa: E402
 
 FP32 = {name: "*fp32" for name in ("part_out_ptr", "part_lse_ptr", "pre_out_ptr", "pre_lse_ptr", "po_ptr", "plse_ptr")}
 LLAMA = dict(HEAD_DIM=128, D_PAD=128)
@@ -85,6 +89,30 @@ def variants() -> list[tuple[str, Callable[[], Any]]]:
     return out
 
 
+def _compile_rotary_cache(hq: int, norm: bool, rotate_k: bool) -> Any:
+    """`_rotary_cache_kernel` as the attention op launches it for a model of `hq` query heads (8 KV heads, D 128,
+    16-token blocks, bf16, per-token cos/sin of D/2), with Qwen3's per-head norm or without."""
+    const = dict(HQ=hq, HK=8, HQ_PAD=hq, HK_PAD=8, HALF=64, HALF_PAD=64, HEAD_DIM=128, D_PAD=128, BLOCK_SIZE=16,
+                 ROTATE_K=rotate_k, NORM=norm)
+    fn = _rotary_cache_kernel
+    sig = {n: "constexpr" if n in const else ("*bf16" if n in ("q_ptr", "k_ptr", "v_ptr", "cache_ptr", "qw_ptr",
+                                                                 "kw_ptr")
+                                               else "*fp32" if n in ("cos_ptr", "sin_ptr") else "*i64"
+                                               if n == "slot_ptr" else "fp32" if n == "eps" else "i32")
+           for n in fn.arg_names}
+    attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n, t in sig.items()
+             if t not in ("constexpr", "fp32")}
+    return triton.compile(ASTSource(fn, sig, const, attrs), target=TARGET, options=dict(num_warps=4, num_stages=1))
+
+
+def rotary_variants() -> list[tuple[str, Callable[[], Any]]]:
+    """The rotary + cache-write kernel for Llama-3.1-8B's heads and Qwen3-0.6B's (normalised), k rotated in place
+    or only cached."""
+    return [(f"rotary cache hq={hq}{' norm' if norm else ''}{' rotate_k' if rotate_k else ''}",
+             lambda hq=hq, norm=norm, rotate_k=rotate_k: _compile_rotary_cache(hq, norm, rotate_k))
+            for hq, norm in ((32, False), (16, True)) for rotate_k in (False, True)]
+
+
 def parse_tile(text: str) -> Tile:
     bn, warps, stages = (int(x) for x in text.split(","))
     return bn, warps, stages
@@ -93,7 +121,7 @@ def parse_tile(text: str) -> Tile:
 def main(argv: list[str]) -> int:
     json_out, argv = json_arg(argv)
     tiles = [parse_tile(a) for a in argv]
-    builds = variants() + [v for t in tiles for v in tile_variants(t)]
+    builds = variants() + [v for t in tiles for v in tile_variants(t)] + rotary_variants()
     rows = [measure(name, build, {}, inspect=kv_buffers if name.startswith("decode") else None)
             for name, build in builds]
     return write_rows(rows, json_out)

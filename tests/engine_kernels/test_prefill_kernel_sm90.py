@@ -39,7 +39,8 @@ def test_v2_default_tiles_compile_for_sm90_without_spills(tmp_path: Path) -> Non
 
 def test_decode_and_shared_prefix_kernels_compile_for_sm90_without_spills(tmp_path: Path) -> None:
     """The decode kernel with and without the shared-prefix pass, its merge kernel and the shared-prefix kernel, as
-    the engine launches them for Llama-3.1-8B (the interpreter runs them, the compiler alone can reject them)."""
+    the engine launches them for Llama-3.1-8B, and the rotary + cache-write kernel for Llama's heads and Qwen3's
+    with its per-head norm (the interpreter runs them, the compiler alone can reject them)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path / "triton-cache")
     out = tmp_path / "resources.json"
@@ -49,7 +50,9 @@ def test_decode_and_shared_prefix_kernels_compile_for_sm90_without_spills(tmp_pa
     rows = json.loads(out.read_text())
     assert {r["kernel"] for r in rows} >= {"decode splits=1 shared", "merge shared", "shared prefix",
                                           "decode splits=2 direct shared", "merge direct shared",
-                                          "decode splits=1 tile 64,4,5", "decode splits=1 shared tile 32,4,6"}
+                                          "decode splits=1 tile 64,4,5", "decode splits=1 shared tile 32,4,6",
+                                          "rotary cache hq=32", "rotary cache hq=16 norm",
+                                          "rotary cache hq=16 norm rotate_k"}
     for r in rows:
         assert "error" not in r and r["fits"] and r["stack_bytes"] == 0, r
     # the default tile (3 stages) keeps one K/V tile in shared memory; 5 stages at 64 keys, 6 at 32, keep two
