@@ -89,17 +89,17 @@ def variants() -> list[tuple[str, Callable[[], Any]]]:
     return out
 
 
+ROTARY_ARG_TYPES = {**dict.fromkeys(("q_ptr", "k_ptr", "v_ptr", "cache_ptr", "qw_ptr", "kw_ptr"), "*bf16"),
+                    "cos_ptr": "*fp32", "sin_ptr": "*fp32", "slot_ptr": "*i64", "eps": "fp32"}
+
+
 def _compile_rotary_cache(hq: int, norm: bool, rotate_k: bool) -> Any:
     """`_rotary_cache_kernel` as the attention op launches it for a model of `hq` query heads (8 KV heads, D 128,
     16-token blocks, bf16, per-token cos/sin of D/2), with Qwen3's per-head norm or without."""
     const = dict(HQ=hq, HK=8, HQ_PAD=hq, HK_PAD=8, HALF=64, HALF_PAD=64, HEAD_DIM=128, D_PAD=128, BLOCK_SIZE=16,
                  ROTATE_K=rotate_k, NORM=norm)
     fn = _rotary_cache_kernel
-    sig = {n: "constexpr" if n in const else ("*bf16" if n in ("q_ptr", "k_ptr", "v_ptr", "cache_ptr", "qw_ptr",
-                                                                 "kw_ptr")
-                                               else "*fp32" if n in ("cos_ptr", "sin_ptr") else "*i64"
-                                               if n == "slot_ptr" else "fp32" if n == "eps" else "i32")
-           for n in fn.arg_names}
+    sig = {n: "constexpr" if n in const else ROTARY_ARG_TYPES.get(n, "i32") for n in fn.arg_names}   # i32: strides
     attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n, t in sig.items()
              if t not in ("constexpr", "fp32")}
     return triton.compile(ASTSource(fn, sig, const, attrs), target=TARGET, options=dict(num_warps=4, num_stages=1))
