@@ -15,7 +15,9 @@ The long-prompt row's decode steps matter as much: lease 19's run spent 230 of t
 one tile at a time.
 
 Cases: Llama-3.1-8B heads (32 query, 8 KV, D 128, bf16, 16-token blocks, blocks scattered) at B = 256, 64 and 16
-with 1,024 keys, 48 x 6,144 (the long-prompt row), 128 x 4,096, and Qwen3-0.6B's 16 query heads at B = 256; the
+with 1,024 keys, 48 x 6,144 (the long-prompt row), 128 x 4,096, Qwen3-0.6B's 16 query heads at B = 256, and 12
+and 4 x 6,144 (the long-prompts profile's decode steps and a mixed step's few decodes: lease 25 put ours at ~1.4x
+FA3's time there, in 3 splits, level at 48 x 6k in one; `KVFLEET_DECODE_PROGRAMS_PER_SM` moves the count); the
 engine's split count for each (`choose_num_splits`), and from 4,096 keys also two splits (what
 `KVFLEET_DECODE_LONG_SPLIT=2048` gives); the default tile also at 1, 2, 4 and 8 splits (of 128 keys or more): which
 split count each batch wants, beside FA3's own choice. Each: the error against the float32 reference (NaN-poisoned
@@ -63,9 +65,9 @@ DEFAULT_TILE: Tile = (DEFAULT_BLOCK_N, DEFAULT_NUM_WARPS, DEFAULT_NUM_STAGES)
 TILES: list[Tile] = [DEFAULT_TILE, (64, 4, 2), (64, 4, 5), (32, 4, 6), (32, 4, 4), (64, 8, 5), (128, 4, 3),
                      (128, 4, 5)]
 CASES = [(256, 1024, 32), (64, 1024, 32), (16, 1024, 32), (48, 6144, 32), (128, 4096, 32),
-         (256, 1024, 16)]   # batch, keys, Hq
+         (256, 1024, 16), (12, 6144, 32), (4, 6144, 32)]   # batch, keys, Hq
 LONG_KEYS = 4096   # from here on each tile also runs in two splits
-SPLITS = (1, 2, 4, 8)   # the default tile's other split counts, where each split keeps MIN_SPLIT_KEYS keys
+SPLITS = (1, 2, 4, 6, 8, 16)   # the default tile's other split counts, where each split keeps MIN_SPLIT_KEYS keys
 MIN_SPLIT_KEYS = 128
 GRAPH_CALLS = 8   # calls a timing graph holds (cycling through the case's cache copies)
 HKV, D = 8, 128

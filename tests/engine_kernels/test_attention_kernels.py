@@ -100,6 +100,11 @@ def test_choose_num_splits() -> None:
     assert choose_num_splits(461, 8, 4096, min_splits=3) == 3
     assert choose_num_splits(461, 8, 64, min_splits=2) == 1
     assert choose_num_splits(1, 8, 1024, min_splits=2) == 16
+    # KVFLEET_DECODE_PROGRAMS_PER_SM: how many programs an SM the split count aims at (lease 25's 12 x 6k)
+    assert choose_num_splits(12, 8, 8448) == 3
+    assert choose_num_splits(12, 8, 8448, programs_per_sm=4) == 6
+    assert choose_num_splits(48, 8, 8448, programs_per_sm=4) == 2
+    assert choose_num_splits(48, 8, 8448, programs_per_sm=1) == 1
 
 
 def test_choose_decode_split_splits_long_contexts_only() -> None:
@@ -309,6 +314,17 @@ def test_attention_rejects_bad_metadata() -> None:
     with pytest.raises(ValueError, match="^q:"):
         prefill_attention(batch.q[:, :3], batch.kv_cache, batch.block_tables, batch.seq_lens,
                           batch.query_start_loc, 1, 1.0, torch.empty_like(batch.q[:, :3]))
+
+
+def test_programs_per_sm_knob(monkeypatch: pytest.MonkeyPatch) -> None:
+    for bad in ("0", "17", "many"):
+        monkeypatch.setenv("KVFLEET_DECODE_PROGRAMS_PER_SM", bad)
+        with pytest.raises(ValueError, match="KVFLEET_DECODE_PROGRAMS_PER_SM"):
+            paged_decode._programs_per_sm_from_env()
+    monkeypatch.setenv("KVFLEET_DECODE_PROGRAMS_PER_SM", "4")
+    assert paged_decode._programs_per_sm_from_env() == 4
+    monkeypatch.delenv("KVFLEET_DECODE_PROGRAMS_PER_SM")
+    assert paged_decode._programs_per_sm_from_env() == 2
 
 
 def test_min_splits_knob_rejects_bad_values(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -88,6 +88,14 @@ def _min_splits_from_env() -> int:
     return int_from_env("KVFLEET_DECODE_MIN_SPLITS", 1, 1, 32)
 
 
+def _programs_per_sm_from_env() -> int:
+    """KVFLEET_DECODE_PROGRAMS_PER_SM: the split count aims at this many programs an SM (default 2) where batch x
+    KV heads alone gives fewer. Lease 25's long-prompts profile (12 sequences of ~6k keys, 3 splits: 288 programs
+    for 132 SMs, each reading 2k keys one tile at a time) put our decode at ~1.4x FlashAttention-3's there, while
+    at 48 x 6k (one split, 384 programs) it is level: more programs an SM may keep more copies in flight."""
+    return int_from_env("KVFLEET_DECODE_PROGRAMS_PER_SM", 2, 1, 16)
+
+
 def _long_split_from_env() -> int:
     """KVFLEET_DECODE_LONG_SPLIT: contexts of more than this many keys are read in two splits where the batch alone
     would not split them (`choose_decode_split`; default 0: off. Issue 16's lease 9 at 2048: 1.1 ms off each
@@ -109,6 +117,7 @@ DEFAULT_MERGE = _merge_from_env()
 DEFAULT_SPLIT_TOKENS = _split_tokens_from_env()
 DEFAULT_MIN_SPLITS = _min_splits_from_env()
 DEFAULT_LONG_SPLIT = _long_split_from_env()
+DEFAULT_PROGRAMS_PER_SM = _programs_per_sm_from_env()
 
 _COUNTERS: dict[torch.device, list[torch.Tensor]] = {}
 
@@ -339,16 +348,18 @@ def _merge_kernel(
 
 def choose_num_splits(batch: int, num_kv_heads: int, max_seq_len: int, num_sms: int = 132,
                       block_n: int = 64, min_tokens_per_split: int | None = None, max_splits: int = 32,
-                      min_splits: int | None = None) -> int:
-    """Split the keys when batch x KV heads alone leaves the GPU underused, and at least `min_splits` times
-    where the length allows (min_tokens_per_split, min_splits: KVFLEET_DECODE_SPLIT_TOKENS and
-    KVFLEET_DECODE_MIN_SPLITS unless given)."""
+                      min_splits: int | None = None, programs_per_sm: int | None = None) -> int:
+    """Split the keys when batch x KV heads alone gives fewer than `programs_per_sm` programs an SM, and at least
+    `min_splits` times where the length allows (min_tokens_per_split, min_splits, programs_per_sm:
+    KVFLEET_DECODE_SPLIT_TOKENS, KVFLEET_DECODE_MIN_SPLITS and KVFLEET_DECODE_PROGRAMS_PER_SM unless given)."""
     if min_tokens_per_split is None:
         min_tokens_per_split = DEFAULT_SPLIT_TOKENS
     if min_splits is None:
         min_splits = DEFAULT_MIN_SPLITS
+    if programs_per_sm is None:
+        programs_per_sm = DEFAULT_PROGRAMS_PER_SM
     programs = max(1, batch * num_kv_heads)
-    want = max(min_splits, math.ceil(2 * num_sms / programs))
+    want = max(min_splits, math.ceil(programs_per_sm * num_sms / programs))
     by_len = max(1, math.ceil(max_seq_len / max(min_tokens_per_split, block_n)))
     return int(max(1, min(want, by_len, max_splits)))
 
