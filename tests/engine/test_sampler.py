@@ -202,3 +202,32 @@ def test_structured_rows_leave_the_callers_float32_logits_as_they_were() -> None
     before = logits.clone()
     Sampler()(logits, batch(2, [0.0, 0.0], allowed=AllowedTokens(torch.tensor([0]), packed([[3]]))))
     assert torch.equal(logits, before)
+
+
+def test_a_plain_greedy_batch_takes_the_argmax_of_the_model_dtype() -> None:
+    # logits in bfloat16 (the model's dtype, as compute_logits returns them), ties and large vocab rows included:
+    # the argmax without a float32 copy is the float path's, token for token
+    gen = torch.Generator().manual_seed(0)
+    logits = (torch.randn(64, 4096, generator=gen) * 4).to(torch.bfloat16)
+    logits[3, 10] = logits[3, 20] = logits[3].max() + 1   # a tie: the first index wins on both paths
+    plain = Sampler()(logits, batch(64, [0.0] * 64))
+    floated = Sampler()(logits, batch(64, [0.0] * 64, logprobs=0))   # logprobs asked: the float32 path
+    assert plain.logprobs is None and floated.logprobs is not None
+    assert torch.equal(plain.sampled, floated.sampled)
+    assert torch.equal(plain.sampled, logits.float().argmax(-1)) and int(plain.sampled[3]) == 10
+
+
+def test_every_knob_beyond_the_argmax_takes_the_float_path() -> None:
+    from kvfleet.engine.sampler import needs_float_logits
+
+    assert not needs_float_logits(batch(2, [0.0, 0.0]))
+    cases = [batch(2, [0.0, 1.0]), batch(2, [0.0, 0.0], logprobs=0), batch(2, [0.0, 0.0], repetition=[1.1, 1.0]),
+             batch(2, [0.0, 0.0], frequency=[0.5, 0.0]), batch(2, [0.0, 0.0], presence=[0.5, 0.0]),
+             batch(2, [0.0, 0.0], min_mask=torch.zeros(2, V, dtype=torch.bool)),
+             batch(2, [0.0, 0.0], bias=LogitBias(torch.tensor([0]), torch.tensor([1]), torch.tensor([1.0]))),
+             batch(2, [0.0, 0.0], allowed=AllowedTokens(torch.tensor([0]), torch.full((1, 1), -1, dtype=torch.int32)))]
+    assert all(needs_float_logits(b) for b in cases)
+    # and a penalized greedy row in bfloat16 logits is penalized as in float32
+    lg = logits_rows(1).to(torch.bfloat16)
+    out = Sampler()(lg, batch(1, [0.0], repetition=[100.0], prompt_tokens=torch.tensor([[1]])))
+    assert out.sampled.tolist() == [2]

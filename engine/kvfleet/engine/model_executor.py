@@ -46,7 +46,7 @@ class ModelExecutor(Protocol):
         ...
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden rows [N, hidden] -> float32 logits [N, vocab]."""
+        """hidden rows [N, hidden] -> logits [N, vocab] in the model dtype."""
         ...
 
     def copy_blocks(self, kv_caches: list[torch.Tensor], pairs: Sequence[tuple[int, int]]) -> None:

@@ -184,8 +184,20 @@ def apply_allowed_(logits: torch.Tensor, allowed: AllowedTokens) -> None:
         apply_token_bitmask_ref_(logits, allowed.bitmask, allowed.rows)
 
 
+def needs_float_logits(b: SamplingBatch) -> bool:
+    """Whether a step's sampling reads more than the argmax: anything but a greedy batch without logprobs, masks,
+    biases or penalties. The argmax of logits in the model dtype is that of their float32 copy (the cast is exact
+    and keeps the order, ties included)."""
+    return not (b.all_greedy and b.max_num_logprobs < 0 and b.allowed is None and b.min_tokens_mask is None
+                and b.logit_bias is None and b.repetition_penalty is None and b.frequency_penalty is None
+                and b.presence_penalty is None)
+
+
 class Sampler:
     def __call__(self, logits: torch.Tensor, b: SamplingBatch) -> SamplerOutput:
+        """Token ids for the rows of `logits` (any float dtype; the model's own, from `compute_logits`)."""
+        if not needs_float_logits(b):
+            return SamplerOutput(logits.argmax(dim=-1), None)
         # a float32 copy the sampler owns (structured outputs write into it; the caller's rows stay as they were)
         logits = logits.clone() if b.allowed is not None and logits.dtype == torch.float32 else logits.float()
         if b.allowed is not None:

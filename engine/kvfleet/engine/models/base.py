@@ -30,7 +30,7 @@ class CausalLM(nn.Module):
         raise NotImplementedError
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [N, hidden] -> float32 logits [N, vocab] (whole, on every rank)."""
+        """hidden [N, hidden] -> logits [N, vocab] in the model dtype (whole, on every rank)."""
         raise NotImplementedError
 
     def load_weights(self, weights: Iterable[tuple[str, Any]]) -> set[str]:
