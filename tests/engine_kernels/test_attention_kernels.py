@@ -1,5 +1,7 @@
 """Paged decode / prefill attention and the KV write against their PyTorch references."""
 
+from typing import Callable
+
 import pytest
 import torch
 
@@ -316,23 +318,17 @@ def test_attention_rejects_bad_metadata() -> None:
                           batch.query_start_loc, 1, 1.0, torch.empty_like(batch.q[:, :3]))
 
 
-def test_programs_per_sm_knob(monkeypatch: pytest.MonkeyPatch) -> None:
-    for bad in ("0", "17", "many"):
-        monkeypatch.setenv("KVFLEET_DECODE_PROGRAMS_PER_SM", bad)
-        with pytest.raises(ValueError, match="KVFLEET_DECODE_PROGRAMS_PER_SM"):
-            paged_decode._programs_per_sm_from_env()
-    monkeypatch.setenv("KVFLEET_DECODE_PROGRAMS_PER_SM", "4")
-    assert paged_decode._programs_per_sm_from_env() == 4
-    monkeypatch.delenv("KVFLEET_DECODE_PROGRAMS_PER_SM")
-    assert paged_decode._programs_per_sm_from_env() == 2
-
-
-def test_min_splits_knob_rejects_bad_values(monkeypatch: pytest.MonkeyPatch) -> None:
-    for bad in ("0", "33", "two"):
-        monkeypatch.setenv("KVFLEET_DECODE_MIN_SPLITS", bad)
-        with pytest.raises(ValueError, match="KVFLEET_DECODE_MIN_SPLITS"):
-            paged_decode._min_splits_from_env()
-    monkeypatch.setenv("KVFLEET_DECODE_MIN_SPLITS", "2")
-    assert paged_decode._min_splits_from_env() == 2
-    monkeypatch.delenv("KVFLEET_DECODE_MIN_SPLITS")
-    assert paged_decode._min_splits_from_env() == 1
+@pytest.mark.parametrize("name, read, bad, good, default", [
+    ("KVFLEET_DECODE_MIN_SPLITS", paged_decode._min_splits_from_env, ("0", "33", "two"), 2, 1),
+    ("KVFLEET_DECODE_PROGRAMS_PER_SM", paged_decode._programs_per_sm_from_env, ("0", "17", "many"), 4, 2),
+])
+def test_split_knobs_reject_bad_values(monkeypatch: pytest.MonkeyPatch, name: str, read: Callable[[], int],
+                                       bad: tuple[str, ...], good: int, default: int) -> None:
+    for value in bad:
+        monkeypatch.setenv(name, value)
+        with pytest.raises(ValueError, match=name):
+            read()
+    monkeypatch.setenv(name, str(good))
+    assert read() == good
+    monkeypatch.delenv(name)
+    assert read() == default
