@@ -15,19 +15,18 @@ The long-prompt row's decode steps matter as much: lease 19's run spent 230 of t
 one tile at a time.
 
 Cases: Llama-3.1-8B heads (32 query, 8 KV, D 128, bf16, 16-token blocks, blocks scattered) at B = 256, 64 and 16
-with 1,024 keys, 48 x 6,144 (the long-prompt row), 128 x 4,096, Qwen3-0.6B's 16 query heads at B = 256, and 12
-and 4 x 6,144 (the long-prompts profile's decode steps and a mixed step's few decodes: lease 25's profile put our
-decode kernel at 145 ms against FA3's 95 there, in 3 splits, level at 48 x 6k in one;
-`KVFLEET_DECODE_PROGRAMS_PER_SM` moves the count); the
-engine's split count for each (`choose_num_splits`), and from 4,096 keys also two splits (what
-`KVFLEET_DECODE_LONG_SPLIT=2048` gives); the default tile also at 1, 2, 4 and 8 splits (of 128 keys or more): which
-split count each batch wants, beside FA3's own choice. Each: the error against the float32 reference (NaN-poisoned
-output first), then the time per call in a CUDA graph (as the engine's decode steps run: lease 24's eager timing put
-the wrapper's host time inside every figure, most of it at B=16), over copies of the case whose caches together
-exceed three times the L2 cache (a call does not find the previous one's keys there), GB/s of K/V read and the time
-over the copy floor (measured copy bandwidth). Where vLLM's wheels are installed, its FlashAttention-3 on the same
-paged cache (its own split heuristic) is a row of each case: the target. A tile worth trying end to end:
-`KVFLEET_DECODE_TILE=<tile>` in the online or offline A/B stages.
+with 1,024 keys, 48 x 6,144 (the long-prompt row), 128 x 4,096, Qwen3-0.6B's 16 query heads at B = 256, and 12 and 4
+x 6,144 (the long-prompts profile's decode steps and a mixed step's few decodes: lease 25's profile put our decode
+kernel at 145 ms against FA3's 95 there, in 3 splits, level at 48 x 6k in one; `KVFLEET_DECODE_PROGRAMS_PER_SM`
+moves the count); the engine's split count for each (`choose_num_splits`), and from 4,096 keys also two splits (what
+`KVFLEET_DECODE_LONG_SPLIT=2048` gives); the default tile also at 1, 2, 4, 6, 8 and 16 splits (of 128 keys or more):
+which split count each batch wants, beside FA3's own choice. Each: the error against the float32 reference
+(NaN-poisoned output first), then the time per call in a CUDA graph (as the engine's decode steps run: lease 24's
+eager timing put the wrapper's host time inside every figure, most of it at B=16), over copies of the case whose
+caches together exceed three times the L2 cache (a call does not find the previous one's keys there), GB/s of K/V
+read and the time over the copy floor (measured copy bandwidth). Where vLLM's wheels are installed, its
+FlashAttention-3 on the same paged cache (its own split heuristic) is a row of each case: the target. A tile worth
+trying end to end: `KVFLEET_DECODE_TILE=<tile>` in the online or offline A/B stages.
 """
 
 from __future__ import annotations
