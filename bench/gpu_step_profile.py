@@ -247,9 +247,10 @@ def comparison_text(cmp: dict[str, Any], ours: dict[str, Any], theirs: dict[str,
             lines.append(f"| {r['kind']} | {r['ours_ms']:.2f} | {r['theirs_ms']:.2f} | {r['diff_ms']:+.2f} | {ratio} |")
         if name in ours["scenarios"]:
             for label, res in (("kvfleet", ours), ("vLLM", theirs)):
-                lines += ["", f"{label}'s longest kernels:"]
+                lines += ["", f"{label}'s longest kernels (ms in all, calls, us a call: median / p90):"]
                 for k in res["scenarios"][name]["top_kernels"][:15]:
-                    lines.append(f"  {k['ms']:9.2f} ms {k['calls']:7d}x  {k['kind']:16} {k['name'][:110]}")
+                    each = f"{k.get('median_us', 0.0):8.1f} / {k.get('p90_us', 0.0):8.1f} us"   # lease <= 25: none
+                    lines.append(f"  {k['ms']:9.2f} ms {k['calls']:7d}x {each}  {k['kind']:16} {k['name'][:100]}")
         lines.append("")
     return "\n".join(lines) + "\n"
 

@@ -7,9 +7,12 @@ machine without a GPU (the dry runs), the aten ops' self CPU time stands in, so 
 
 from __future__ import annotations
 
+import math
 import re
+import statistics
+from collections import defaultdict
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterable
 
 # kinds in the order they are tried: the first pattern that matches a kernel's name (lower-cased) names its kind
 KIND_PATTERNS: tuple[tuple[str, re.Pattern[str]], ...] = (
@@ -43,24 +46,41 @@ class KernelTotal:
     calls: int
     ms: float
     kind: str
+    median_us: float = 0.0   # one call's time: a kernel launched in steps of two sorts (decode-only and mixed)
+    p90_us: float = 0.0      # shows it here, where the total alone cannot
+
+
+def _counted_us(e: Any, on_device: bool) -> float:
+    """An event's (or average's) own time in us where it counts (device kernels on a GPU, aten ops on a CPU), else 0:
+    a CPU op's self device time is its kernels' time, which are events of their own."""
+    from torch.autograd import DeviceType
+
+    if on_device:
+        return 0.0 if e.device_type == DeviceType.CPU else float(e.self_device_time_total)
+    return float(e.self_cpu_time_total) if e.key.startswith("aten::") else 0.0
+
+
+def per_call_us(events: Iterable[Any], on_device: bool) -> dict[str, list[float]]:
+    """Each counted kernel's (or aten op's) calls, in us."""
+    calls: dict[str, list[float]] = defaultdict(list)
+    for e in events:
+        us = _counted_us(e, on_device)
+        if us > 0:
+            calls[e.key].append(us)
+    return calls
 
 
 def kernel_totals(prof: Any, on_device: bool) -> list[KernelTotal]:
-    """Each kernel's (on a GPU) or aten op's (on a CPU) total time in the profile, longest first."""
-    from torch.autograd import DeviceType
-
+    """Each kernel's (on a GPU) or aten op's (on a CPU) total time in the profile, longest first, with the median
+    and 90th percentile of its calls."""
+    calls = per_call_us(prof.events(), on_device)
     rows = []
     for e in prof.key_averages():
-        if on_device:
-            if e.device_type == DeviceType.CPU:
-                continue
-            us = e.self_device_time_total
-        else:
-            if not e.key.startswith("aten::"):
-                continue
-            us = e.self_cpu_time_total
+        us = _counted_us(e, on_device)
         if us > 0:
-            rows.append(KernelTotal(e.key, int(e.count), us / 1e3, kernel_kind(e.key)))
+            each = sorted(calls.get(e.key, []))
+            median, p90 = (statistics.median(each), each[math.ceil(0.9 * len(each)) - 1]) if each else (0.0, 0.0)
+            rows.append(KernelTotal(e.key, int(e.count), us / 1e3, kernel_kind(e.key), median, p90))
     return sorted(rows, key=lambda r: -r.ms)
 
 
