@@ -317,7 +317,9 @@ def test_sigterm_while_tokenizing_answers_503_and_exits(server: Server) -> None:
     (not yet an engine request, so not one the drain waits for) gets an OpenAI-shaped 503, not a
     traceback and a plain-text 500; the process exits 0."""
     box: dict[str, Any] = {}
-    body = {"prompt": ["once upon a time " * 70_000] * 5, "max_tokens": 1}   # seconds of tokenizing
+    # ~28 MB of prompts (under the 32 MiB body limit): seconds of tokenizing after the signal, longer than the drain
+    # and the 1 s uvicorn then gives open requests, even on an idle machine (there 5 prompts got their 400 first)
+    body = {"prompt": ["once upon a time " * 70_000] * 24, "max_tokens": 1}
     busy_before = cpu_seconds(server.proc.pid)
     thread = threading.Thread(target=lambda: box.update(resp=post(server, "/v1/completions", body)), daemon=True)
     thread.start()
