@@ -20,7 +20,18 @@ import pytest
 from kvfleet.engine.config import EngineConfig
 from kvfleet.engine.llm_engine import LLMEngine
 from kvfleet.engine.sampling_params import SamplingParams
-from kvfleet.engine.warmup import WARMUP_SALT, run_warmup, warm_logits, warmup_plan, warmup_runs_plan
+from kvfleet.engine.warmup import (
+    SPLIT_WAVE_PROMPT_TOKENS,
+    WARMUP_SALT,
+    WarmupRequest,
+    Wave,
+    run_warmup,
+    split_context,
+    split_waves,
+    warm_logits,
+    warmup_plan,
+    warmup_runs_plan,
+)
 
 
 class VariantRecorder:
@@ -126,12 +137,15 @@ def test_warmup_covers_every_kernel_variant_of_a_varied_workload(triton_engine: 
     recorder.keys.clear()   # start-up's own launches (the profiling forward) are not the warm-up's merit
     report = engine.warm_up()
     warmed = set(recorder.keys)
-    assert report.requests == 6 and report.steps > 4
+    assert report.requests == 8 and report.steps > 4   # 6, then a prompt decoding beside which a short one comes
     names = {k[0] for k in warmed}
     cache_write = "_rotary_cache_kernel" if triton_backend.FUSED_ROTARY_CACHE else "_reshape_and_cache_kernel"
     assert {prefill_kernel, "_decode_kernel", cache_write, "_shared_prefix_kernel"} <= names
     # decode rows of a mixed step that share a prefix fold its partial in (the SHARED variant)
     assert any(k[0] == "_decode_kernel" and dict((s[0], s[2]) for s in k[1])["SHARED"] for k in warmed)
+    # a mixed step's one decode row of ~100 keys in two splits (4 "SMs" on a CPU), merged by the merge kernel
+    assert any(k[0] == "_decode_kernel" and dict((s[0], s[2]) for s in k[1])["NUM_SPLITS"] == 2 for k in warmed)
+    assert "_merge_kernel" in names
     # both prefill tiles, each alone and beside decode rows
     prefill = {(dict((s[0], s[2]) for s in k[1])["BLOCK_M"], dict((s[0], s[2]) for s in k[1])["SKIP_DECODE"])
                for k in warmed if k[0] == prefill_kernel}
@@ -474,3 +488,17 @@ def test_warmup_runs_the_long_tile_beside_decode_rows_with_rows_for_the_triton_k
 
     assert any(triton_rows_beside_gluon_and_decodes(*s) for s in steps), steps
     assert engine.stats()["kv_blocks_used"] == 0
+
+
+def test_split_waves_send_each_count_its_decode_rows_then_a_prompt_beside_them() -> None:
+    # contexts for 16 splits of 64 keys, half a split short of 1,024; fewer where max_model_len is short; none at 1
+    assert split_context(8448, 16, 64) == 992
+    assert split_context(192, 16, 64) == 96
+    assert split_context(100, 16, 64) == 0
+    greedy = {"temperature": 0.0}
+    beside = Wave((WarmupRequest(SPLIT_WAVE_PROMPT_TOKENS, 2, greedy),), None)
+    # prefill steps of each wave's prompts at 8,192 tokens a step, then two; its decodes outlast the prompt beside
+    assert split_waves({16: 1, 4: 5}, 992, 8448, 8192) == [
+        Wave((WarmupRequest(992, 7, greedy),) * 5, 3), beside, Wave((WarmupRequest(992, 7, greedy),), 3), beside]
+    assert split_waves({2: 11}, 992, 8448, 2048) == [Wave((WarmupRequest(992, 12, greedy),) * 11, 8), beside]
+    assert split_waves({2: 1}, 96, 100, 96) == []   # 96 + 3 steps + 4 tokens past max_model_len

@@ -15,7 +15,12 @@ from kvfleet.engine.kernels import (
     reshape_and_cache,
     reshape_and_cache_ref,
 )
-from kvfleet.engine.kernels.paged_decode import DecodeSplit, choose_decode_split
+from kvfleet.engine.kernels.paged_decode import (
+    DecodeSplit,
+    choose_decode_split,
+    choose_mixed_decode_splits,
+    mixed_split_batches,
+)
 from kvfleet.engine.kernels.prefill_attention import prefill_work
 from kvfleet.engine.kernels.rotary_cache import rotary_and_cache, rotary_and_cache_ref
 
@@ -107,6 +112,22 @@ def test_choose_num_splits() -> None:
     assert choose_num_splits(12, 8, 8448, programs_per_sm=4) == 6
     assert choose_num_splits(48, 8, 8448, programs_per_sm=4) == 2
     assert choose_num_splits(48, 8, 8448, programs_per_sm=1) == 1
+
+
+def test_mixed_decode_splits_follow_the_decode_rows_in_powers_of_two() -> None:
+    # lease 25's long-prompt steps: 1-10 decodes of ~6k keys beside a chunk ran unsplit (8-80 programs, 132 SMs)
+    assert [choose_mixed_decode_splits(n, 8, 6200) for n in (1, 2, 3, 5, 10, 12, 33, 400)] == [16, 16, 8, 4, 4, 2, 1, 1]
+    assert choose_mixed_decode_splits(0, 8, 6200) == 1
+    assert choose_mixed_decode_splits(1, 8, 150) == 2              # no more splits than the keys allow (3, rounded)
+    assert choose_mixed_decode_splits(1, 8, 6200, max_splits=1) == 1   # KVFLEET_MIXED_DECODE_SPLITS=1: off
+    assert choose_mixed_decode_splits(1, 8, 6200, max_splits=4) == 4
+    # what the warm-up sends: the fewest decode rows for each count, no more rows than given
+    assert mixed_split_batches(8, 1000, 132, 255, max_splits=16) == {16: 1, 8: 3, 4: 5, 2: 11}
+    assert mixed_split_batches(8, 1000, 132, 4, max_splits=16) == {16: 1, 8: 3}
+    assert mixed_split_batches(8, 1000, 132, 255, max_splits=1) == {}
+    # every count a mixed step can launch at contexts up to 1,000 keys is among them
+    launched = {choose_mixed_decode_splits(n, 8, length, 132, 16) for n in range(1, 300) for length in range(2, 1001)}
+    assert launched - {1} == set(mixed_split_batches(8, 1000, 132, 299, max_splits=16))
 
 
 def test_choose_decode_split_splits_long_contexts_only() -> None:
@@ -321,6 +342,7 @@ def test_attention_rejects_bad_metadata() -> None:
 @pytest.mark.parametrize("name, read, bad, good, default", [
     ("KVFLEET_DECODE_MIN_SPLITS", paged_decode._min_splits_from_env, ("0", "33", "two"), 2, 1),
     ("KVFLEET_DECODE_PROGRAMS_PER_SM", paged_decode._programs_per_sm_from_env, ("0", "17", "many"), 4, 2),
+    ("KVFLEET_MIXED_DECODE_SPLITS", paged_decode._mixed_max_splits_from_env, ("0", "3", "64", "all"), 1, 16),
 ])
 def test_split_knobs_reject_bad_values(monkeypatch: pytest.MonkeyPatch, name: str, read: Callable[[], int],
                                        bad: tuple[str, ...], good: int, default: int) -> None:

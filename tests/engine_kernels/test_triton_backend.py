@@ -421,3 +421,29 @@ def test_triton_op_splits_long_decode_contexts_with_the_knob(monkeypatch: pytest
     ref = torch_paged_attention(q_ref, k, v, cache_ref, md, 0.25)
     assert rel_err(out, ref) < 1e-5
     assert calls[0]["num_splits"] == 2 and calls[0]["direct_single"] and calls[0]["split_tokens"] == 64
+
+
+@pytest.mark.parametrize("max_splits,want", [(16, 4), (2, 2), (1, 1)])
+def test_a_mixed_steps_few_long_decodes_are_split(monkeypatch: pytest.MonkeyPatch, max_splits: int,
+                                                   want: int) -> None:
+    """The decode rows of a mixed step get the split count of their own count and lengths (one row of 400 keys, 2
+    KV heads, 4 "SMs" on a CPU: 4 splits), at most KVFLEET_MIXED_DECODE_SPLITS; as the torch op either way."""
+    from kvfleet.engine.kernels import paged_decode
+
+    monkeypatch.setattr(paged_decode, "MIXED_MAX_SPLITS", max_splits)
+    calls: list[dict[str, Any]] = []
+    real = triton_backend.paged_decode_attention
+
+    def spy(*args: Any, **kwargs: Any) -> torch.Tensor:
+        calls.append(kwargs)
+        return real(*args, **kwargs)
+    monkeypatch.setattr(triton_backend, "paged_decode_attention", spy)
+    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    q_lens, seq_lens = [1, 30, 5], [400, 30, 60]
+    q, k, v, cache, md = _step(gen, q_lens, seq_lens)
+    cache_ref, q_ref = cache.clone(), q.clone()
+    out = triton_paged_attention(q, k, v, cache, md, 0.25)
+    ref = torch_paged_attention(q_ref, k, v, cache_ref, md, 0.25)
+    assert rel_err(out, ref) < 1e-5
+    assert [c["num_splits"] for c in calls] == [want]
+    assert md.plans["triton_prefill"].decode_splits == want   # type: ignore[attr-defined]

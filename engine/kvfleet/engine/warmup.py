@@ -26,7 +26,10 @@ real engine, so it covers what the model runner really launches:
    which then has the short prompt's rows (lease 23: without them it did not launch, and chat-mix compiled that
    variant on a request's time);
 8. then that prompt again with 192 tokens more: a chunk over its cached prefix (a prefix-cache hit), the shape
-   `gluon-chunks` sends to the paged Gluon kernel (`attention.fresh_prompts.long_prefix_chunks`).
+   `gluon-chunks` sends to the paged Gluon kernel (`attention.fresh_prompts.long_prefix_chunks`);
+9. for each split count the decode rows of an eager mixed step can get (`kernels.paged_decode.
+   choose_mixed_decode_splits`: from their count, their longest context and the GPU's SMs; a power of two up to
+   16), that many prompts of ~1k tokens, then, once they decode, a short prompt beside them (`split_waves`).
 
 Where CUDA graphs were captured, the plan runs twice: replayed, then with every forward eager, since the steps
 that fit no graph (more prompts or tokens than a captured step with prefill takes) launch the kernels'
@@ -65,6 +68,7 @@ logger = logging.getLogger(__name__)
 
 WARMUP_SALT = "kvfleet-warmup"   # its prompts hash apart from every user's (and are evicted after)
 BESIDE_LONG_PROMPT_TOKENS = 24   # 7.'s short prompt: more than one token (the prefill kernel skips one-token rows)
+SPLIT_WAVE_PROMPT_TOKENS = 24    # 9.'s prompt that joins the decoding rows
 
 
 @dataclass(frozen=True)
@@ -131,6 +135,30 @@ def warmup_plan(max_model_len: int, vocab_size: int, max_num_seqs: int = 256,
     ] + (long_wave if fits_long else [])
 
 
+def split_context(max_model_len: int, max_splits: int, split_unit: int) -> int:
+    """9.'s prompt length: contexts that allow ``max_splits`` splits of ``split_unit`` keys (fewer where
+    max_model_len is short), half a unit short of a multiple of it, so the few tokens they decode before the mixed
+    step do not change the split count; 0 where they would not split at all."""
+    units = min(max_splits, (max_model_len * 3 // 4) // split_unit)
+    return units * split_unit - split_unit // 2 if units >= 2 else 0
+
+
+def split_waves(decodes_by_splits: dict[int, int], context: int, max_model_len: int, step_tokens: int) -> list[Wave]:
+    """9.: for each split count, its number of prompts of `context` tokens, stepped until they all decode (their
+    prefill's steps, then two), then a short prompt: a mixed step beside that many decode rows. A count whose
+    prompts and tokens would not fit max_model_len is left out."""
+    waves = []
+    for splits in sorted(decodes_by_splits):
+        n = decodes_by_splits[splits]
+        steps = -(-n * context // max(1, step_tokens)) + 2
+        if context + steps + 4 > max_model_len:
+            continue
+        decoding = tuple(WarmupRequest(context, steps + 4, {"temperature": 0.0}) for _ in range(n))
+        waves += [Wave(decoding, steps), Wave((WarmupRequest(SPLIT_WAVE_PROMPT_TOKENS, 2, {"temperature": 0.0}),),
+                                              None)]
+    return waves
+
+
 # what the server runs instead of the plan (a CPU by default, or KVFLEET_WARMUP=0): one real one-token step, so
 # /health is 200 only once the model has run, with the same clean-up after it
 ONE_STEP_PLAN = [Wave((WarmupRequest(1, 1, {"temperature": 0.0}),), None)]
@@ -166,8 +194,9 @@ def run_warmup(engine: Any, plan: list[Wave] | None = None) -> WarmupReport:
     # the long prompt (7.) warms a Triton tile: only on CUDA (on a CPU it would only cost seconds of prefill)
     budget = runner.max_num_batched_tokens if engine.device.type == "cuda" else 0
     whole = plan is None
-    plan = plan if plan is not None else warmup_plan(mc.max_model_len, mc.vocab_size, engine.config.max_num_seqs,
-                                                     budget)
+    if plan is None:
+        plan = warmup_plan(mc.max_model_len, mc.vocab_size, engine.config.max_num_seqs, budget)
+        plan += mixed_split_plan(engine)
     rng = np.random.default_rng(20261201)
     high = max(2, min(mc.vocab_size, 32000))
     compiles = TRITON_COMPILES.count
@@ -208,6 +237,21 @@ def run_warmup(engine: Any, plan: list[Wave] | None = None) -> WarmupReport:
     logger.info("warm-up: %d requests, %d steps in %.2f s (%s Triton kernel variants compiled)", report.requests,
                 report.steps, report.seconds, report.triton_compiles if report.triton_compiles is not None else "?")
     return report
+
+
+def mixed_split_plan(engine: Any) -> list[Wave]:
+    """9. for this engine: its KV heads, its device's SMs, its context and step budget."""
+    from kvfleet.engine.attention.triton_backend import mixed_split_warmup_batches
+    from kvfleet.engine.kernels.paged_decode import DEFAULT_BLOCK_N, DEFAULT_SPLIT_TOKENS, MIXED_MAX_SPLITS
+
+    max_model_len = engine.model_config.max_model_len
+    context = split_context(max_model_len, MIXED_MAX_SPLITS, max(DEFAULT_SPLIT_TOKENS, DEFAULT_BLOCK_N))
+    if not context:
+        return []
+    runner = engine.runner
+    batches = mixed_split_warmup_batches(engine.device, runner.num_kv_heads, context + 2,
+                                         engine.config.max_num_seqs - 1)
+    return split_waves(batches, context, max_model_len, runner.max_num_batched_tokens)
 
 
 def warmup_prompt(rng: Any, high: int, req: WarmupRequest, previous: list[int]) -> list[int]:

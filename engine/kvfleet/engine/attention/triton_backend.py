@@ -26,7 +26,13 @@ from kvfleet.engine.attention import shared_prefix as sp
 from kvfleet.engine.attention.fresh_prompts import GLUON_MIN_QUERY_TOKENS, fresh_long_prompts, long_prefix_chunks
 from kvfleet.engine.attention.metadata import AttentionMetadata
 from kvfleet.engine.head_norm import QKNorm
-from kvfleet.engine.kernels.paged_decode import SharedPrefixArgs, choose_decode_split, paged_decode_attention
+from kvfleet.engine.kernels.paged_decode import (
+    SharedPrefixArgs,
+    choose_decode_split,
+    choose_mixed_decode_splits,
+    mixed_split_batches,
+    paged_decode_attention,
+)
 from kvfleet.engine.kernels.prefill_attention import (
     default_block_m,
     prefill_attention,
@@ -174,6 +180,7 @@ class PrefillPlan(NamedTuple):
     work: torch.Tensor                 # the prefill kernel's work list
     gluon_work: torch.Tensor | None = None   # the Gluon kernel's work list (fresh long prompts), or None: not used
     gluon_chunk_work: torch.Tensor | None = None   # its paged form's (chunks over a cached prefix), or None
+    decode_splits: int = 1             # the decode rows' key splits (`choose_mixed_decode_splits`; captured: 1)
 
 
 def _prefill_tile(kernel: str, max_query_len: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
@@ -206,7 +213,12 @@ def _prefill_plan(md: AttentionMetadata, q: torch.Tensor, k: torch.Tensor, v: to
     gluon_ok = PREFILL_KERNEL in GLUON_CHOICES and k.dtype == kv_cache.dtype and gluon_applies(q, k, v)
     chunks_ok = gluon_ok and PREFILL_KERNEL == "gluon-chunks" and paged_applies(kv_cache, GLUON_CHUNK_TILE.block_n)
     qsl = md.query_start_loc_cpu
-    mixed = any(qsl[i + 1] - qsl[i] == 1 for i in range(len(qsl) - 1))
+    decodes = np.diff(np.asarray(qsl)) == 1
+    mixed = bool(decodes.any())
+    decode_splits = 1
+    if mixed:
+        decode_splits = choose_mixed_decode_splits(int(decodes.sum()), kv_cache.shape[3],
+                                                   int(np.asarray(md.seq_lens_cpu)[decodes].max()), _num_sms(device))
     kernel = _triton_kernel(PREFILL_KERNEL)
     tile = _prefill_tile(kernel, md.max_query_len, dtype)
     seq_lens = md.seq_lens_cpu if kernel != "v1" else None   # v2 takes its work heaviest first (key counts)
@@ -221,7 +233,8 @@ def _prefill_plan(md: AttentionMetadata, q: torch.Tensor, k: torch.Tensor, v: to
         if any(fresh) or any(chunks):
             rest = [not (f or c) for f, c in zip(fresh, chunks, strict=True)]
     work = prefill_work(qsl, tile[0], mixed, device, seq_lens, only=rest)
-    md.plans["triton_prefill"] = plan = PrefillPlan(mixed, kernel, tile, work, gluon_work, chunk_work)
+    md.plans["triton_prefill"] = plan = PrefillPlan(mixed, kernel, tile, work, gluon_work, chunk_work,
+                                                    decode_splits)
     return plan
 
 
@@ -365,7 +378,16 @@ def triton_paged_attention(
         prefill_attention(*args, skip_decode=mixed, block_m=block_m, block_n=block_n, work=work,
                           num_warps=warps, num_stages=stages)
     if mixed:
-        # decode rows of a mixed step: enough programs already come from the batch, no split
+        # the decode rows, split by their own count and lengths (a few long contexts beside a chunk would
+        # otherwise leave most SMs idle); with a shared-prefix pass, unsplit (its variants stay few)
+        splits = plan.decode_splits if shared is None else 1
         paged_decode_attention(q, kv_cache, md.block_tables, md.seq_lens, md.query_start_loc, scale, out,
-                               shared=decode_shared)
+                               num_splits=splits, shared=decode_shared)
     return out
+
+
+def mixed_split_warmup_batches(device: torch.device, num_kv_heads: int, context_len: int,
+                               max_decodes: int) -> dict[int, int]:
+    """`mixed_split_batches` on this device: for each split count an eager mixed step's decode rows can get, the
+    fewest rows of `context_len` keys that give it (the warm-up's waves)."""
+    return mixed_split_batches(num_kv_heads, context_len, _num_sms(device), max_decodes)

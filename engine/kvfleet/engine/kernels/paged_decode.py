@@ -97,6 +97,17 @@ def _programs_per_sm_from_env() -> int:
     return int_from_env("KVFLEET_DECODE_PROGRAMS_PER_SM", 2, 1, 16)
 
 
+def _mixed_max_splits_from_env() -> int:
+    """KVFLEET_MIXED_DECODE_SPLITS: the most splits the decode rows of an eager mixed step get (default 16; 1: none,
+    as before; a power of two). Those rows used to run unsplit, one program per sequence and KV head reading the
+    whole context: lease 25's long-prompt steps had 1-10 decodes of ~6k keys beside each 8k-token chunk, at most
+    80 programs for 132 SMs (`choose_mixed_decode_splits`)."""
+    n = int_from_env("KVFLEET_MIXED_DECODE_SPLITS", 16, 1, 32)
+    if n & (n - 1):
+        fail("KVFLEET_MIXED_DECODE_SPLITS", f"expected a power of two in [1, 32], got {n}")
+    return n
+
+
 def _long_split_from_env() -> int:
     """KVFLEET_DECODE_LONG_SPLIT: contexts of more than this many keys are read in two splits where the batch alone
     would not split them (`choose_decode_split`; default 0: off. Issue 16's lease 9 at 2048: 1.1 ms off each
@@ -119,6 +130,7 @@ DEFAULT_SPLIT_TOKENS = _split_tokens_from_env()
 DEFAULT_MIN_SPLITS = _min_splits_from_env()
 DEFAULT_LONG_SPLIT = _long_split_from_env()
 DEFAULT_PROGRAMS_PER_SM = _programs_per_sm_from_env()
+MIXED_MAX_SPLITS = _mixed_max_splits_from_env()
 
 _COUNTERS: dict[torch.device, list[torch.Tensor]] = {}
 
@@ -363,6 +375,33 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_seq_len: int, num_sms: 
     want = max(min_splits, math.ceil(programs_per_sm * num_sms / programs))
     by_len = max(1, math.ceil(max_seq_len / max(min_tokens_per_split, block_n)))
     return int(max(1, min(want, by_len, max_splits)))
+
+
+def choose_mixed_decode_splits(num_decodes: int, num_kv_heads: int, max_decode_len: int, num_sms: int = 132,
+                               max_splits: int | None = None) -> int:
+    """The split count of an eager mixed step's decode rows: `choose_num_splits` for those rows alone (their
+    count and longest context, not the step's whole batch), at most ``max_splits`` (KVFLEET_MIXED_DECODE_SPLITS
+    unless given), rounded down to a power of two. The rounding bounds the kernel variants (the count is a
+    constexpr) to the few the warm-up runs (`mixed_split_batches`), so none is compiled on a request's time."""
+    if max_splits is None:
+        max_splits = MIXED_MAX_SPLITS
+    if num_decodes < 1 or max_splits <= 1:
+        return 1
+    splits = choose_num_splits(num_decodes, num_kv_heads, max_decode_len, num_sms, max_splits=max_splits)
+    return 1 << (splits.bit_length() - 1)
+
+
+def mixed_split_batches(num_kv_heads: int, context_len: int, num_sms: int, max_decodes: int,
+                        max_splits: int | None = None) -> dict[int, int]:
+    """Every split count above 1 that mixed steps with contexts of up to ``context_len`` keys can launch, each with
+    the fewest decode rows of ``context_len`` keys that give it (at most ``max_decodes``): what the warm-up sends."""
+    found: dict[int, int] = {}
+    for n in range(1, max_decodes + 1):
+        splits = choose_mixed_decode_splits(n, num_kv_heads, context_len, num_sms, max_splits)
+        if splits == 1:
+            break
+        found.setdefault(splits, n)
+    return found
 
 
 class DecodeSplit(NamedTuple):
