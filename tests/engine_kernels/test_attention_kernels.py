@@ -115,7 +115,7 @@ def test_choose_num_splits() -> None:
 
 
 def test_mixed_decode_splits_follow_the_decode_rows_in_powers_of_two() -> None:
-    # lease 25's long-prompt steps: 1-10 decodes of ~6k keys beside a chunk ran unsplit (8-80 programs, 132 SMs)
+    # lease 25's long-prompt steps: 1-11 decodes of ~6k keys beside a chunk ran unsplit (8-88 programs, 132 SMs)
     assert [choose_mixed_decode_splits(n, 8, 6200) for n in (1, 2, 3, 5, 10, 12, 33, 400)] == [16, 16, 8, 4, 4, 2, 1, 1]
     assert choose_mixed_decode_splits(0, 8, 6200) == 1
     assert choose_mixed_decode_splits(1, 8, 150) == 2              # no more splits than the keys allow (3, rounded)

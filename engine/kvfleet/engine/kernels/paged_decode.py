@@ -100,8 +100,8 @@ def _programs_per_sm_from_env() -> int:
 def _mixed_max_splits_from_env() -> int:
     """KVFLEET_MIXED_DECODE_SPLITS: the most splits the decode rows of an eager mixed step get (default 16; 1: none,
     as before; a power of two). Those rows used to run unsplit, one program per sequence and KV head reading the
-    whole context: lease 25's long-prompt steps had 1-10 decodes of ~6k keys beside each 8k-token chunk, at most
-    80 programs for 132 SMs (`choose_mixed_decode_splits`)."""
+    whole context: lease 25's long-prompt steps had 1-11 decodes of ~6k keys beside each 8k-token chunk, at most
+    88 programs for 132 SMs (`choose_mixed_decode_splits`)."""
     n = int_from_env("KVFLEET_MIXED_DECODE_SPLITS", 16, 1, 32)
     if n & (n - 1):
         fail("KVFLEET_MIXED_DECODE_SPLITS", f"expected a power of two in [1, 32], got {n}")
