@@ -399,13 +399,10 @@ def test_model_on_triton_op_matches_transformers(arch: str, rotary_cache: bool, 
     assert torch.equal(ours.argmax(-1), want.argmax(-1))
 
 
-def test_triton_op_splits_long_decode_contexts_with_the_knob(monkeypatch: pytest.MonkeyPatch) -> None:
-    """KVFLEET_DECODE_LONG_SPLIT: a decode step whose contexts may exceed the threshold launches two splits; the
-    sequences within it are written whole by split 0, the others merged; all as the torch op."""
-    from kvfleet.engine.kernels import paged_decode
-
-    monkeypatch.setattr(paged_decode, "DEFAULT_LONG_SPLIT", 64)   # contexts over 64 keys: two splits
-    monkeypatch.setattr(triton_backend, "_num_sms", lambda device: 1)   # the batch alone asks for one split
+def _decode_calls_of_a_step_as_the_torch_op(monkeypatch: pytest.MonkeyPatch, q_lens: list[int], seq_lens: list[int]
+                                            ) -> tuple[list[dict[str, Any]], AttentionMetadata]:
+    """Run a random step through the Triton op, check it against the torch op; -> the keyword arguments of its
+    decode kernel launches, and its metadata (with the step's plans)."""
     calls: list[dict[str, Any]] = []
     real = triton_backend.paged_decode_attention
 
@@ -414,12 +411,22 @@ def test_triton_op_splits_long_decode_contexts_with_the_knob(monkeypatch: pytest
         return real(*args, **kwargs)
     monkeypatch.setattr(triton_backend, "paged_decode_attention", spy)
     gen = torch.Generator().manual_seed(torch.seed() % 2**31)
-    q_lens, seq_lens = [1, 1, 1, 1], [9, 70, 31, 90]
     q, k, v, cache, md = _step(gen, q_lens, seq_lens)
     cache_ref, q_ref = cache.clone(), q.clone()
     out = triton_paged_attention(q, k, v, cache, md, 0.25)
     ref = torch_paged_attention(q_ref, k, v, cache_ref, md, 0.25)
     assert rel_err(out, ref) < 1e-5
+    return calls, md
+
+
+def test_triton_op_splits_long_decode_contexts_with_the_knob(monkeypatch: pytest.MonkeyPatch) -> None:
+    """KVFLEET_DECODE_LONG_SPLIT: a decode step whose contexts may exceed the threshold launches two splits; the
+    sequences within it are written whole by split 0, the others merged; all as the torch op."""
+    from kvfleet.engine.kernels import paged_decode
+
+    monkeypatch.setattr(paged_decode, "DEFAULT_LONG_SPLIT", 64)   # contexts over 64 keys: two splits
+    monkeypatch.setattr(triton_backend, "_num_sms", lambda device: 1)   # the batch alone asks for one split
+    calls, _ = _decode_calls_of_a_step_as_the_torch_op(monkeypatch, [1, 1, 1, 1], [9, 70, 31, 90])
     assert calls[0]["num_splits"] == 2 and calls[0]["direct_single"] and calls[0]["split_tokens"] == 64
 
 
@@ -431,19 +438,6 @@ def test_a_mixed_steps_few_long_decodes_are_split(monkeypatch: pytest.MonkeyPatc
     from kvfleet.engine.kernels import paged_decode
 
     monkeypatch.setattr(paged_decode, "MIXED_MAX_SPLITS", max_splits)
-    calls: list[dict[str, Any]] = []
-    real = triton_backend.paged_decode_attention
-
-    def spy(*args: Any, **kwargs: Any) -> torch.Tensor:
-        calls.append(kwargs)
-        return real(*args, **kwargs)
-    monkeypatch.setattr(triton_backend, "paged_decode_attention", spy)
-    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
-    q_lens, seq_lens = [1, 30, 5], [400, 30, 60]
-    q, k, v, cache, md = _step(gen, q_lens, seq_lens)
-    cache_ref, q_ref = cache.clone(), q.clone()
-    out = triton_paged_attention(q, k, v, cache, md, 0.25)
-    ref = torch_paged_attention(q_ref, k, v, cache_ref, md, 0.25)
-    assert rel_err(out, ref) < 1e-5
+    calls, md = _decode_calls_of_a_step_as_the_torch_op(monkeypatch, [1, 30, 5], [400, 30, 60])
     assert [c["num_splits"] for c in calls] == [want]
     assert md.plans["triton_prefill"].decode_splits == want   # type: ignore[attr-defined]
