@@ -71,7 +71,8 @@ def test_step_profile_dry_run_and_compare(tmp_path: Path, bench_module: Callable
         assert by_kind["gemm"] > 0 and by_kind["attention"] > 0
         assert any(k["name"] == "aten::mm" and k["kind"] == "gemm" for k in sc["top_kernels"])
         for k in sc["top_kernels"]:   # each kernel's calls: the median and p90 of one call, within its total
-            assert 0 < k["median_us"] <= k["p90_us"] <= k["ms"] * 1e3
+            # (the total went through ms and back: a kernel of one call has p90 == total but for the last bit)
+            assert 0 < k["median_us"] <= k["p90_us"] <= k["ms"] * 1e3 * (1 + 1e-9)
             assert k["median_us"] * k["calls"] <= 2 * k["ms"] * 1e3 + 1e-6   # half its calls take the median or more
     # the comparison needs both engines' results
     assert module.main(["compare", str(out)]) == 2
