@@ -121,6 +121,10 @@ def test_mixed_decode_splits_follow_the_decode_rows_in_powers_of_two() -> None:
     assert choose_mixed_decode_splits(1, 8, 150) == 2              # no more splits than the keys allow (3, rounded)
     assert choose_mixed_decode_splits(1, 8, 6200, max_splits=1) == 1   # KVFLEET_MIXED_DECODE_SPLITS=1: off
     assert choose_mixed_decode_splits(1, 8, 6200, max_splits=4) == 4
+    # the step's other rows take a program a split too: the grid stays within 32 programs an SM
+    assert choose_mixed_decode_splits(1, 8, 6200, batch=13) == 16       # lease 25's long prompts: 1,664 programs
+    assert choose_mixed_decode_splits(1, 8, 6200, batch=100) == 4       # at most 5 splits for 800 rows x heads
+    assert choose_mixed_decode_splits(1, 8, 6200, batch=4000) == 1      # thousands of short prompts beside it
     # what the warm-up sends: the fewest decode rows for each count, no more rows than given
     assert mixed_split_batches(8, 1000, 132, 255, max_splits=16) == {16: 1, 8: 3, 4: 5, 2: 11}
     assert mixed_split_batches(8, 1000, 132, 4, max_splits=16) == {16: 1, 8: 3}

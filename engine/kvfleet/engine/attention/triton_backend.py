@@ -218,7 +218,8 @@ def _prefill_plan(md: AttentionMetadata, q: torch.Tensor, k: torch.Tensor, v: to
     decode_splits = 1
     if mixed:
         decode_splits = choose_mixed_decode_splits(int(decodes.sum()), kv_cache.shape[3],
-                                                   int(np.asarray(md.seq_lens_cpu)[decodes].max()), _num_sms(device))
+                                                   int(np.asarray(md.seq_lens_cpu)[decodes].max()), _num_sms(device),
+                                                   batch=len(decodes))
     kernel = _triton_kernel(PREFILL_KERNEL)
     tile = _prefill_tile(kernel, md.max_query_len, dtype)
     seq_lens = md.seq_lens_cpu if kernel != "v1" else None   # v2 takes its work heaviest first (key counts)

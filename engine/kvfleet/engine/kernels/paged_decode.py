@@ -377,14 +377,22 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_seq_len: int, num_sms: 
     return int(max(1, min(want, by_len, max_splits)))
 
 
+MIXED_GRID_PROGRAMS_PER_SM = 32   # a mixed step's decode launch: at most this many programs an SM, exiting ones too
+
+
 def choose_mixed_decode_splits(num_decodes: int, num_kv_heads: int, max_decode_len: int, num_sms: int = 132,
-                               max_splits: int | None = None) -> int:
+                               max_splits: int | None = None, batch: int | None = None) -> int:
     """The split count of an eager mixed step's decode rows: `choose_num_splits` for those rows alone (their
     count and longest context, not the step's whole batch), at most ``max_splits`` (KVFLEET_MIXED_DECODE_SPLITS
     unless given), rounded down to a power of two. The rounding bounds the kernel variants (the count is a
-    constexpr) to the few the warm-up runs (`mixed_split_batches`), so none is compiled on a request's time."""
+    constexpr) to the few the warm-up runs (`mixed_split_batches`), so none is compiled on a request's time.
+    The launch's grid has every row of the step (``batch``, the decode rows when not given): the prompts' rows
+    exit at once but still take a program each split, so a step of many short prompts beside a few decodes gets
+    fewer splits, keeping the grid within `MIXED_GRID_PROGRAMS_PER_SM` programs an SM."""
     if max_splits is None:
         max_splits = MIXED_MAX_SPLITS
+    rows = max(num_decodes, batch or 0)
+    max_splits = min(max_splits, MIXED_GRID_PROGRAMS_PER_SM * num_sms // max(1, rows * num_kv_heads))
     if num_decodes < 1 or max_splits <= 1:
         return 1
     splits = choose_num_splits(num_decodes, num_kv_heads, max_decode_len, num_sms, max_splits=max_splits)
@@ -394,7 +402,8 @@ def choose_mixed_decode_splits(num_decodes: int, num_kv_heads: int, max_decode_l
 def mixed_split_batches(num_kv_heads: int, context_len: int, num_sms: int, max_decodes: int,
                         max_splits: int | None = None) -> dict[int, int]:
     """Every split count above 1 that mixed steps with contexts of up to ``context_len`` keys can launch, each with
-    the fewest decode rows of ``context_len`` keys that give it (at most ``max_decodes``): what the warm-up sends."""
+    the fewest decode rows of ``context_len`` keys that give it (at most ``max_decodes``): what the warm-up sends
+    (a step's other rows only ever lower the count)."""
     found: dict[int, int] = {}
     for n in range(1, max_decodes + 1):
         splits = choose_mixed_decode_splits(n, num_kv_heads, context_len, num_sms, max_splits)
