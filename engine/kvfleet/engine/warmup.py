@@ -29,7 +29,8 @@ real engine, so it covers what the model runner really launches:
    `gluon-chunks` sends to the paged Gluon kernel (`attention.fresh_prompts.long_prefix_chunks`);
 9. for each split count the decode rows of an eager mixed step can get (`kernels.paged_decode.
    choose_mixed_decode_splits`: from their count, their longest context and the GPU's SMs; a power of two up to
-   16), that many prompts of ~1k tokens, then, once they decode, a short prompt beside them (`split_waves`).
+   16), that many prompts of ~1k tokens, then, once they decode, a short prompt beside them (`split_waves`); in the
+   eager pass only (below: a captured mixed step keeps one split, so replayed they would warm nothing).
 
 Where CUDA graphs were captured, the plan runs twice: replayed, then with every forward eager, since the steps
 that fit no graph (more prompts or tokens than a captured step with prefill takes) launch the kernels'
@@ -196,7 +197,7 @@ def run_warmup(engine: Any, plan: list[Wave] | None = None) -> WarmupReport:
     whole = plan is None
     if plan is None:
         plan = warmup_plan(mc.max_model_len, mc.vocab_size, engine.config.max_num_seqs, budget)
-        plan += mixed_split_plan(engine)
+    eager_only = mixed_split_plan(engine) if whole else []
     rng = np.random.default_rng(20261201)
     high = max(2, min(mc.vocab_size, 32000))
     compiles = TRITON_COMPILES.count
@@ -206,9 +207,9 @@ def run_warmup(engine: Any, plan: list[Wave] | None = None) -> WarmupReport:
     # eager: the steps no graph fits
     passes = [False, True] if runner.executor.graphs is not None and whole else [False]
     try:
-        for eager in passes:
+        for i, eager in enumerate(passes):
             runner.eager_forward = eager
-            for wave in plan:
+            for wave in plan + (eager_only if i == len(passes) - 1 else []):
                 for req in wave.requests:
                     ids = warmup_prompt(rng, high, req, previous)
                     previous = ids
