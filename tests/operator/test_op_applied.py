@@ -62,8 +62,21 @@ def test_a_new_spec_or_an_edit_by_someone_else_is_applied(op_config) -> None:
 def test_applied_once_until_forgotten() -> None:
     memo = AppliedOnce()
     key = ("ns", "chat", "uid-1")
-    assert memo.needed(key)
-    memo.done(key)
-    assert not memo.needed(key) and memo.needed(("ns", "chat", "uid-2"))  # a recreated object is new
+    ticket = memo.needed(key)
+    assert ticket is not None
+    memo.done(ticket)
+    assert memo.needed(key) is None and memo.needed(("ns", "chat", "uid-2"))  # a recreated object is new
     memo.forget("ns", "chat")
     assert memo.needed(key)
+
+
+def test_an_edit_during_the_apply_is_not_recorded_as_applied() -> None:
+    """The pass applied the Service as it was; someone's edit landed and its event forgot it before the pass
+    recorded it: the next pass must apply (repair) it again."""
+    memo = AppliedOnce()
+    key = ("ns", "chat", "uid-1")
+    ticket = memo.needed(key)
+    assert ticket is not None
+    memo.forget("ns", "chat")  # the edit's event, while the pass applied
+    memo.done(ticket)
+    assert memo.needed(key) is not None

@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import threading
+from dataclasses import dataclass
 from typing import Any, Mapping
 
 from .constants import GROUP
@@ -49,22 +50,38 @@ def unchanged(live: Mapping[str, Any] | None, desired: Mapping[str, Any]) -> boo
     return want is not None and want == have and covers(live, content)
 
 
+@dataclass(frozen=True)
+class ApplyTicket:
+    """Leave to record `key` as applied, valid only if nothing was forgotten since it was handed out."""
+    key: tuple[str, ...]
+    epoch: int
+
+
 class AppliedOnce:
     """Objects this process applied and whose content cannot change (a ModelDeployment's Service: built from its
-    name and uid only): applied once, again only after `forget` (the object was deleted or edited)."""
+    name and uid only): applied once, again only after `forget` (the object was deleted or edited).
+
+    An edit can land while a pass applies: the pass applied the object as it was, the edit's event forgets it,
+    and the pass must not then record it as applied (the next pass would skip the repair). So `needed` hands out a
+    ticket and `done` records it only when no `forget` came in between; the epoch is shared by all keys (a stale
+    ticket costs one more no-op apply, and nothing grows with the objects ever forgotten)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._done: set[tuple[str, ...]] = set()
+        self._epoch = 0  # forgets so far
 
-    def needed(self, key: tuple[str, ...]) -> bool:
+    def needed(self, key: tuple[str, ...]) -> ApplyTicket | None:
+        """None when `key` was applied already; else the ticket `done` takes once it is."""
         with self._lock:
-            return key not in self._done
+            return None if key in self._done else ApplyTicket(key, self._epoch)
 
-    def done(self, key: tuple[str, ...]) -> None:
+    def done(self, ticket: ApplyTicket) -> None:
         with self._lock:
-            self._done.add(key)
+            if ticket.epoch == self._epoch:
+                self._done.add(ticket.key)
 
     def forget(self, namespace: str, name: str) -> None:
         with self._lock:
+            self._epoch += 1
             self._done = {k for k in self._done if k[:2] != (namespace, name)}
