@@ -169,12 +169,12 @@ def reconcile_model_deployment(kube: Kube, config: OperatorConfig, namespace: st
         spec_hash = workload_hash(template, resolved.queue_name, resolved.priority)
         plan = plan_workloads(desired, observed, spec_hash)
         fixed_key = (namespace, name, str(mdep["metadata"].get("uid")))
-        ticket = applied.needed(fixed_key) if applied is not None else None
-        if applied is None or ticket is not None:
+        memo = applied if applied is not None else AppliedOnce()  # a fresh one: applied every pass
+        ticket = memo.needed(fixed_key)
+        if ticket is not None:
             for fixed in fixed_children(mdep):
                 apply_repairing(kube, mdep, fixed)
-            if applied is not None and ticket is not None:
-                applied.done(ticket)
+            memo.done(ticket)
         _apply_deployments(kube, config, mdep, spec, resolved, plan, deployments, spec_hash, written)
         # Pods go first (above), then the quota: a freed GPU is never still in use by us.
         for wl_name in plan.delete:
