@@ -28,6 +28,9 @@
 #   kv-online         kvfleet serve: start to healthy, then 0.5, 4, 12 req/s and 300 at once (~2.5)
 #   vllm-online       vllm serve, same (~4.5: ~2 min to healthy)
 #   kv-fp8 vllm-fp8   --quantization fp8, Llama-3.1-8B chat-mix and random-1024-128 (~2 / ~3)
+#   burst-timeline    kvfleet serve's 300-at-once burst and the same 300 prompts offline, each with the engine's step
+#                     timeline (KVFLEET_STEP_TIMELINE), summed up side by side by bench/step_timeline.py: are the
+#                     steps slower online or do they start later (~3; step_timeline.txt into $OUT)
 #   ab-nowarmup       kvfleet serve without the warm-up before /health (KVFLEET_WARMUP=0), 0.5 req/s only (~1)
 #   ab-prefill        kvfleet long-prompt + shared-prefix once per setting in PREFILL_AB (~1.2 each): other
 #                     Triton prefill tiles or kernels (PREFILL_AB="KVFLEET_PREFILL_KERNEL=v2
@@ -186,6 +189,17 @@ kv-online) need_server "$s" && online kvfleet 240 ${LABEL:+--label "$LABEL"} ;;
 vllm-online) need_vllm "$s" && online vllm 400 --health-limit-s 300 ;;
 kv-fp8) XARGS="--quantization fp8" offline kvfleet "$LLAMA" 200 $WORKLOADS_FP8 ;;
 vllm-fp8) need_vllm "$s" && XARGS="--quantization fp8" offline vllm "$LLAMA" 260 $WORKLOADS_FP8 ;;
+burst-timeline)
+  # the 300-at-once burst online and the same 300 prompts in process, each with the engine's step timeline
+  need_server "$s" && KV_ENV="$KV_ENV KVFLEET_STEP_TIMELINE=$RUNS/timeline-online-burst.jsonl" LOADS=burst:inf:300 \
+    online kvfleet 150 --label timeline
+  KV_ENV="$KV_ENV KVFLEET_STEP_TIMELINE=$RUNS/timeline-offline-burst.jsonl" LABEL=timeline \
+    XARGS="--num-prompts 300 --max-num-batched-tokens 8192" \
+    offline kvfleet "$LLAMA" 120 random-1024-128
+  step "step timelines" 30 $PY bench/step_timeline.py compare "$RUNS/timeline-online-burst.jsonl" \
+    "$RUNS/timeline-offline-burst.jsonl" --json "$RUNS/step_timeline.json"
+  $PY bench/step_timeline.py compare "$RUNS/timeline-online-burst.jsonl" "$RUNS/timeline-offline-burst.jsonl" \
+    > "$OUT/step_timeline.txt" 2>&1 ;;
 ab-nowarmup)
   need_server "$s" && KV_ENV="$KV_ENV KVFLEET_WARMUP=0" LOADS=low:0.5:16 online kvfleet 120 --label nowarmup ;;
 ab-prefill)

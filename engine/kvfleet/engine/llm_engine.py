@@ -30,6 +30,7 @@ from kvfleet.engine.core.scheduler import RequestUpdate, Scheduler, SchedulerOut
 from kvfleet.engine.model_config import ModelConfig
 from kvfleet.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from kvfleet.engine.sampling_params import SamplingParams, StructuredOutputsParams
+from kvfleet.engine.step_timeline import StepShape, StepTimeline, shape_of
 from kvfleet.engine.token_rules import all_of, token_rules
 from kvfleet.engine.warmup import WarmupReport, Wave, run_warmup
 
@@ -130,6 +131,8 @@ class LLMEngine:
         self.num_launched_ahead = 0     # of those, steps launched before the previous one's tokens were collected
         self.forward_ahead = FORWARD_AHEAD   # the others: forward queued before, sampler after (async_step)
         self.num_forwarded_ahead = 0    # of the others, steps whose forward was queued before the collect
+        self.timeline = StepTimeline.from_env()   # KVFLEET_STEP_TIMELINE: a line per step, for diagnosis
+        self._launched_shape: Optional[StepShape] = None
         gc_policy.apply_once()
 
     # --- requests ------------------------------------------------------------------
@@ -265,13 +268,27 @@ class LLMEngine:
     def warm_up(self, plan: Optional[list[Wave]] = None) -> WarmupReport:
         """Run every step shape and sampler path once (kvfleet.engine.warmup), or only ``plan``, leaving nothing
         behind: the server calls it before /health says ready, so no request pays a first-use compile."""
-        return run_warmup(self, plan)
+        timeline, self.timeline = self.timeline, None   # the step timeline is of the work, not of the warm-up
+        try:
+            return run_warmup(self, plan)
+        finally:
+            self.timeline = timeline
 
     # --- the step ------------------------------------------------------------------
     def step(self, final_only: bool = False) -> list[RequestOutput]:
         """One engine step; outputs of the requests it advanced (only finished ones if `final_only`).
 
         With `async_scheduling` the outputs are those of the previous step (kvfleet.engine.async_step)."""
+        if self.timeline is None:
+            return self._step(final_only)
+        start = time.monotonic()
+        self._launched_shape = None
+        outs = self._step(final_only)
+        self.timeline.add(start, time.monotonic(), self._launched_shape, len(self.scheduler.waiting),
+                          len(self.scheduler.running), len(outs))
+        return outs
+
+    def _step(self, final_only: bool) -> list[RequestOutput]:
         if self.config.async_scheduling:
             return self._step_overlapped(final_only)
         sched = self.scheduler.schedule()
@@ -362,6 +379,8 @@ class LLMEngine:
 
     def _mark_scheduled(self, sched: SchedulerOutput) -> None:
         now = time.monotonic()
+        if self.timeline is not None:
+            self._launched_shape = shape_of(sched)
         for s in sched.scheduled:
             if s.start != s.request.num_cached_tokens:
                 continue   # not its first chunk (a first one starts after its prefix-cache hit)
@@ -488,6 +507,8 @@ class LLMEngine:
         """Abort what is left and stop the model's helpers (tensor-parallel workers)."""
         self.abort_request(list(self.groups))
         self.runner.shutdown()
+        if self.timeline is not None:
+            self.timeline.close()
 
     # --- stats ---------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:

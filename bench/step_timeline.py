@@ -1,0 +1,121 @@
+"""Two step timelines of the same work side by side (`KVFLEET_STEP_TIMELINE`, kvfleet.engine.step_timeline).
+
+    python bench/step_timeline.py compare ONLINE.jsonl OFFLINE.jsonl [--json OUT.json]
+
+Issue 16's 300-at-once row: online, a request waits ~7 % longer for its first step than the same 300 prompts do in
+process. Each file's busiest period (the one with the most prompt tokens; warm-up steps come before it, apart by
+an idle gap) is summed up: how long until the last prompt started, the steps in that phase (their count, the time
+from one step's start to the next, the part of it inside `step()` and the part outside it: the server's step loop
+taking requests in and handing outputs over), and the first steps one by one (how fast the intake filled them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from kvfleet.engine.step_timeline import StepRecord, read_timeline
+
+IDLE_GAP_S = 0.5   # a gap this long between two calls ends a busy period
+
+
+def busy_periods(records: list[StepRecord], gap_s: float = IDLE_GAP_S) -> list[list[StepRecord]]:
+    """Split where the engine went idle: a gap of `gap_s` between calls, or a call that left nothing waiting or
+    running (the offline benchmark's short run before the timed one ends so, with no gap)."""
+    periods: list[list[StepRecord]] = []
+    for rec in records:
+        if periods:
+            last = periods[-1][-1]
+            drained = last.waiting == 0 and last.running == 0
+            if not drained and rec.t - (last.t + last.call_ms / 1e3) <= gap_s:
+                periods[-1].append(rec)
+                continue
+        periods.append([rec])
+    return periods
+
+
+def prompt_tokens(period: list[StepRecord]) -> int:
+    return sum(r.launched.prompt_tokens for r in period if r.launched is not None)
+
+
+def busiest(records: list[StepRecord]) -> list[StepRecord]:
+    periods = busy_periods(records)
+    if not periods:
+        raise ValueError("the timeline has no steps")
+    return max(periods, key=prompt_tokens)
+
+
+@dataclass(frozen=True)
+class PhaseSummary:
+    steps: int                    # calls of the period
+    span_ms: float                # first call's start to last call's end
+    prompt_tokens: int
+    prompts_started: int
+    start_phase_ms: float         # first call's start to the start of the call that launched the last first chunk
+    start_phase_steps: int        # calls in that phase
+    interval_ms_mean: float       # call start to next call start, in that phase
+    in_step_ms_mean: float        # the call's own time, in that phase
+    outside_ms_mean: float        # interval less the call: the caller's time between calls
+    prompt_tokens_per_step: float  # in that phase
+    first_steps: list[dict[str, float]]   # the first calls: start ms, call ms, prompt tokens, decode rows, waiting
+
+
+def summarize(period: list[StepRecord], first: int = 8) -> PhaseSummary:
+    t0 = period[0].t
+    starts = [i for i, r in enumerate(period) if r.launched is not None and r.launched.first_chunks > 0]
+    last_start = starts[-1] if starts else 0
+    phase = period[: last_start + 1]
+    intervals = [(b.t - a.t) * 1e3 for a, b in zip(phase, period[1: last_start + 2], strict=False)]
+    outside = [(b.t - a.t) * 1e3 - a.call_ms for a, b in zip(phase, period[1: last_start + 2], strict=False)]
+    end = period[-1]
+    return PhaseSummary(
+        steps=len(period), span_ms=round((end.t - t0) * 1e3 + end.call_ms, 1),
+        prompt_tokens=prompt_tokens(period),
+        prompts_started=sum(r.launched.first_chunks for r in period if r.launched is not None),
+        start_phase_ms=round((period[last_start].t - t0) * 1e3, 1), start_phase_steps=len(phase),
+        interval_ms_mean=round(statistics.fmean(intervals), 3) if intervals else 0.0,
+        in_step_ms_mean=round(statistics.fmean(r.call_ms for r in phase), 3),
+        outside_ms_mean=round(statistics.fmean(outside), 3) if outside else 0.0,
+        prompt_tokens_per_step=round(prompt_tokens(phase) / len(phase), 1),
+        first_steps=[{"t_ms": round((r.t - t0) * 1e3, 1), "call_ms": r.call_ms,
+                      "prompt_tokens": r.launched.prompt_tokens if r.launched else 0,
+                      "decode_rows": r.launched.decode_rows if r.launched else 0, "waiting": r.waiting}
+                     for r in period[:first]])
+
+
+SUMMARY_ROWS = ("steps", "span_ms", "prompt_tokens", "prompts_started", "start_phase_ms", "start_phase_steps",
+                "interval_ms_mean", "in_step_ms_mean", "outside_ms_mean", "prompt_tokens_per_step")
+
+
+def render(names: list[str], summaries: list[PhaseSummary]) -> str:
+    lines = ["| figure | " + " | ".join(names) + " |", "| --- |" + " --- |" * len(names)]
+    for row in SUMMARY_ROWS:
+        lines.append(f"| {row} | " + " | ".join(str(getattr(s, row)) for s in summaries) + " |")
+    for name, s in zip(names, summaries, strict=True):
+        lines += ["", f"{name}: the first steps (start ms, call ms, prompt tokens, decode rows, waiting after)"]
+        lines += [f"  {f['t_ms']:9.1f} {f['call_ms']:9.2f} {f['prompt_tokens']:6d} {f['decode_rows']:5d} "
+                  f"{f['waiting']:5d}" for f in s.first_steps]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    cmp = sub.add_parser("compare", help="sum up each timeline's busiest period, side by side")
+    cmp.add_argument("timelines", nargs="+", type=Path)
+    cmp.add_argument("--json", type=Path, default=None, help="also write the summaries here")
+    args = ap.parse_args(argv)
+    names = [p.stem for p in args.timelines]
+    summaries = [summarize(busiest(read_timeline(str(p)))) for p in args.timelines]
+    sys.stdout.write(render(names, summaries))
+    if args.json is not None:
+        args.json.write_text(json.dumps({n: asdict(s) for n, s in zip(names, summaries, strict=True)}, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,83 @@
+"""The engine's step timeline (`KVFLEET_STEP_TIMELINE`) and bench/step_timeline.py, which sums two of them up."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+
+from kvfleet.engine import LLM, SamplingParams
+from kvfleet.engine.step_timeline import ENV_VAR, StepRecord, StepShape, StepTimeline, read_timeline
+from kvfleet.engine.warmup import ONE_STEP_PLAN
+
+PROMPTS = [list(range(1, 41)), list(range(3, 73)), list(range(5, 25))]   # 40, 70 and 20 tokens
+MAX_TOKENS = 4
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_the_timeline_holds_every_prompt_token_and_decode_row(
+        tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, async_scheduling: bool) -> None:
+    path = tmp_path / "timeline.jsonl"
+    monkeypatch.setenv(ENV_VAR, str(path))
+    llm = LLM(str(tiny_model_dir), num_kv_blocks=96, max_num_batched_tokens=64, async_scheduling=async_scheduling)
+    llm.llm_engine.warm_up(ONE_STEP_PLAN)   # not in the timeline: it is of the work
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
+                        SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True))
+    assert all(len(o.outputs[0].token_ids) == MAX_TOKENS for o in outs)
+    records = read_timeline(str(path))
+    shapes = [r.launched for r in records if r.launched is not None]
+    assert sum(s.prompt_tokens for s in shapes) == sum(map(len, PROMPTS))
+    assert sum(s.first_chunks for s in shapes) == len(PROMPTS)
+    # the first token comes from the prompt's last chunk; each further one from a decode row
+    assert sum(s.decode_rows for s in shapes) == len(PROMPTS) * (MAX_TOKENS - 1)
+    assert max(s.prompt_tokens + s.decode_rows for s in shapes) <= 64   # the token budget
+    assert all(r.call_ms >= 0 for r in records)
+    assert [r.t for r in records] == sorted(r.t for r in records)
+    assert sum(r.outputs for r in records) >= len(PROMPTS)
+    assert records[-1].waiting == 0 and records[-1].running == 0
+
+
+def test_no_timeline_unless_asked(tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(ENV_VAR, raising=False)
+    llm = LLM(str(tiny_model_dir), num_kv_blocks=96, max_num_batched_tokens=64)
+    assert llm.llm_engine.timeline is None
+    assert StepTimeline.from_env({ENV_VAR: "  "}) is None
+
+
+def _rec(t: float, call_ms: float, prompt: int = 0, decode: int = 0, first: int = 0, waiting: int = 0,
+         running: int = 1) -> StepRecord:
+    shape = StepShape(prompt, decode, first) if prompt or decode else None
+    return StepRecord(t, call_ms, shape, waiting, running, 0)
+
+
+def test_the_summary_of_the_busiest_period(bench_module: Callable[[str], Any], tmp_path: Path) -> None:
+    tl = bench_module("step_timeline")
+    warmup = [_rec(0.0, 5.0, prompt=10, first=1), _rec(0.01, 5.0, decode=1, running=0)]
+    # a short run that drains the engine, then the burst at once (no idle gap): two periods all the same
+    pre = [_rec(1.0, 5.0, prompt=50, first=1), _rec(1.005, 5.0, decode=1, running=0)]
+    burst = [_rec(1.01, 10.0, prompt=100, first=1, waiting=5),     # the intake: one prompt in the first step
+             _rec(1.03, 30.0, prompt=300, decode=1, first=3, waiting=2),
+             _rec(1.07, 30.0, prompt=200, decode=4, first=2),     # the last prompts start here
+             _rec(1.11, 8.0, decode=6, running=0)]
+    periods = tl.busy_periods(warmup + pre + burst)
+    assert [len(p) for p in periods] == [2, 2, 4]
+    assert tl.busiest(warmup + pre + burst) == burst
+    assert [len(p) for p in tl.busy_periods(warmup[:1] + [_rec(0.6, 1.0, decode=1)])] == [1, 1]   # an idle gap
+    s = tl.summarize(burst)
+    assert (s.steps, s.prompt_tokens, s.prompts_started, s.start_phase_steps) == (4, 600, 6, 3)
+    assert s.span_ms == pytest.approx(108.0)
+    assert s.start_phase_ms == pytest.approx(60.0)
+    assert s.interval_ms_mean == pytest.approx((20 + 40 + 40) / 3, abs=1e-3)   # rounded to µs
+    assert s.in_step_ms_mean == pytest.approx((10 + 30 + 30) / 3, abs=1e-3)
+    assert s.outside_ms_mean == pytest.approx((10 + 10 + 10) / 3)
+    assert s.prompt_tokens_per_step == pytest.approx(200.0)
+    assert s.first_steps[1] == {"t_ms": 20.0, "call_ms": 30.0, "prompt_tokens": 300, "decode_rows": 1, "waiting": 2}
+
+    online, offline = tmp_path / "online.jsonl", tmp_path / "offline.jsonl"
+    online.write_text("".join(r.to_json() + "\n" for r in warmup + burst))
+    offline.write_text("".join(r.to_json() + "\n" for r in burst))
+    out_json = tmp_path / "summary.json"
+    assert tl.main(["compare", str(online), str(offline), "--json", str(out_json)]) == 0
+    assert '"start_phase_ms": 60.0' in out_json.read_text()
+    assert read_timeline(str(online)) == warmup + burst
