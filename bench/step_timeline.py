@@ -6,7 +6,8 @@ Issue 16's 300-at-once row: online, a request waits ~7 % longer for its first st
 process. Each file's busiest period (the one with the most prompt tokens; warm-up steps come before it, apart by
 an idle gap) is summed up: how long until the last prompt started, the steps in that phase (their count, the time
 from one step's start to the next, the part of it inside `step()` and the part outside it: the server's step loop
-taking requests in and handing outputs over), and the first steps one by one (how fast the intake filled them).
+taking requests in and handing outputs over), how many calls the intake of the requests spanned, and the first steps
+one by one (how fast the intake filled them).
 """
 
 from __future__ import annotations
@@ -61,6 +62,9 @@ class PhaseSummary:
     in_step_ms_mean: float        # the call's own time, in that phase
     outside_ms_mean: float        # interval less the call: the caller's time between calls
     prompt_tokens_per_step: float  # in that phase
+    requests_added: int           # taken in during the period (before its first call included)
+    intake_ms: float              # first call's start to the start of the call after which all of them were in
+    intake_steps: int             # calls until then
     first_steps: list[dict[str, float]]   # the first calls: start ms, call ms, prompt tokens, decode rows, waiting
 
 
@@ -72,6 +76,9 @@ def summarize(period: list[StepRecord], first: int = 8) -> PhaseSummary:
     intervals = [(b.t - a.t) * 1e3 for a, b in zip(phase, period[1: last_start + 2], strict=False)]
     outside = [(b.t - a.t) * 1e3 - a.call_ms for a, b in zip(phase, period[1: last_start + 2], strict=False)]
     end = period[-1]
+    added = [r.added for r in period]
+    cumulative = [sum(added[: i + 1]) for i in range(len(added))]
+    all_in = cumulative.index(cumulative[-1])
     return PhaseSummary(
         steps=len(period), span_ms=round((end.t - t0) * 1e3 + end.call_ms, 1),
         prompt_tokens=prompt_tokens(period),
@@ -81,14 +88,17 @@ def summarize(period: list[StepRecord], first: int = 8) -> PhaseSummary:
         in_step_ms_mean=round(statistics.fmean(r.call_ms for r in phase), 3),
         outside_ms_mean=round(statistics.fmean(outside), 3) if outside else 0.0,
         prompt_tokens_per_step=round(prompt_tokens(phase) / len(phase), 1),
+        requests_added=cumulative[-1], intake_ms=round((period[all_in].t - t0) * 1e3, 1), intake_steps=all_in + 1,
         first_steps=[{"t_ms": round((r.t - t0) * 1e3, 1), "call_ms": r.call_ms,
                       "prompt_tokens": r.launched.prompt_tokens if r.launched else 0,
-                      "decode_rows": r.launched.decode_rows if r.launched else 0, "waiting": r.waiting}
+                      "decode_rows": r.launched.decode_rows if r.launched else 0, "waiting": r.waiting,
+                      "added": r.added}
                      for r in period[:first]])
 
 
 SUMMARY_ROWS = ("steps", "span_ms", "prompt_tokens", "prompts_started", "start_phase_ms", "start_phase_steps",
-                "interval_ms_mean", "in_step_ms_mean", "outside_ms_mean", "prompt_tokens_per_step")
+                "interval_ms_mean", "in_step_ms_mean", "outside_ms_mean", "prompt_tokens_per_step", "requests_added",
+                "intake_ms", "intake_steps")
 
 
 def render(names: list[str], summaries: list[PhaseSummary]) -> str:
@@ -96,9 +106,10 @@ def render(names: list[str], summaries: list[PhaseSummary]) -> str:
     for row in SUMMARY_ROWS:
         lines.append(f"| {row} | " + " | ".join(str(getattr(s, row)) for s in summaries) + " |")
     for name, s in zip(names, summaries, strict=True):
-        lines += ["", f"{name}: the first steps (start ms, call ms, prompt tokens, decode rows, waiting after)"]
+        lines += ["", f"{name}: the first steps (start ms, call ms, prompt tokens, decode rows, waiting after, "
+                  "taken in before)"]
         lines += [f"  {f['t_ms']:9.1f} {f['call_ms']:9.2f} {f['prompt_tokens']:6d} {f['decode_rows']:5d} "
-                  f"{f['waiting']:5d}" for f in s.first_steps]
+                  f"{f['waiting']:5d} {f['added']:5d}" for f in s.first_steps]
     return "\n".join(lines) + "\n"
 
 

@@ -133,6 +133,7 @@ class LLMEngine:
         self.num_forwarded_ahead = 0    # of the others, steps whose forward was queued before the collect
         self.timeline = StepTimeline.from_env()   # KVFLEET_STEP_TIMELINE: a line per step, for diagnosis
         self._launched_shape: Optional[StepShape] = None
+        self._added_since_step = 0   # requests taken in since the last step() call (the timeline's intake)
         gc_policy.apply_once()
 
     # --- requests ------------------------------------------------------------------
@@ -242,6 +243,7 @@ class LLMEngine:
         for seq in seqs:
             self.scheduler.add_request(seq)
         self.prompt_tokens += len(ids)
+        self._added_since_step += 1
 
     def abort_request(self, request_ids: list[str]) -> list[RequestOutput]:
         """End requests now (their blocks are freed at once); returns their final outputs."""
@@ -273,6 +275,7 @@ class LLMEngine:
             return run_warmup(self, plan)
         finally:
             self.timeline = timeline
+            self._added_since_step = 0
 
     # --- the step ------------------------------------------------------------------
     def step(self, final_only: bool = False) -> list[RequestOutput]:
@@ -283,9 +286,10 @@ class LLMEngine:
             return self._step(final_only)
         start = time.monotonic()
         self._launched_shape = None
+        added, self._added_since_step = self._added_since_step, 0
         outs = self._step(final_only)
         self.timeline.add(start, time.monotonic(), self._launched_shape, len(self.scheduler.waiting),
-                          len(self.scheduler.running), len(outs))
+                          len(self.scheduler.running), len(outs), added)
         return outs
 
     def _step(self, final_only: bool) -> list[RequestOutput]:

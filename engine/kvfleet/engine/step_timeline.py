@@ -2,8 +2,9 @@
 
 Each `LLMEngine.step()` call appends one JSON line: when the call began (seconds from the timeline's start, the
 monotonic clock), how long it took, the shape of the step it scheduled (prompt tokens, decode rows, prompts whose
-first chunk it is), the scheduler's queue lengths after it, and the outputs it returned. The time between one call's
-end and the next call's start is the caller's (the server's step loop: taking requests in, handing outputs over).
+first chunk it is), the scheduler's queue lengths after it, the outputs it returned and the requests taken in since
+the call before. The time between one call's end and the next call's start is the caller's (the server's step loop:
+taking requests in, handing outputs over).
 Issue 16's 300-at-once row waits ~7 % longer for its first step online than the same work does in process; the
 online and the offline timelines of the same burst side by side (`bench/step_timeline.py`) say whether the steps
 are slower online or start later. A line is written (and flushed) per step: a few µs of the step loop's time.
@@ -50,6 +51,7 @@ class StepRecord:
     waiting: int             # requests waiting after the call
     running: int
     outputs: int             # RequestOutputs the call returned
+    added: int               # requests taken in since the call before (the intake between the two)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), separators=(",", ":"))
@@ -59,7 +61,7 @@ class StepRecord:
         d = json.loads(line)
         shape = d.get("launched")
         return StepRecord(float(d["t"]), float(d["call_ms"]), StepShape(**shape) if shape is not None else None,
-                          int(d["waiting"]), int(d["running"]), int(d["outputs"]))
+                          int(d["waiting"]), int(d["running"]), int(d["outputs"]), int(d["added"]))
 
 
 class StepTimeline:
@@ -77,9 +79,9 @@ class StepTimeline:
         return StepTimeline(path) if path else None
 
     def add(self, start: float, end: float, launched: Optional[StepShape], waiting: int, running: int,
-            outputs: int) -> None:
+            outputs: int, added: int) -> None:
         rec = StepRecord(round(start - self._origin, 6), round((end - start) * 1e3, 3), launched, waiting, running,
-                         outputs)
+                         outputs, added)
         with self._lock:
             if self._file is not None:
                 self._file.write(rec.to_json() + "\n")
