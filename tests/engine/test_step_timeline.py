@@ -37,6 +37,10 @@ def test_the_timeline_holds_every_prompt_token_and_decode_row(
     assert sum(r.outputs for r in records) >= len(PROMPTS)
     assert sum(r.added for r in records) == len(PROMPTS) and records[0].added == len(PROMPTS)   # all before the first
     assert records[-1].waiting == 0 and records[-1].running == 0
+    # the first step has none before it to run ahead of; with async scheduling (no penalty, no grammar) the others do
+    launched = [r for r in records if r.launched is not None]
+    assert not launched[0].ahead
+    assert all(r.ahead for r in launched[1:]) if async_scheduling else not any(r.ahead for r in launched)
 
 
 def test_no_timeline_unless_asked(tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -47,9 +51,9 @@ def test_no_timeline_unless_asked(tiny_model_dir: Path, monkeypatch: pytest.Monk
 
 
 def _rec(t: float, call_ms: float, prompt: int = 0, decode: int = 0, first: int = 0, waiting: int = 0,
-         running: int = 1, added: int = 0) -> StepRecord:
+         running: int = 1, added: int = 0, ahead: bool = False) -> StepRecord:
     shape = StepShape(prompt, decode, first) if prompt or decode else None
-    return StepRecord(t, call_ms, shape, waiting, running, 0, added)
+    return StepRecord(t, call_ms, shape, ahead, waiting, running, 0, added)
 
 
 def test_the_summary_of_the_busiest_period(bench_module: Callable[[str], Any], tmp_path: Path) -> None:
@@ -58,8 +62,8 @@ def test_the_summary_of_the_busiest_period(bench_module: Callable[[str], Any], t
     # a short run that drains the engine, then the burst at once (no idle gap): two periods all the same
     pre = [_rec(1.0, 5.0, prompt=50, first=1), _rec(1.005, 5.0, decode=1, running=0)]
     burst = [_rec(1.01, 10.0, prompt=100, first=1, waiting=5, added=1),     # the intake: one prompt at first
-             _rec(1.03, 30.0, prompt=300, decode=1, first=3, waiting=2, added=4),
-             _rec(1.07, 30.0, prompt=200, decode=4, first=2, added=1),     # the last prompts start here
+             _rec(1.03, 30.0, prompt=300, decode=1, first=3, waiting=2, added=4, ahead=True),
+             _rec(1.07, 30.0, prompt=200, decode=4, first=2, added=1, ahead=True),     # the last prompts start here
              _rec(1.11, 8.0, decode=6, running=0)]
     periods = tl.busy_periods(warmup + pre + burst)
     assert [len(p) for p in periods] == [2, 2, 4]
@@ -73,7 +77,7 @@ def test_the_summary_of_the_busiest_period(bench_module: Callable[[str], Any], t
     assert s.in_step_ms_mean == pytest.approx((10 + 30 + 30) / 3, abs=1e-3)
     assert s.outside_ms_mean == pytest.approx((10 + 10 + 10) / 3)
     assert s.prompt_tokens_per_step == pytest.approx(200.0)
-    assert (s.requests_added, s.intake_steps) == (6, 3)
+    assert (s.requests_added, s.intake_steps, s.launched_ahead) == (6, 3, 2)
     assert s.intake_ms == pytest.approx(60.0)
     assert s.first_steps[1] == {"t_ms": 20.0, "call_ms": 30.0, "prompt_tokens": 300, "decode_rows": 1, "waiting": 2,
                                 "added": 4}
