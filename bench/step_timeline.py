@@ -63,6 +63,7 @@ class PhaseSummary:
     outside_ms_mean: float        # interval less the call: the caller's time between calls
     prompt_tokens_per_step: float  # in that phase
     launched_ahead: int           # steps of that phase launched before the step before's tokens were read
+    collect_ms_mean: float        # the calls' wait for the step before's tokens, in that phase (near 0: host-bound)
     requests_added: int           # taken in during the period (before its first call included)
     intake_ms: float              # first call's start to the start of the call after which all of them were in
     intake_steps: int             # calls until then
@@ -90,6 +91,7 @@ def summarize(period: list[StepRecord], first: int = 8) -> PhaseSummary:
         outside_ms_mean=round(statistics.fmean(outside), 3) if outside else 0.0,
         prompt_tokens_per_step=round(prompt_tokens(phase) / len(phase), 1),
         launched_ahead=sum(r.ahead for r in phase),
+        collect_ms_mean=round(statistics.fmean(r.collect_ms for r in phase), 3),
         requests_added=cumulative[-1], intake_ms=round((period[all_in].t - t0) * 1e3, 1), intake_steps=all_in + 1,
         first_steps=[{"t_ms": round((r.t - t0) * 1e3, 1), "call_ms": r.call_ms,
                       "prompt_tokens": r.launched.prompt_tokens if r.launched else 0,
@@ -100,8 +102,7 @@ def summarize(period: list[StepRecord], first: int = 8) -> PhaseSummary:
 
 SUMMARY_ROWS = ("steps", "span_ms", "prompt_tokens", "prompts_started", "start_phase_ms", "start_phase_steps",
                 "interval_ms_mean", "in_step_ms_mean", "outside_ms_mean", "prompt_tokens_per_step", "launched_ahead",
-                "requests_added",
-                "intake_ms", "intake_steps")
+                "collect_ms_mean", "requests_added", "intake_ms", "intake_steps")
 
 
 def render(names: list[str], summaries: list[PhaseSummary]) -> str:

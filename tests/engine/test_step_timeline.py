@@ -41,6 +41,8 @@ def test_the_timeline_holds_every_prompt_token_and_decode_row(
     launched = [r for r in records if r.launched is not None]
     assert not launched[0].ahead
     assert all(r.ahead for r in launched[1:]) if async_scheduling else not any(r.ahead for r in launched)
+    assert all(r.collect_ms >= 0 for r in records) and (async_scheduling or not any(r.collect_ms for r in records))
+    assert all(r.collect_ms <= r.call_ms for r in records)
 
 
 def test_no_timeline_unless_asked(tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -51,9 +53,9 @@ def test_no_timeline_unless_asked(tiny_model_dir: Path, monkeypatch: pytest.Monk
 
 
 def _rec(t: float, call_ms: float, prompt: int = 0, decode: int = 0, first: int = 0, waiting: int = 0,
-         running: int = 1, added: int = 0, ahead: bool = False) -> StepRecord:
+         running: int = 1, added: int = 0, ahead: bool = False, collect_ms: float = 0.0) -> StepRecord:
     shape = StepShape(prompt, decode, first) if prompt or decode else None
-    return StepRecord(t, call_ms, shape, ahead, waiting, running, 0, added)
+    return StepRecord(t, call_ms, shape, ahead, collect_ms, waiting, running, 0, added)
 
 
 def test_the_summary_of_the_busiest_period(bench_module: Callable[[str], Any], tmp_path: Path) -> None:
@@ -62,8 +64,8 @@ def test_the_summary_of_the_busiest_period(bench_module: Callable[[str], Any], t
     # a short run that drains the engine, then the burst at once (no idle gap): two periods all the same
     pre = [_rec(1.0, 5.0, prompt=50, first=1), _rec(1.005, 5.0, decode=1, running=0)]
     burst = [_rec(1.01, 10.0, prompt=100, first=1, waiting=5, added=1),     # the intake: one prompt at first
-             _rec(1.03, 30.0, prompt=300, decode=1, first=3, waiting=2, added=4, ahead=True),
-             _rec(1.07, 30.0, prompt=200, decode=4, first=2, added=1, ahead=True),     # the last prompts start here
+             _rec(1.03, 30.0, prompt=300, decode=1, first=3, waiting=2, added=4, ahead=True, collect_ms=6.0),
+             _rec(1.07, 30.0, prompt=200, decode=4, first=2, added=1, ahead=True, collect_ms=24.0),   # the last start
              _rec(1.11, 8.0, decode=6, running=0)]
     periods = tl.busy_periods(warmup + pre + burst)
     assert [len(p) for p in periods] == [2, 2, 4]
@@ -78,6 +80,7 @@ def test_the_summary_of_the_busiest_period(bench_module: Callable[[str], Any], t
     assert s.outside_ms_mean == pytest.approx((10 + 10 + 10) / 3)
     assert s.prompt_tokens_per_step == pytest.approx(200.0)
     assert (s.requests_added, s.intake_steps, s.launched_ahead) == (6, 3, 2)
+    assert s.collect_ms_mean == pytest.approx(10.0)
     assert s.intake_ms == pytest.approx(60.0)
     assert s.first_steps[1] == {"t_ms": 20.0, "call_ms": 30.0, "prompt_tokens": 300, "decode_rows": 1, "waiting": 2,
                                 "added": 4}

@@ -134,6 +134,7 @@ class LLMEngine:
         self.timeline = StepTimeline.from_env()   # KVFLEET_STEP_TIMELINE: a line per step, for diagnosis
         self._launched_shape: Optional[StepShape] = None
         self._launched_ahead = False   # the step this call scheduled went to the device before the last one's tokens
+        self._collect_ms = 0.0         # how long this call waited for the step before's tokens (async scheduling)
         self._added_since_step = 0   # requests taken in since the last step() call (the timeline's intake)
         gc_policy.apply_once()
 
@@ -286,10 +287,10 @@ class LLMEngine:
         if self.timeline is None:
             return self._step(final_only)
         start = time.monotonic()
-        self._launched_shape, self._launched_ahead = None, False
+        self._launched_shape, self._launched_ahead, self._collect_ms = None, False, 0.0
         added, self._added_since_step = self._added_since_step, 0
         outs = self._step(final_only)
-        self.timeline.add(start, time.monotonic(), self._launched_shape, self._launched_ahead,
+        self.timeline.add(start, time.monotonic(), self._launched_shape, self._launched_ahead, self._collect_ms,
                           len(self.scheduler.waiting), len(self.scheduler.running), len(outs), added)
         return outs
 
@@ -344,7 +345,9 @@ class LLMEngine:
         result = None
         if prev is not None:
             try:
+                collect_from = time.monotonic()
                 result = self.runner.collect(prev[1])
+                self._collect_ms = (time.monotonic() - collect_from) * 1e3
             except Exception as e:   # N+1 was planned on N's tokens: its requests end too
                 self._inflight = None
                 self._fail_step(SchedulerOutput(prev[0].scheduled + sched.scheduled), e)

@@ -2,9 +2,10 @@
 
 Each `LLMEngine.step()` call appends one JSON line: when the call began (seconds from the timeline's start, the
 monotonic clock), how long it took, the shape of the step it scheduled (prompt tokens, decode rows, prompts whose
-first chunk it is) and whether it was launched ahead (kvfleet.engine.async_step), the scheduler's queue lengths after
-it, the outputs it returned and the requests taken in since the call before. The time between one call's end and the
-next call's start is the caller's (the server's step loop: taking requests in, handing outputs over).
+first chunk it is), whether it was launched ahead (kvfleet.engine.async_step) and how long the call waited for the
+step before's tokens (little or none: the device was idle, waiting for the host), the scheduler's queue lengths
+after it, the outputs it returned and the requests taken in since the call before. The time between one call's end
+and the next call's start is the caller's (the server's step loop: taking requests in, handing outputs over).
 
 Issue 16's 300-at-once row waits ~7 % longer for its first step online than the same work does in process; the
 online and the offline timelines of the same burst side by side (`bench/step_timeline.py`) say whether the steps
@@ -50,6 +51,7 @@ class StepRecord:
     call_ms: float           # the call's length (with async scheduling: mostly the wait for the step before)
     launched: Optional[StepShape]   # the step this call scheduled, or None (nothing to schedule)
     ahead: bool              # launched before the step before's tokens were read (async scheduling's launch ahead)
+    collect_ms: float        # waiting for the step before's tokens (async scheduling; 0 when the device was done)
     waiting: int             # requests waiting after the call
     running: int
     outputs: int             # RequestOutputs the call returned
@@ -63,7 +65,8 @@ class StepRecord:
         d = json.loads(line)
         shape = d.get("launched")
         return StepRecord(float(d["t"]), float(d["call_ms"]), StepShape(**shape) if shape is not None else None,
-                          bool(d["ahead"]), int(d["waiting"]), int(d["running"]), int(d["outputs"]), int(d["added"]))
+                          bool(d["ahead"]), float(d["collect_ms"]), int(d["waiting"]), int(d["running"]),
+                          int(d["outputs"]), int(d["added"]))
 
 
 class StepTimeline:
@@ -80,10 +83,10 @@ class StepTimeline:
         path = environ.get(ENV_VAR, "").strip()
         return StepTimeline(path) if path else None
 
-    def add(self, start: float, end: float, launched: Optional[StepShape], ahead: bool, waiting: int, running: int,
-            outputs: int, added: int) -> None:
-        rec = StepRecord(round(start - self._origin, 6), round((end - start) * 1e3, 3), launched, ahead, waiting,
-                         running, outputs, added)
+    def add(self, start: float, end: float, launched: Optional[StepShape], ahead: bool, collect_ms: float,
+            waiting: int, running: int, outputs: int, added: int) -> None:
+        rec = StepRecord(round(start - self._origin, 6), round((end - start) * 1e3, 3), launched, ahead,
+                         round(collect_ms, 3), waiting, running, outputs, added)
         with self._lock:
             if self._file is not None:
                 self._file.write(rec.to_json() + "\n")
