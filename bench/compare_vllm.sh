@@ -196,10 +196,9 @@ burst-timeline)
   KV_ENV="$KV_ENV KVFLEET_STEP_TIMELINE=$RUNS/timeline-offline-burst.jsonl" LABEL=timeline \
     XARGS="--num-prompts 300 --max-num-batched-tokens 8192" \
     offline kvfleet "$LLAMA" 120 random-1024-128
-  step "step timelines" 30 $PY bench/step_timeline.py compare "$RUNS/timeline-online-burst.jsonl" \
-    "$RUNS/timeline-offline-burst.jsonl" --json "$RUNS/step_timeline.json"
   $PY bench/step_timeline.py compare "$RUNS/timeline-online-burst.jsonl" "$RUNS/timeline-offline-burst.jsonl" \
-    > "$OUT/step_timeline.txt" 2>&1 ;;
+    --json "$RUNS/step_timeline.json" > "$OUT/step_timeline.txt" 2>&1
+  tee -a "$LOG" < "$OUT/step_timeline.txt" ;;
 ab-nowarmup)
   need_server "$s" && KV_ENV="$KV_ENV KVFLEET_WARMUP=0" LOADS=low:0.5:16 online kvfleet 120 --label nowarmup ;;
 ab-prefill)

@@ -13,6 +13,7 @@ one by one (how fast the intake filled them).
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import statistics
 import sys
@@ -75,11 +76,11 @@ def summarize(period: list[StepRecord], first: int = 8) -> PhaseSummary:
     starts = [i for i, r in enumerate(period) if r.launched is not None and r.launched.first_chunks > 0]
     last_start = starts[-1] if starts else 0
     phase = period[: last_start + 1]
-    intervals = [(b.t - a.t) * 1e3 for a, b in zip(phase, period[1: last_start + 2], strict=False)]
-    outside = [(b.t - a.t) * 1e3 - a.call_ms for a, b in zip(phase, period[1: last_start + 2], strict=False)]
+    pairs = list(zip(phase, period[1: last_start + 2], strict=False))   # each call of the phase and the next
+    intervals = [(b.t - a.t) * 1e3 for a, b in pairs]
+    outside = [(b.t - a.t) * 1e3 - a.call_ms for a, b in pairs]
     end = period[-1]
-    added = [r.added for r in period]
-    cumulative = [sum(added[: i + 1]) for i in range(len(added))]
+    cumulative = list(itertools.accumulate(r.added for r in period))
     all_in = cumulative.index(cumulative[-1])
     return PhaseSummary(
         steps=len(period), span_ms=round((end.t - t0) * 1e3 + end.call_ms, 1),

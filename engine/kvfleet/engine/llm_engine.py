@@ -133,7 +133,6 @@ class LLMEngine:
         self.num_forwarded_ahead = 0    # of the others, steps whose forward was queued before the collect
         self.timeline = StepTimeline.from_env()   # KVFLEET_STEP_TIMELINE: a line per step, for diagnosis
         self._launched_shape: Optional[StepShape] = None
-        self._launched_ahead = False   # the step this call scheduled went to the device before the last one's tokens
         self._collect_ms = 0.0         # how long this call waited for the step before's tokens (async scheduling)
         self._added_since_step = 0   # requests taken in since the last step() call (the timeline's intake)
         gc_policy.apply_once()
@@ -287,11 +286,12 @@ class LLMEngine:
         if self.timeline is None:
             return self._step(final_only)
         start = time.monotonic()
-        self._launched_shape, self._launched_ahead, self._collect_ms = None, False, 0.0
+        self._launched_shape, self._collect_ms = None, 0.0
         added, self._added_since_step = self._added_since_step, 0
+        ahead_before = self.num_launched_ahead
         outs = self._step(final_only)
-        self.timeline.add(start, time.monotonic(), self._launched_shape, self._launched_ahead, self._collect_ms,
-                          len(self.scheduler.waiting), len(self.scheduler.running), len(outs), added)
+        self.timeline.add(start, time.monotonic(), self._launched_shape, self.num_launched_ahead > ahead_before,
+                          self._collect_ms, len(self.scheduler.waiting), len(self.scheduler.running), len(outs), added)
         return outs
 
     def _step(self, final_only: bool) -> list[RequestOutput]:
@@ -337,7 +337,6 @@ class LLMEngine:
         if ahead and prepared is not None and prev is not None:
             self._launch(sched, prepared, prev, ahead=True)
             self.num_launched_ahead += 1
-            self._launched_ahead = True
         elif prepared is not None and prev is not None and LAUNCH_AHEAD and self.forward_ahead:
             forwarded = self._forward(sched, prepared, prev)   # its sampler waits for N's tokens (below)
             self.num_forwarded_ahead += 1

@@ -73,7 +73,6 @@ class StepTimeline:
     """Appends `StepRecord`s to a file as JSON lines."""
 
     def __init__(self, path: str) -> None:
-        self.path = path
         self._file: Optional[IO[str]] = open(path, "w", encoding="utf-8", buffering=1)   # line-buffered
         self._origin = time.monotonic()
         self._lock = threading.Lock()   # the step loop writes; shutdown may close from another thread
