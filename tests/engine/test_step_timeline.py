@@ -52,6 +52,11 @@ def test_no_timeline_unless_asked(tiny_model_dir: Path, monkeypatch: pytest.Monk
     assert StepTimeline.from_env({ENV_VAR: "  "}) is None
 
 
+def test_a_timeline_file_that_cannot_be_written_is_named(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=f"^{ENV_VAR}: cannot write .*no-such-dir.*No such file or directory"):
+        StepTimeline.from_env({ENV_VAR: str(tmp_path / "no-such-dir" / "t.jsonl")})
+
+
 def _rec(t: float, call_ms: float, prompt: int = 0, decode: int = 0, first: int = 0, waiting: int = 0,
          running: int = 1, added: int = 0, ahead: bool = False, collect_ms: float = 0.0) -> StepRecord:
     shape = StepShape(prompt, decode, first) if prompt or decode else None

@@ -80,7 +80,12 @@ class StepTimeline:
     @staticmethod
     def from_env(environ: Mapping[str, str] = os.environ) -> Optional["StepTimeline"]:
         path = environ.get(ENV_VAR, "").strip()
-        return StepTimeline(path) if path else None
+        if not path:
+            return None
+        try:
+            return StepTimeline(path)
+        except OSError as e:   # named for the variable that asked for it, not as a failed model load
+            raise ValueError(f"{ENV_VAR}: cannot write {path!r}: {e.strerror or e}") from e
 
     def add(self, start: float, end: float, launched: Optional[StepShape], ahead: bool, collect_ms: float,
             waiting: int, running: int, outputs: int, added: int) -> None:
