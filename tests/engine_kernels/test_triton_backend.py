@@ -117,7 +117,7 @@ def test_a_wrong_kernel_setting_stops_the_engine_naming_it(setting: str) -> None
     code = "from kvfleet.engine.attention import get_attention_backend; get_attention_backend('cpu')"
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVFLEET_")} | {name: value}
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode != 0 and f"ValueError: {name}: expected" in proc.stderr, proc.stderr[-2000:]
+    assert proc.returncode != 0 and f"EnvSettingError: {name}: expected" in proc.stderr, proc.stderr[-2000:]
     del env[name]
     assert subprocess.run([sys.executable, "-c", code], env=env, timeout=300).returncode == 0
 

@@ -69,3 +69,28 @@ def test_model_that_cannot_load_exits_1_with_the_reason(tmp_path) -> None:
     out = run("serve", str(tmp_path / "no-such-model"), "--host", "127.0.0.1", "--port", str(free_port()),
               "--device", "cpu")
     assert out.returncode == 1 and "model load failed" in out.stderr and "no-such-model" in out.stderr
+
+
+def test_bad_engine_setting_read_at_import_is_one_line(tmp_path) -> None:
+    # Kernel settings are read when their module is imported, before `serve` parses its flags.
+    import os
+
+    from server_proc import free_port
+
+    out = run("serve", str(tmp_path), "--host", "127.0.0.1", "--port", str(free_port()), "--device", "cpu",
+              env=dict(os.environ, KVFLEET_MIXED_DECODE_SPLITS="abc"))
+    assert out.returncode == 2, out.stderr
+    assert "Traceback" not in out.stderr
+    assert "KVFLEET_MIXED_DECODE_SPLITS" in out.stderr and "'abc'" in out.stderr
+
+
+def test_bad_engine_setting_read_at_load_is_the_reason_without_traceback(tiny_model_dir) -> None:
+    import os
+
+    from server_proc import free_port
+
+    out = run("serve", str(tiny_model_dir), "--host", "127.0.0.1", "--port", str(free_port()), "--device", "cpu",
+              env=dict(os.environ, KVFLEET_WARMUP="maybe"))
+    assert out.returncode == 1, out.stderr
+    assert "Traceback" not in out.stderr
+    assert "model load failed: KVFLEET_WARMUP: expected 0, 1 or auto, got 'maybe'" in out.stderr

@@ -15,6 +15,8 @@ import os
 import sys
 from typing import Callable, Sequence
 
+from kvfleet.engine.env_settings import EnvSettingError
+
 _PASSTHROUGH = {
     ("operator",): ("kvfleet.operator", "main"),
     ("gateway",): ("kvfleet.gateway.main", "main"),
@@ -57,6 +59,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        return _run(argv)
+    except EnvSettingError as exc:   # read at import or start: one line, not a traceback
+        print(f"kvfleet: error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _run(argv: list[str]) -> int:
     for prefix, (module_name, attr) in _PASSTHROUGH.items():
         if tuple(argv[: len(prefix)]) == prefix:
             result = _resolve_main(module_name, attr)(argv[len(prefix):])

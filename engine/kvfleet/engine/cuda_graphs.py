@@ -37,6 +37,7 @@ import torch
 from kvfleet.engine.attention import shared_prefix as sp
 from kvfleet.engine.attention.metadata import AttentionMetadata
 from kvfleet.engine.distributed import parallel_state
+from kvfleet.engine.env_settings import EnvSettingError
 from kvfleet.engine.kernels import paged_decode
 from kvfleet.engine.models.base import CausalLM
 
@@ -67,7 +68,7 @@ def tp_graph_mode() -> str:
     raw = os.environ.get("KVFLEET_TP_CUDA_GRAPHS", "1")
     modes = {"0": "eager", "1": "full", "piecewise": "piecewise"}
     if raw not in modes:
-        raise ValueError(f"KVFLEET_TP_CUDA_GRAPHS: '0', '1' or 'piecewise', got {raw!r}")
+        raise EnvSettingError(f"KVFLEET_TP_CUDA_GRAPHS: '0', '1' or 'piecewise', got {raw!r}")
     return modes[raw]
 
 
@@ -79,7 +80,7 @@ def mixed_graph_limit() -> int:
     except ValueError:
         n = -1
     if n < 0 or n > 65536:
-        raise ValueError(f"KVFLEET_MIXED_CUDA_GRAPHS: expected a token count in [0, 65536], got {raw!r}")
+        raise EnvSettingError(f"KVFLEET_MIXED_CUDA_GRAPHS: expected a token count in [0, 65536], got {raw!r}")
     return n
 
 

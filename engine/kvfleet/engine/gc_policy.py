@@ -23,6 +23,8 @@ import logging
 import os
 from collections.abc import Mapping
 
+from kvfleet.engine.env_settings import EnvSettingError
+
 logger = logging.getLogger(__name__)
 
 PYTHON_THRESHOLDS = (700, 10, 10)
@@ -32,7 +34,7 @@ _applied = False
 
 
 def gc_thresholds(env: Mapping[str, str]) -> tuple[int, int, int]:
-    """KVFLEET_GC_THRESHOLDS as `gc.set_threshold`'s three numbers; ValueError naming the variable."""
+    """KVFLEET_GC_THRESHOLDS as `gc.set_threshold`'s three numbers; EnvSettingError naming the variable."""
     raw = env.get("KVFLEET_GC_THRESHOLDS", "").strip().lower()
     if not raw:
         return DEFAULT_THRESHOLDS
@@ -40,11 +42,11 @@ def gc_thresholds(env: Mapping[str, str]) -> tuple[int, int, int]:
         return PYTHON_THRESHOLDS
     parts = raw.split(",")
     if len(parts) != 3 or not all(p.strip().isdigit() for p in parts):
-        raise ValueError(f"KVFLEET_GC_THRESHOLDS must be three non-negative integers g0,g1,g2 or 'default', "
+        raise EnvSettingError(f"KVFLEET_GC_THRESHOLDS must be three non-negative integers g0,g1,g2 or 'default', "
                          f"got {raw!r}")
     g0, g1, g2 = (int(p) for p in parts)
     if g0 == 0:
-        raise ValueError("KVFLEET_GC_THRESHOLDS: g0 = 0 turns the cyclic GC off; use a large value instead")
+        raise EnvSettingError("KVFLEET_GC_THRESHOLDS: g0 = 0 turns the cyclic GC off; use a large value instead")
     return g0, g1, g2
 
 

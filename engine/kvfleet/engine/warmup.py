@@ -58,6 +58,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from kvfleet.engine.attention.fresh_prompts import GLUON_CHUNK_MIN_QUERY_TOKENS
+from kvfleet.engine.env_settings import EnvSettingError
 from kvfleet.engine.kernels.prefill_attention_v2 import SHORT_QUERY_MAX_TOKENS
 
 if TYPE_CHECKING:
@@ -175,7 +176,7 @@ def warmup_runs_plan(device_type: str, raw: str | None = None) -> bool:
     if value == "auto":
         return device_type == "cuda"
     if value not in ("0", "1", "false", "true", "no", "yes", "off", "on"):
-        raise ValueError(f"KVFLEET_WARMUP: expected 0, 1 or auto, got {value!r}")
+        raise EnvSettingError(f"KVFLEET_WARMUP: expected 0, 1 or auto, got {value!r}")
     return value in ("1", "true", "yes", "on")
 
 

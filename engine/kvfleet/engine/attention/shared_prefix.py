@@ -20,6 +20,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from kvfleet.engine.env_settings import EnvSettingError
+
 # Not importing the kernels: the graph runner imports this module on every device, and the kernels compile.
 ITEM_FIELDS = 4   # a work item's int32 fields, as kernels.shared_prefix takes them
 PLAN_KEY = "shared_prefix"   # AttentionMetadata.plans key: SharedPrefixTensors, or None for no shared-prefix pass
@@ -28,7 +30,7 @@ PLAN_KEY = "shared_prefix"   # AttentionMetadata.plans key: SharedPrefixTensors,
 def _enabled_from_env() -> bool:
     raw = os.environ.get("KVFLEET_SHARED_PREFIX_DECODE", "").strip() or "1"
     if raw not in ("0", "1"):
-        raise ValueError(f"KVFLEET_SHARED_PREFIX_DECODE: expected '0' or '1', got {raw!r}")
+        raise EnvSettingError(f"KVFLEET_SHARED_PREFIX_DECODE: expected '0' or '1', got {raw!r}")
     return raw == "1"
 
 
@@ -39,7 +41,7 @@ def _min_tokens_from_env() -> int:
     except ValueError:
         n = 0
     if n < 1:
-        raise ValueError(f"KVFLEET_SHARED_PREFIX_MIN_TOKENS: expected a positive token count, got {raw!r}")
+        raise EnvSettingError(f"KVFLEET_SHARED_PREFIX_MIN_TOKENS: expected a positive token count, got {raw!r}")
     return n
 
 

@@ -25,6 +25,7 @@ import torch
 from kvfleet.engine.attention import shared_prefix as sp
 from kvfleet.engine.attention.fresh_prompts import GLUON_MIN_QUERY_TOKENS, fresh_long_prompts, long_prefix_chunks
 from kvfleet.engine.attention.metadata import AttentionMetadata
+from kvfleet.engine.env_settings import EnvSettingError
 from kvfleet.engine.head_norm import QKNorm
 from kvfleet.engine.kernels.paged_decode import (
     SharedPrefixArgs,
@@ -104,7 +105,7 @@ def prefill_kernel_choice(raw: str) -> str:
     through the block table) or "v1" (the first kernel)."""
     choice = raw.strip() or "gluon-chunks"
     if choice not in PREFILL_KERNELS:
-        raise ValueError(f"KVFLEET_PREFILL_KERNEL: expected one of {', '.join(PREFILL_KERNELS)}, got {raw!r}")
+        raise EnvSettingError(f"KVFLEET_PREFILL_KERNEL: expected one of {', '.join(PREFILL_KERNELS)}, got {raw!r}")
     return choice
 
 
@@ -118,9 +119,9 @@ def prefill_cache_extra_stages(raw: str) -> int:
     try:
         extra = int(raw.strip() or "2")
     except ValueError as e:
-        raise ValueError(f"KVFLEET_PREFILL_CACHE_EXTRA_STAGES: expected an integer 0..4, got {raw!r}") from e
+        raise EnvSettingError(f"KVFLEET_PREFILL_CACHE_EXTRA_STAGES: expected an integer 0..4, got {raw!r}") from e
     if not 0 <= extra <= 4:
-        raise ValueError(f"KVFLEET_PREFILL_CACHE_EXTRA_STAGES: expected an integer 0..4, got {raw!r}")
+        raise EnvSettingError(f"KVFLEET_PREFILL_CACHE_EXTRA_STAGES: expected an integer 0..4, got {raw!r}")
     return extra
 
 
@@ -132,7 +133,7 @@ def gluon_schedule_choice(raw: str) -> str:
     in turns: FlashAttention-3's ping-pong) or "fa3" (the eight warps in step; chunks with a producer warp)."""
     choice = raw.strip() or "two-warpgroups"
     if choice not in GLUON_SCHEDULES:
-        raise ValueError(f"KVFLEET_GLUON_SCHEDULE: expected one of {', '.join(GLUON_SCHEDULES)}, got {raw!r}")
+        raise EnvSettingError(f"KVFLEET_GLUON_SCHEDULE: expected one of {', '.join(GLUON_SCHEDULES)}, got {raw!r}")
     return choice
 
 
@@ -144,9 +145,9 @@ def gluon_min_query_tokens(raw: str) -> int:
     try:
         tokens = int(raw) if raw.strip() else GLUON_MIN_QUERY_TOKENS
     except ValueError as e:
-        raise ValueError(f"KVFLEET_GLUON_MIN_QUERY_TOKENS: expected an integer >= 128, got {raw!r}") from e
+        raise EnvSettingError(f"KVFLEET_GLUON_MIN_QUERY_TOKENS: expected an integer >= 128, got {raw!r}") from e
     if tokens < 128:
-        raise ValueError(f"KVFLEET_GLUON_MIN_QUERY_TOKENS: expected an integer >= 128, got {raw!r}")
+        raise EnvSettingError(f"KVFLEET_GLUON_MIN_QUERY_TOKENS: expected an integer >= 128, got {raw!r}")
     return tokens
 
 
@@ -158,7 +159,7 @@ def gluon_page_loads_choice(raw: str) -> str:
     keys, -4 % on 16 x 384 tokens over a 2k prefix; not yet measured end to end."""
     choice = raw.strip() or "per-copy"
     if choice not in ("per-copy", "per-tile"):
-        raise ValueError(f"KVFLEET_GLUON_PAGE_LOADS: expected per-copy or per-tile, got {raw!r}")
+        raise EnvSettingError(f"KVFLEET_GLUON_PAGE_LOADS: expected per-copy or per-tile, got {raw!r}")
     return choice
 
 

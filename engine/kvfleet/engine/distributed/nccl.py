@@ -23,6 +23,8 @@ from typing import Any
 
 import torch
 
+from kvfleet.engine.env_settings import EnvSettingError
+
 logger = logging.getLogger(__name__)
 
 NCCL_UNIQUE_ID_BYTES = 128  # nccl.h: typedef struct { char internal[128]; } ncclUniqueId;
@@ -135,7 +137,7 @@ def use_direct_nccl() -> bool:
     through `NcclCommunicator` (=nccl: ~3 % shorter decode steps, but prefill steps ~25 % longer)."""
     choice = os.environ.get("KVFLEET_TP_ALLREDUCE", "torch")
     if choice not in ("torch", "nccl"):
-        raise ValueError(f"KVFLEET_TP_ALLREDUCE: 'torch' or 'nccl', got {choice!r}")
+        raise EnvSettingError(f"KVFLEET_TP_ALLREDUCE: 'torch' or 'nccl', got {choice!r}")
     return choice == "nccl"
 
 

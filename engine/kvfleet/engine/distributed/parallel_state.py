@@ -18,6 +18,8 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.distributed as dist
 
+from kvfleet.engine.env_settings import EnvSettingError
+
 logger = logging.getLogger(__name__)
 
 
@@ -87,7 +89,7 @@ def arm_hang_dump() -> None:
     try:
         seconds = float(raw)
     except ValueError:
-        raise ValueError(f"KVFLEET_HANG_DUMP_S: seconds between stack dumps, got {raw!r}") from None
+        raise EnvSettingError(f"KVFLEET_HANG_DUMP_S: seconds between stack dumps, got {raw!r}") from None
     if seconds > 0:
         import faulthandler
         import sys

@@ -15,6 +15,8 @@ from typing import NoReturn
 
 import torch
 
+from kvfleet.engine.env_settings import EnvSettingError
+
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
@@ -98,14 +100,15 @@ def fail(name: str, msg: str) -> NoReturn:
 
 
 def int_from_env(name: str, default: int, lo: int, hi: int) -> int:
-    """The integer environment knob `name` (`default` when unset or empty); ValueError naming it outside [lo, hi]."""
+    """The integer environment knob `name` (`default` when unset or empty); EnvSettingError naming it outside
+    [lo, hi]."""
     raw = os.environ.get(name, "").strip() or str(default)
     try:
         n = int(raw)
     except ValueError:
-        fail(name, f"expected an integer in [{lo}, {hi}], got {raw!r}")
+        n = lo - 1
     if not (lo <= n <= hi):
-        fail(name, f"expected an integer in [{lo}, {hi}], got {raw!r}")
+        raise EnvSettingError(f"{name}: expected an integer in [{lo}, {hi}], got {raw!r}")
     return n
 
 

@@ -14,6 +14,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kvfleet.engine.async_llm import AsyncLLM
+from kvfleet.engine.env_settings import EnvSettingError
 from kvfleet.engine.server import protocol as P
 from kvfleet.engine.server.auth import DEFAULT_TENANT, bearer_token
 from kvfleet.engine.server.bodies import BoundedJSONRoute
@@ -262,6 +263,10 @@ async def _load(state: ServerState, load_engine: Callable[[], AsyncLLM]) -> None
         # After the warm-up, not beside it: building the table holds the GIL (~0.3-1 s) and the first
         # constrained request would otherwise wait that long for its first token.
         await asyncio.to_thread(engine.prepare_structured_outputs)
+    except EnvSettingError as exc:   # the operator's setting, not our bug: its one line says what to change
+        state.load_error = str(exc)
+        logger.error("model load failed: %s", exc)
+        return
     except Exception as exc:
         state.load_error = f"{exc.__class__.__name__}: {exc}"
         logger.exception("model load failed")

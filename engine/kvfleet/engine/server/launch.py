@@ -22,6 +22,7 @@ from typing import Any, Mapping
 
 import uvicorn
 
+from kvfleet.engine.env_settings import EnvSettingError
 from kvfleet.engine.server.app import build_app
 from kvfleet.engine.server.args import engine_kwargs
 from kvfleet.engine.server.auth import KeyFileError, load_keys
@@ -109,9 +110,9 @@ def gil_switch_interval_s(env: Mapping[str, str]) -> float:
     try:
         ms = float(raw)
     except ValueError:
-        raise ValueError(f"KVFLEET_GIL_SWITCH_INTERVAL_MS: {raw!r} is not a number of milliseconds") from None
+        raise EnvSettingError(f"KVFLEET_GIL_SWITCH_INTERVAL_MS: {raw!r} is not a number of milliseconds") from None
     if not (0.01 <= ms <= 100):
-        raise ValueError(f"KVFLEET_GIL_SWITCH_INTERVAL_MS: {raw} must be within 0.01..100 ms")
+        raise EnvSettingError(f"KVFLEET_GIL_SWITCH_INTERVAL_MS: {raw} must be within 0.01..100 ms")
     return ms / 1e3
 
 
