@@ -29,6 +29,16 @@ def test_buckets_every_64_tokens_up_to_the_limit() -> None:
         mixed_graph_sizes(-1)
 
 
+def test_buckets_every_512_tokens_above_2048() -> None:
+    sizes = mixed_graph_sizes(8192)
+    assert len(sizes) == 32 + 12 and sizes[31] == 2048 and sizes[32:] == list(range(2560, 8193, 512))
+    assert mixed_graph_sizes(2100)[-2:] == [2048, 2560]
+    for n in range(2049, 8193):
+        b = pick_token_bucket(sizes, n)
+        assert b is not None and n <= b < n + 512
+    assert pick_token_bucket(sizes, 8192) == 8192 and pick_token_bucket(sizes, 8193) is None
+
+
 def test_the_limit_comes_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("KVFLEET_MIXED_CUDA_GRAPHS", raising=False)
     assert mixed_graph_limit() == 2048

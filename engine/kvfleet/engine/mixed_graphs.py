@@ -4,8 +4,9 @@ to a few thousand tokens.
 Such a step run eagerly costs the host ~1 ms a layer to launch on the H200's host (issue 16: 36 ms for a
 Llama-3.1-8B step of one 1,024-token prompt and 12 decodes, whose GPU work is ~25 ms), so at moderate load
 every step with a new prompt waited on Python, not on the GPU. Here one graph of the whole forward is captured
-per token bucket (every 64 tokens up to the limit), largest first, in the decode graphs' memory pool, reading
-static buffers; a step copies its inputs into them and replays the smallest bucket that holds it:
+per token bucket (every 64 tokens up to 2,048, every 512 above, up to the limit), largest first, in the decode
+graphs' memory pool, reading static buffers; a step copies its inputs into them and replays the smallest bucket
+that holds it:
 
 * padding tokens (past the step's own) have slot -1 (nothing written to the cache) and belong to no sequence:
   the attention kernels never touch their rows, whose outputs nobody reads;
@@ -22,6 +23,7 @@ warm-up also runs every step shape eagerly (`kvfleet.engine.warmup`), for the st
 
 from __future__ import annotations
 
+import bisect
 from typing import Any
 
 import torch
@@ -31,22 +33,32 @@ from kvfleet.engine.attention.triton_backend import CapturedPrefill, triton_page
 from kvfleet.engine.models.base import CausalLM
 
 BUCKET_TOKENS = 64          # bucket granularity: at most 63 padding tokens (~6 % of a 1k-token step)
+FINE_BUCKETS_UP_TO = 2048   # above it, coarser buckets: a step there is GPU work of >= ~50 ms on an 8B model
+COARSE_BUCKET_TOKENS = 512  # at most 511 padding tokens above FINE_BUCKETS_UP_TO (< 25 %; a full step: none)
 MAX_PREFILL_SEQS = 64       # prompts (or chunks) a captured step may hold
 
 
+def _round_up(n: int, to: int) -> int:
+    return -(-n // to) * to
+
+
 def mixed_graph_sizes(max_tokens: int) -> list[int]:
-    """Token buckets: every BUCKET_TOKENS up to `max_tokens` rounded up to it (none for 0)."""
+    """Token buckets up to `max_tokens` rounded up to its granularity (none for 0): every BUCKET_TOKENS up to
+    FINE_BUCKETS_UP_TO, every COARSE_BUCKET_TOKENS above (8,192 tokens: 32 + 12 graphs, not 128)."""
     if max_tokens < 0:
         raise ValueError(f"max_tokens: must be >= 0, got {max_tokens}")
-    top = -(-max_tokens // BUCKET_TOKENS) * BUCKET_TOKENS
-    return list(range(BUCKET_TOKENS, top + 1, BUCKET_TOKENS))
+    fine_top = _round_up(min(max_tokens, FINE_BUCKETS_UP_TO), BUCKET_TOKENS)
+    sizes = list(range(BUCKET_TOKENS, fine_top + 1, BUCKET_TOKENS))
+    if max_tokens > FINE_BUCKETS_UP_TO:
+        top = FINE_BUCKETS_UP_TO + _round_up(max_tokens - FINE_BUCKETS_UP_TO, COARSE_BUCKET_TOKENS)
+        sizes += list(range(FINE_BUCKETS_UP_TO + COARSE_BUCKET_TOKENS, top + 1, COARSE_BUCKET_TOKENS))
+    return sizes
 
 
 def pick_token_bucket(sizes: list[int], n: int) -> int | None:
     """The smallest bucket holding `n` tokens, None when none does."""
-    if not sizes or n > sizes[-1]:
-        return None
-    return sizes[(max(n, 1) - 1) // BUCKET_TOKENS]
+    i = bisect.bisect_left(sizes, max(n, 1))
+    return sizes[i] if i < len(sizes) else None
 
 
 class MixedStepBuffers:

@@ -267,11 +267,14 @@ class CapturedPrefill:
     """The prefill plan of captured mixed steps (`kvfleet.engine.mixed_graphs`): one tile for every step and a
     work list of fixed capacity per token bucket, refilled before each replay from the step's host lists, the
     unused entries idle. A captured step is always planned as mixed (the decode kernel runs after the prefill
-    one and finds nothing to do when no sequence decodes)."""
+    one and finds nothing to do when no sequence decodes). Its prompts (or chunks) are short queries, of up to
+    `SHORT_QUERY_MAX_TOKENS` each, whatever the bucket: the tile eager steps of such prompts take; a step with a
+    longer one runs eagerly (the Gluon kernel's prompts among them), its launches small beside its GPU work."""
 
     def __init__(self, max_tokens: int, max_prefill_seqs: int, dtype: torch.dtype, device: torch.device) -> None:
         self.kernel = _triton_kernel(PREFILL_KERNEL)   # captured steps never run the Gluon kernel
-        self.tile = _prefill_tile(self.kernel, max_tokens, dtype)
+        self.max_query = min(max_tokens, SHORT_QUERY_MAX_TOKENS)
+        self.tile = _prefill_tile(self.kernel, self.max_query, dtype)
         self.max_prefill_seqs = max_prefill_seqs
         self.work = torch.zeros((self.capacity(max_tokens), 2), dtype=torch.int32, device=device)
         self.work[:, 1] = _IDLE_TILE
@@ -289,7 +292,8 @@ class CapturedPrefill:
         qsl, bm = md.query_start_loc_cpu, self.tile[0]
         lens = [qsl[i + 1] - qsl[i] for i in range(len(qsl) - 1)]
         prompts = [n for n in lens if n > 1]
-        return len(prompts) <= self.max_prefill_seqs and sum(-(-n // bm) for n in prompts) <= self.capacity(num_tokens)
+        return (len(prompts) <= self.max_prefill_seqs and max(prompts, default=0) <= self.max_query
+                and sum(-(-n // bm) for n in prompts) <= self.capacity(num_tokens))
 
     def load(self, md: AttentionMetadata, num_tokens: int) -> None:
         """Write the step's work list (`fits` checked) into the bucket's entries, the rest idle; no host wait."""
