@@ -13,6 +13,7 @@ import importlib.util
 import logging
 import os
 import sys
+from types import ModuleType
 from typing import Callable, Sequence
 
 from kvfleet.engine.env_settings import EnvSettingError
@@ -24,11 +25,20 @@ _PASSTHROUGH = {
 }
 
 
+def _import(module_name: str) -> ModuleType:
+    """Import one of our modules. Their import-time code reads only KVFLEET_* settings (the kernels' among them,
+    which may import nothing of the engine's), so a ValueError there is a bad setting, named in its message."""
+    try:
+        return importlib.import_module(module_name)
+    except ValueError as exc:
+        raise EnvSettingError(str(exc)) from None
+
+
 def _resolve_main(module_name: str, attr: str) -> Callable[[list[str]], object]:
     """Find `module.main`; if `main` is itself a submodule, take its `main` function."""
-    target = getattr(importlib.import_module(module_name), attr, None)
+    target = getattr(_import(module_name), attr, None)
     if target is None or not callable(target):
-        target = importlib.import_module(f"{module_name}.{attr}").main
+        target = _import(f"{module_name}.{attr}").main
     return target
 
 
@@ -83,9 +93,7 @@ def _run(argv: list[str]) -> int:
             check_serve_args(args)
         except ValueError as exc:
             parser.error(str(exc))
-        from kvfleet.engine.server.launch import run_server
-
-        code = run_server(args)
+        code = _import("kvfleet.engine.server.launch").run_server(args)
         # The engine and the server are shut down by now; interpreter finalization of the torch
         # runtime would add ~5 s to every pod termination (measured), so leave at once.
         logging.shutdown()

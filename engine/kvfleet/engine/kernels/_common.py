@@ -15,8 +15,6 @@ from typing import NoReturn
 
 import torch
 
-from kvfleet.engine.env_settings import EnvSettingError
-
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
@@ -100,15 +98,14 @@ def fail(name: str, msg: str) -> NoReturn:
 
 
 def int_from_env(name: str, default: int, lo: int, hi: int) -> int:
-    """The integer environment knob `name` (`default` when unset or empty); EnvSettingError naming it outside
-    [lo, hi]."""
+    """The integer environment knob `name` (`default` when unset or empty); ValueError naming it outside [lo, hi]."""
     raw = os.environ.get(name, "").strip() or str(default)
     try:
         n = int(raw)
     except ValueError:
-        n = lo - 1
+        fail(name, f"expected an integer in [{lo}, {hi}], got {raw!r}")
     if not (lo <= n <= hi):
-        raise EnvSettingError(f"{name}: expected an integer in [{lo}, {hi}], got {raw!r}")
+        fail(name, f"expected an integer in [{lo}, {hi}], got {raw!r}")
     return n
 
 

@@ -31,8 +31,6 @@ import torch
 import triton
 import triton.language as tl
 
-from kvfleet.engine.env_settings import EnvSettingError
-
 from ._common import (
     check_paged_attention_args,
     check_tensor,
@@ -55,7 +53,7 @@ def _tile_from_env() -> tuple[int, int, int]:
     try:
         bn, warps, stages = (int(x) for x in raw.split(","))
     except ValueError as e:
-        raise EnvSettingError(f"KVFLEET_DECODE_TILE: expected 'BLOCK_N,num_warps,num_stages', got {raw!r}") from e
+        raise ValueError(f"KVFLEET_DECODE_TILE: expected 'BLOCK_N,num_warps,num_stages', got {raw!r}") from e
     if not (bn in (16, 32, 64, 128, 256) and warps in (1, 2, 4, 8, 16) and 1 <= stages <= 6):
         fail("KVFLEET_DECODE_TILE", f"unsupported tile {raw!r}")
     return bn, warps, stages
