@@ -41,7 +41,7 @@ def test_buckets_every_512_tokens_above_2048() -> None:
 
 def test_the_limit_comes_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("KVFLEET_MIXED_CUDA_GRAPHS", raising=False)
-    assert mixed_graph_limit() == 2048
+    assert mixed_graph_limit() == 8192   # with --max-num-batched-tokens 8192: every step of `kvfleet serve`
     monkeypatch.setenv("KVFLEET_MIXED_CUDA_GRAPHS", "0")
     assert mixed_graph_limit() == 0
     for bad in ("-5", "lots", "100000"):

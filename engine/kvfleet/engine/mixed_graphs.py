@@ -12,13 +12,15 @@ that holds it:
   the attention kernels never touch their rows, whose outputs nobody reads;
 * padding sequences have no query tokens and context 0: both attention kernels skip them;
 * the prefill kernel's work list has a fixed capacity per bucket (`CapturedPrefill`), refilled from the step's
-  host lists before each replay, its unused entries idle; its tile is fixed for all buckets.
+  host lists before each replay, its unused entries idle; its tile is the short queries' one for all buckets.
 
-Only steps that fit (tokens, sequences, prompts, work entries, block-table width) replay; the rest, and every
-step beyond the limit (long prefill chunks, where the GPU work dwarfs the launches), run eagerly.
-KVFLEET_MIXED_CUDA_GRAPHS (`cuda_graphs.mixed_graph_limit`): the largest bucket in tokens (default 2048; 0 turns
-them off). Single process only: under tensor parallelism steps with prefill stay eager. Where graphs exist the
-warm-up also runs every step shape eagerly (`kvfleet.engine.warmup`), for the steps that fit no bucket.
+Only steps that fit (tokens, sequences, prompts of up to 2,048 tokens each, work entries, block-table width)
+replay; the rest, and every step beyond the limit (long prompts or chunks, where the GPU work dwarfs the
+launches, and the Gluon kernel takes the fresh ones), run eagerly.
+KVFLEET_MIXED_CUDA_GRAPHS (`cuda_graphs.mixed_graph_limit`): the largest bucket in tokens (default 8192, capped
+by the step budget; 0 turns them off). Single process only: under tensor parallelism steps with prefill stay
+eager. Where graphs exist the warm-up also runs every step shape eagerly (`kvfleet.engine.warmup`), for the steps
+that fit no bucket.
 """
 
 from __future__ import annotations
