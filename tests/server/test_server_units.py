@@ -263,6 +263,10 @@ def test_bench_stats_and_workloads(tmp_path) -> None:
     s = summarize(results, 2.0)
     assert (s["completed"], s["failed"], s["errors"]) == (1, 1, {"HTTP 429": 1})
     assert s["output_throughput"] == 5.0 and s["tpot_ms"]["mean"] == pytest.approx(100.0)
+    assert s["per_request"] == [{"sent_s": 0.0, "first_token_s": 0.1, "ttft_ms": 100.0, "e2e_ms": 1000.0}]
+    later = [RequestResult(True, 4, 2, ttft=0.5, e2e=0.6, sent_s=0.25), RequestResult(True, 4, 2, e2e=0.2, sent_s=0.0)]
+    assert [(r["sent_s"], r["first_token_s"], r["ttft_ms"]) for r in summarize(later, 1.0)["per_request"]] == [
+        (0.0, None, None), (0.25, 0.75, 500.0)]   # in send order; a stream without tokens has no first token
     assert tiny_workload(5, 1) == tiny_workload(5, 1) and len(tiny_workload(5, 1)) == 5
     f = tmp_path / "w.jsonl"
     f.write_text('{"prompt": [1, 2, 3], "output_len": 4}\n{"prompt": "hi", "max_tokens": 2}\n')

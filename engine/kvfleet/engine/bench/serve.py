@@ -44,6 +44,17 @@ class RequestResult:
     e2e: float = 0.0
     itl: list[float] = field(default_factory=list)
     error: str | None = None
+    sent_s: float = 0.0   # when it was sent, from the benchmark's start
+
+
+def per_request(results: Sequence[RequestResult]) -> list[dict[str, float | None]]:
+    """Each finished request in send order: when it was sent and its first token came (seconds from the start) and
+    its TTFT: under a burst this tells a late start (every first token later by the same time) from slower work."""
+    ok = sorted((r for r in results if r.ok), key=lambda r: r.sent_s)
+    return [{"sent_s": round(r.sent_s, 6),
+             "first_token_s": None if r.ttft is None else round(r.sent_s + r.ttft, 6),
+             "ttft_ms": None if r.ttft is None else round(r.ttft * 1e3, 3),
+             "e2e_ms": round(r.e2e * 1e3, 3)} for r in ok]
 
 
 def tiny_workload(num_prompts: int, seed: int) -> list[BenchRequest]:
@@ -135,14 +146,17 @@ def summarize(results: Sequence[RequestResult], duration: float) -> dict[str, An
         "tpot_ms": percentiles(tpot),
         "itl_ms": percentiles([x for r in ok for x in r.itl]),
         "e2el_ms": percentiles([r.e2e for r in ok]),
+        "per_request": per_request(results),
     }
 
 
-async def send_one(client: Any, url: str, model: str, req: BenchRequest, headers: dict[str, str]) -> RequestResult:
+async def send_one(client: Any, url: str, model: str, req: BenchRequest, headers: dict[str, str],
+                   t0: float) -> RequestResult:
+    """One streamed request; `t0`: the benchmark's start (`time.perf_counter`)."""
     body = {"model": model, "prompt": req.prompt, "max_tokens": req.output_len, "min_tokens": req.output_len,
             "ignore_eos": True, "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True}}
     start = time.perf_counter()
-    result = RequestResult(ok=False)
+    result = RequestResult(ok=False, sent_s=start - t0)
     last: float | None = None
     try:
         async with client.stream("POST", url, json=body, headers=headers) as resp:
@@ -189,13 +203,14 @@ async def run_benchmark(base_url: str, model: str | None, requests: Sequence[Ben
         rng = random.Random(seed)
         sem = asyncio.Semaphore(max_concurrency) if max_concurrency else None
 
+        start = time.perf_counter()
+
         async def limited(req: BenchRequest) -> RequestResult:
             if sem is None:
-                return await send_one(client, "/v1/completions", model, req, headers)
+                return await send_one(client, "/v1/completions", model, req, headers, start)
             async with sem:
-                return await send_one(client, "/v1/completions", model, req, headers)
+                return await send_one(client, "/v1/completions", model, req, headers, start)
 
-        start = time.perf_counter()
         tasks = []
         for req in requests:
             tasks.append(asyncio.create_task(limited(req)))
