@@ -5,7 +5,7 @@
 #   bash bench/carry_extras.sh prepare   .whl-srv/: the wheels kvfleet serve and the GGUF loader need that the
 #                                        GPU image lacks (fastapi, starlette, uvicorn, h11, pydantic, pydantic-core,
 #                                        annotated-types, typing-inspection, gguf, click, anyio, idna, sniffio,
-#                                        typing-extensions), at this venv's versions, for
+#                                        typing-extensions, opentelemetry-api), at this venv's versions, for
 #                                        CPython 3.12 on manylinux x86_64 (~4 MB: carry it with any call);
 #                                        .whl-guide/: llguidance (structured outputs, ~3 MB; kvfleet serve loads
 #                                        it only for a constrained request): carry it with the real-check call
@@ -21,9 +21,10 @@ cd "$(dirname "$0")/.."
 PY=${PY:-python3}
 SRV=${SRV:-/tmp/srv}
 GGUF_DIR=${GGUF_DIR:-/tmp/gguf}
-# uvicorn needs click, starlette anyio (and its idna, sniffio, typing-extensions): lease 19's image had none of them
+# uvicorn needs click, starlette anyio (and its idna, sniffio, typing-extensions): lease 19's image had none of them;
+# fastapi >= 0.16x imports opentelemetry-api (lease 29's H200 image lacked it)
 SERVER_WHEELS=(fastapi starlette uvicorn h11 pydantic pydantic-core annotated-types typing-inspection gguf click anyio
-  idna sniffio typing-extensions)
+  idna sniffio typing-extensions opentelemetry-api)
 GUIDE_WHEELS=(llguidance)
 
 exclude() {  # keep a prepared folder out of git's view (a local exclude: it must not travel in the tree)
