@@ -70,6 +70,8 @@
 #   real-check        bench/gpu_real_weights_check.py on the joined SmolLM2 GGUF (real weights): greedy tokens
 #                     against transformers on the GPU, float32 identical or status 1, bfloat16 agreement (~1.5;
 #                     into real-check/, its JSON into $OUT); SKIP while GGUF pieces are missing
+#   first-tokens      bench/first_tokens.py over every online burst JSON in $RUNS (both servers): when the first
+#                     tokens began and their pace, a late start told from slower work (first_tokens.txt into $OUT)
 #   summary           the comparison table of everything in $RUNS (also printed after every call)
 #
 # Knobs: BUDGET_S (default 570: stop starting stages that would not end inside it), KV_ENV (extra environment
@@ -262,6 +264,14 @@ real-check)
     cp "$RUNS/real-check/real_weights_check.json" "$OUT/" 2>/dev/null
   else
     echo "SKIP real-check: the SmolLM2 GGUF is not here yet ($gguf)" | tee -a "$LOG"
+  fi ;;
+first-tokens)
+  runs=("$RUNS"/*-online-burst*.json)
+  if [[ -e ${runs[0]} ]]; then
+    $PY bench/first_tokens.py compare "${runs[@]}" --json "$RUNS/first_tokens.json" > "$OUT/first_tokens.txt" 2>&1
+    tee -a "$LOG" < "$OUT/first_tokens.txt"
+  else
+    echo "SKIP first-tokens: no online burst in $RUNS yet" | tee -a "$LOG"
   fi ;;
 summary) ;;
 *) echo "unknown stage $s" | tee -a "$LOG" ;;

@@ -47,5 +47,10 @@ def test_runs_without_first_tokens_are_a_clear_error(bench_module: Callable[[str
     old.write_text(json.dumps({"ttft_ms": {"p50": 1.0}}))
     assert ft.main(["compare", str(old)]) == 2
     assert "no per_request list" in capsys.readouterr().err
+    new = tmp_path / "new.json"
+    new.write_text(json.dumps({"per_request": _burst(0.0, 190.0, 8, 16)}))
+    assert ft.main(["compare", str(old), str(new)]) == 0   # the old run left out, the new one summed up
+    out = capsys.readouterr()
+    assert "skipped" in out.err and "| new |" in out.out and "| old" not in out.out
     with pytest.raises(ValueError, match="per_request: needs two"):
         ft.summarize([{"sent_s": 0.0, "first_token_s": None, "ttft_ms": None, "e2e_ms": 5.0}])
