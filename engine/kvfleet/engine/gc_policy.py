@@ -43,7 +43,7 @@ def gc_thresholds(env: Mapping[str, str]) -> tuple[int, int, int]:
     parts = raw.split(",")
     if len(parts) != 3 or not all(p.strip().isdigit() for p in parts):
         raise EnvSettingError(f"KVFLEET_GC_THRESHOLDS must be three non-negative integers g0,g1,g2 or 'default', "
-                         f"got {raw!r}")
+                              f"got {raw!r}")
     g0, g1, g2 = (int(p) for p in parts)
     if g0 == 0:
         raise EnvSettingError("KVFLEET_GC_THRESHOLDS: g0 = 0 turns the cyclic GC off; use a large value instead")

@@ -22,6 +22,7 @@ from dataclasses import asdict, dataclass
 from typing import IO, Mapping, Optional
 
 from kvfleet.engine.core.scheduler import SchedulerOutput
+from kvfleet.engine.env_settings import EnvSettingError
 
 ENV_VAR = "KVFLEET_STEP_TIMELINE"
 
@@ -85,7 +86,7 @@ class StepTimeline:
         try:
             return StepTimeline(path)
         except OSError as e:   # named for the variable that asked for it, not as a failed model load
-            raise ValueError(f"{ENV_VAR}: cannot write {path!r}: {e.strerror or e}") from e
+            raise EnvSettingError(f"{ENV_VAR}: cannot write {path!r}: {e.strerror or e}") from e
 
     def add(self, start: float, end: float, launched: Optional[StepShape], ahead: bool, collect_ms: float,
             waiting: int, running: int, outputs: int, added: int) -> None:
