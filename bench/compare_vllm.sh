@@ -72,12 +72,15 @@
 #                     into real-check/, its JSON into $OUT); SKIP while GGUF pieces are missing
 #   first-tokens      bench/first_tokens.py over every online burst JSON in $RUNS (both servers): when the first
 #                     tokens began and their pace, a late start told from slower work (first_tokens.txt into $OUT)
+#   phases            bench/offline_phases.py for every offline row both engines ran with XARGS=--step-trace: the
+#                     prefill phase (to the last first token) and the decode tail, the tail's steps by batch, kvfleet
+#                     against vLLM (offline_phases.txt into $OUT)
 #   summary           the comparison table of everything in $RUNS (also printed after every call)
 #
 # Knobs: BUDGET_S (default 570: stop starting stages that would not end inside it), KV_ENV (extra environment
 # for kvfleet, e.g. "KVFLEET_PREFILL_TILE=128,64,8,3"), LABEL (tags kvfleet results of a non-default
 # setting), WORKLOADS_LLAMA, WORKLOADS_QWEN, WORKLOADS_FP8, WORKLOADS_AB, LOADS (name:rate:requests,...),
-# ONLINE_ARGS (more flags for the online stage), PREFILL_AB (space-separated settings, each
+# ONLINE_ARGS (more flags for the online stage), XARGS (more flags for every offline run: "--step-trace"), PREFILL_AB (space-separated settings, each
 # VAR=VALUE[,VAR=VALUE...] for one run), ARGS_AB (space-separated settings, each --flag=V[,--flag=V...]),
 # LLAMA/QWEN (model folders: a dry run on CPU takes tiny ones), PROFILE_MODEL (step-profile's and host-profile's;
 # default LLAMA), STEP_PROFILE_ARGS (more flags for the kvfleet side of
@@ -273,6 +276,18 @@ first-tokens)
   else
     echo "SKIP first-tokens: no online burst in $RUNS yet" | tee -a "$LOG"
   fi ;;
+phases)
+  # every offline row both engines ran with --step-trace (XARGS=--step-trace): prefill phase and tail side by side
+  : > "$OUT/offline_phases.txt"
+  for kv in "$RUNS"/kvfleet-*.json; do
+    vl=${kv/\/kvfleet-/\/vllm-}
+    [[ -e $vl ]] && grep -q '"step_trace"' "$kv" && grep -q '"step_trace"' "$vl" || continue
+    { echo "## $(basename "$kv" .json | sed 's/^kvfleet-//')"; $PY bench/offline_phases.py compare "$kv" "$vl"; echo; } \
+      >> "$OUT/offline_phases.txt" 2>&1
+  done
+  if [[ -s $OUT/offline_phases.txt ]]; then tee -a "$LOG" < "$OUT/offline_phases.txt"
+  else echo "SKIP phases: no row of both engines with a step trace in $RUNS (run them with XARGS=--step-trace)" \
+    | tee -a "$LOG"; fi ;;
 summary) ;;
 *) echo "unknown stage $s" | tee -a "$LOG" ;;
 esac; done

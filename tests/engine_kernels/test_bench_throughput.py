@@ -92,6 +92,31 @@ def test_throughput_cli_repetition_penalty_launches_ahead(tiny_model_factory, tm
     assert exc.value.code == 2
 
 
+@pytest.mark.parametrize("async_flag", ["--async-scheduling", "--no-async-scheduling"])
+def test_throughput_cli_step_trace_counts_every_token_once(async_flag: str, tiny_model_factory,
+                                                           tmp_path: Path) -> None:
+    # --step-trace: every output token in exactly one step, each request one first token and one finish, and a
+    # prefill phase that ends before the tail does (with async scheduling a call reads the step before's tokens).
+    from kvfleet.engine.bench.step_trace import StepTrace, phase_summary
+
+    model = tiny_model_factory("llama")
+    reqs = [BenchRequest(list(range(3 + i, 20 + 3 * i)), 2 + 3 * i) for i in range(6)]
+    write_jsonl(reqs, tmp_path / "w.jsonl")
+    out = tmp_path / "r.json"
+    rc = main(["--model", str(model), "--workload", str(tmp_path / "w.jsonl"), "--out", str(out), "--dtype",
+               "float32", "--device", "cpu", "--num-kv-blocks", "32", "--warmup-requests", "1", "--max-num-seqs", "4",
+               async_flag, "--step-trace"])
+    assert rc == 0
+    res = json.loads(out.read_text())
+    trace = StepTrace.from_json(res["step_trace"])
+    assert sum(trace.tokens) == res["output_tokens"] == sum(r.max_tokens for r in reqs)
+    assert len(trace.first_token_s) == len(trace.finished_s) == len(reqs)
+    assert trace.t_s == sorted(trace.t_s) and 0 < trace.t_s[0] and trace.t_s[-1] <= res["wall_s"]
+    s = phase_summary(trace)
+    assert 0 < s.prefill_end_s < s.end_s and s.prefill_steps + s.tail_steps == s.steps
+    assert max(trace.tokens) <= 4   # --max-num-seqs: no step gave more tokens than its batch
+
+
 def test_throughput_cli_tensor_parallel_2_on_cpu_generates_the_same_tokens(tiny_model_factory, tmp_path: Path) -> None:
     # TP=2 (gloo, two processes) through the benchmark: same requests done, exact lengths, same greedy work.
     model = tiny_model_factory("llama")

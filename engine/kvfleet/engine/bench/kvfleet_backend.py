@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from kvfleet.engine.bench.stats import kv_fragmentation, percentiles, request_latencies
+from kvfleet.engine.bench.step_trace import StepTrace
 from kvfleet.engine.bench.workloads import BenchRequest
 
 logger = logging.getLogger(__name__)
@@ -295,8 +296,15 @@ class KvfleetBench:
         block_size = engine.config.block_size
         peak: dict[str, Any] = {"kv_blocks_used": -1}
 
+        trace = StepTrace() if args.step_trace else None
+        tokens_before = engine.generation_tokens
+
         def on_step(outs: list[Any], dt: float) -> None:
+            nonlocal tokens_before
             timers.end_step(dt)
+            if trace is not None:   # the tokens this call read (with async scheduling: the step before's)
+                trace.add_step(time.monotonic() - t0, engine.generation_tokens - tokens_before)
+                tokens_before = engine.generation_tokens
             st = engine.stats()
             if st["kv_blocks_used"] > peak["kv_blocks_used"]:
                 running = engine.scheduler.running
@@ -341,6 +349,9 @@ class KvfleetBench:
             a, b = request_latencies(m.arrival_time, m.first_token_time, m.finished_time, lens[0] if lens else 0)
             ttft.append(a)
             tpot.append(b)
+            if trace is not None and m.first_token_time is not None and m.finished_time is not None:
+                trace.first_token_s.append(m.first_token_time - t0)
+                trace.finished_s.append(m.finished_time - t0)
         stats = engine.stats()
         res: dict[str, Any] = {
             "wall_s": wall, "init_s": self.init_s, "warmup_s": self.warmup.seconds,
@@ -360,6 +371,8 @@ class KvfleetBench:
             "steps_launched_ahead": engine.num_launched_ahead - ahead_before,
             "steps_forwarded_ahead": engine.num_forwarded_ahead - forwarded_before,
         }
+        if trace is not None:
+            res["step_trace"] = trace.to_json()
         graphs = engine.runner.executor.graphs
         if graphs is not None:
             # decode steps replayed with the shared-prefix pass (cascade attention), during the timed run

@@ -72,6 +72,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--sync-debug", action="store_true",
                     help="kvfleet on CUDA: count the Python stacks of calls that make the host wait for the device "
                          "(torch.cuda.set_sync_debug_mode; slows the run: not for reported figures)")
+    ap.add_argument("--step-trace", action="store_true",
+                    help="kvfleet and vLLM: each step's time and tokens and each request's first and last token "
+                         "times into the JSON (step_trace; bench/offline_phases.py compares two runs' phases)")
     ap.add_argument("--hf-batch-size", type=int, default=64)
     ap.add_argument("--warmup-requests", type=int, default=4)
     ap.add_argument("--label", default=None, help="free text stored in the JSON")

@@ -13,8 +13,9 @@ from __future__ import annotations
 import argparse
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
+from kvfleet.engine.bench.step_trace import RequestClock, StepTrace
 from kvfleet.engine.bench.workloads import BenchRequest
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
@@ -79,9 +80,17 @@ class VllmBench:
 
         torch.cuda.synchronize()
         t0 = time.monotonic()
-        outs = self._generate(reqs)
-        torch.cuda.synchronize()
-        wall = time.monotonic() - t0
+        trace = StepTrace() if self.args.step_trace else None
+        core = self.llm.llm_engine.engine_core
+        if trace is not None:
+            core.get_output = traced_get_output(core.get_output, trace, t0)   # an instance attribute: undone below
+        try:
+            outs = self._generate(reqs)
+            torch.cuda.synchronize()
+            wall = time.monotonic() - t0
+        finally:
+            if trace is not None:
+                del core.get_output
         short = 0
         for r, o in zip(reqs, outs, strict=True):
             lens = [len(c.token_ids) for c in o.outputs]
@@ -89,15 +98,37 @@ class VllmBench:
         self.llm.reset_prefix_cache()
         # No TTFT/TPOT here: vLLM's offline request stats mix the engine core's clock with the
         # frontend's; the online stage measures latency for both servers with one client.
-        return {"wall_s": wall, "init_s": self.init_s, "max_model_len": self.max_model_len,
-                "requests_with_wrong_length": short, "vllm_kwargs": self.kwargs,
-                "vllm_version": _vllm_version()}
+        res: dict[str, Any] = {"wall_s": wall, "init_s": self.init_s, "max_model_len": self.max_model_len,
+                               "requests_with_wrong_length": short, "vllm_kwargs": self.kwargs,
+                               "vllm_version": _vllm_version()}
+        if trace is not None:
+            res["step_trace"] = trace.to_json()
+        return res
 
     def close(self) -> None:
         del self.llm
         import gc
 
         gc.collect()
+
+
+def traced_get_output(get_output: Callable[[], Any], trace: StepTrace, t0: float) -> Callable[[], Any]:
+    """vLLM's engine-core client `get_output` (one engine step's `EngineCoreOutputs` a call), recording into `trace`
+    when each step's tokens arrived and how many, and each request's first and last token."""
+    clock = RequestClock(trace)
+
+    def get_output_traced() -> Any:
+        step = get_output()
+        t = time.monotonic() - t0
+        tokens = 0
+        for o in step.outputs:
+            tokens += len(o.new_token_ids)
+            if o.new_token_ids or o.finish_reason is not None:
+                clock.observe(t, o.request_id, o.finish_reason is not None)
+        trace.add_step(t, tokens)
+        return step
+
+    return get_output_traced
 
 
 def _vllm_version() -> str | None:
