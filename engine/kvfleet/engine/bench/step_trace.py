@@ -26,7 +26,7 @@ BATCH_BINS = ((1, 8), (8, 16), (16, 32), (32, 64), (64, 128), (128, 256), (256, 
 @dataclass
 class StepTrace:
     """Per step: when its tokens reached the host loop (s from the run's start) and how many it gave; per request,
-    when its first token and its last came (s, in the order the requests' first tokens arrived)."""
+    when its first token and its last came (s; the two lists are times, not paired request by request)."""
 
     t_s: list[float] = field(default_factory=list)
     tokens: list[int] = field(default_factory=list)
