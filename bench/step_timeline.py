@@ -19,6 +19,7 @@ import statistics
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Optional
 
 from kvfleet.engine.step_timeline import StepRecord, read_timeline
 
@@ -69,6 +70,19 @@ class PhaseSummary:
     intake_ms: float              # first call's start to the start of the call after which all of them were in
     intake_steps: int             # calls until then
     first_steps: list[dict[str, float]]   # the first calls: start ms, call ms, prompt tokens, decode rows, waiting
+    # On a GPU: the device's time on the steps the calls collected, and its idle time before them (None: no GPU
+    # times in the timeline), in the start phase and in the whole period
+    start_phase_gpu_busy_ms: Optional[float] = None
+    start_phase_gpu_idle_ms: Optional[float] = None
+    gpu_busy_ms: Optional[float] = None
+    gpu_idle_ms: Optional[float] = None
+
+
+def gpu_sums(records: list[StepRecord]) -> tuple[Optional[float], Optional[float]]:
+    """The device's busy and idle ms over `records` (None where none has GPU times)."""
+    busy = [r.gpu_ms for r in records if r.gpu_ms is not None]
+    idle = [r.gpu_idle_ms for r in records if r.gpu_idle_ms is not None]
+    return (round(sum(busy), 1) if busy else None), (round(sum(idle), 1) if idle else None)
 
 
 def summarize(period: list[StepRecord], first: int = 8) -> PhaseSummary:
@@ -82,6 +96,8 @@ def summarize(period: list[StepRecord], first: int = 8) -> PhaseSummary:
     end = period[-1]
     cumulative = list(itertools.accumulate(r.added for r in period))
     all_in = cumulative.index(cumulative[-1])
+    phase_busy, phase_idle = gpu_sums(phase)
+    busy, idle = gpu_sums(period)
     return PhaseSummary(
         steps=len(period), span_ms=round((end.t - t0) * 1e3 + end.call_ms, 1),
         prompt_tokens=prompt_tokens(period),
@@ -98,12 +114,14 @@ def summarize(period: list[StepRecord], first: int = 8) -> PhaseSummary:
                       "prompt_tokens": r.launched.prompt_tokens if r.launched else 0,
                       "decode_rows": r.launched.decode_rows if r.launched else 0, "waiting": r.waiting,
                       "added": r.added}
-                     for r in period[:first]])
+                     for r in period[:first]],
+        start_phase_gpu_busy_ms=phase_busy, start_phase_gpu_idle_ms=phase_idle, gpu_busy_ms=busy, gpu_idle_ms=idle)
 
 
 SUMMARY_ROWS = ("steps", "span_ms", "prompt_tokens", "prompts_started", "start_phase_ms", "start_phase_steps",
                 "interval_ms_mean", "in_step_ms_mean", "outside_ms_mean", "prompt_tokens_per_step", "launched_ahead",
-                "collect_ms_mean", "requests_added", "intake_ms", "intake_steps")
+                "collect_ms_mean", "requests_added", "intake_ms", "intake_steps", "start_phase_gpu_busy_ms",
+                "start_phase_gpu_idle_ms", "gpu_busy_ms", "gpu_idle_ms")
 
 
 def render(names: list[str], summaries: list[PhaseSummary]) -> str:

@@ -27,6 +27,7 @@ from kvfleet.engine.core.request import Request, RequestStatus
 from kvfleet.engine.core.request_group import RequestGroup
 from kvfleet.engine.core.runner_output import ModelRunnerOutput
 from kvfleet.engine.core.scheduler import RequestUpdate, Scheduler, SchedulerOutput
+from kvfleet.engine.gpu_step_clock import GpuStepClock, GpuStepTimes, StepEvents
 from kvfleet.engine.model_config import ModelConfig
 from kvfleet.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from kvfleet.engine.sampling_params import SamplingParams, StructuredOutputsParams
@@ -135,6 +136,11 @@ class LLMEngine:
         self._launched_shape: Optional[StepShape] = None
         self._collect_ms = 0.0         # how long this call waited for the step before's tokens (async scheduling)
         self._added_since_step = 0   # requests taken in since the last step() call (the timeline's intake)
+        # The timeline's device side (a GPU): events around each launched step, read when its tokens are collected.
+        self._gpu_clock = GpuStepClock() if self.timeline is not None and self.device.type == "cuda" else None
+        self._events_inflight: Optional[StepEvents] = None   # the launched step's, as `_inflight`
+        self._forward_begin: Optional[torch.cuda.Event] = None   # a forwarded step's first event, until it samples
+        self._gpu_times: Optional[GpuStepTimes] = None   # of the step this call collected
         gc_policy.apply_once()
 
     # --- requests ------------------------------------------------------------------
@@ -286,12 +292,14 @@ class LLMEngine:
         if self.timeline is None:
             return self._step(final_only)
         start = time.monotonic()
-        self._launched_shape, self._collect_ms = None, 0.0
+        self._launched_shape, self._collect_ms, self._gpu_times = None, 0.0, None
         added, self._added_since_step = self._added_since_step, 0
         ahead_before = self.num_launched_ahead
         outs = self._step(final_only)
         self.timeline.add(start, time.monotonic(), self._launched_shape, self.num_launched_ahead > ahead_before,
-                          self._collect_ms, len(self.scheduler.waiting), len(self.scheduler.running), len(outs), added)
+                          self._collect_ms, len(self.scheduler.waiting), len(self.scheduler.running), len(outs), added,
+                          self._gpu_times.busy_ms if self._gpu_times is not None else None,
+                          self._gpu_times.idle_before_ms if self._gpu_times is not None else None)
         return outs
 
     def _step(self, final_only: bool) -> list[RequestOutput]:
@@ -316,6 +324,7 @@ class LLMEngine:
         the next part; with `forward_ahead`, only its sampler after), wait for N's ids and update the
         scheduler, then process N's outputs while N+1 runs. Returns step N's outputs."""
         prev, self._inflight = self._inflight, None
+        prev_events, self._events_inflight = self._events_inflight, None
         sched = self.scheduler.schedule()
         if sched.is_empty and prev is None:
             self.idle_steps += 1
@@ -327,7 +336,7 @@ class LLMEngine:
             try:
                 prepared = self.runner.prepare(sched, prev[1] if prev is not None else None)
             except Exception as e:
-                self._inflight = prev
+                self._inflight, self._events_inflight = prev, prev_events
                 self._fail_step(sched, e)
             if prev is not None:
                 self.num_overlapped_steps += 1
@@ -347,6 +356,9 @@ class LLMEngine:
                 collect_from = time.monotonic()
                 result = self.runner.collect(prev[1])
                 self._collect_ms = (time.monotonic() - collect_from) * 1e3
+                if prev_events is not None and self._gpu_clock is not None:
+                    times = self._gpu_clock.read(prev_events)
+                    self._gpu_times = times if self._gpu_times is None else self._gpu_times.plus(times)
             except Exception as e:   # N+1 was planned on N's tokens: its requests end too
                 self._inflight = None
                 self._fail_step(SchedulerOutput(prev[0].scheduled + sched.scheduled), e)
@@ -363,15 +375,18 @@ class LLMEngine:
     def _launch(self, sched: SchedulerOutput, prepared: Prepared,
                 prev: Optional[tuple[SchedulerOutput, InFlight]], ahead: bool) -> None:
         """Launch step `sched` (async scheduling) after `prev`; `ahead`: before `prev`'s tokens are collected."""
+        begin = self._gpu_mark()
         try:
             self._inflight = (sched, self.runner.launch(sched, async_copy=True, prepared=prepared,
                                                         ahead_of=prev[1] if ahead and prev is not None else None))
         except Exception as e:   # N's updates are lost with the raise: its requests end too
             self._fail_step(SchedulerOutput(sched.scheduled + (prev[0].scheduled if prev else [])), e)
+        self._events_inflight = self._gpu_step_events(begin)
 
     def _forward(self, sched: SchedulerOutput, prepared: Prepared,
                  prev: tuple[SchedulerOutput, InFlight]) -> Forwarded:
         """Queue step `sched`'s forward behind `prev` before `prev`'s tokens are collected."""
+        self._forward_begin = self._gpu_mark()
         try:
             return self.runner.forward_step(sched, prepared)
         except Exception as e:   # N's updates are lost with the raise: its requests end too
@@ -384,6 +399,16 @@ class LLMEngine:
             self._inflight = (sched, self.runner.sample_step(forwarded, async_copy=True))
         except Exception as e:   # N's updates are taken; N's outputs go with the raise: its requests end too
             self._fail_step(SchedulerOutput(sched.scheduled + (prev[0].scheduled if prev else [])), e)
+        self._events_inflight, self._forward_begin = self._gpu_step_events(self._forward_begin), None
+
+    def _gpu_mark(self) -> Optional[torch.cuda.Event]:
+        """A timed event on the device's stream, only while the timeline records a GPU's steps (not in warm-up)."""
+        return self._gpu_clock.mark() if self._gpu_clock is not None and self.timeline is not None else None
+
+    def _gpu_step_events(self, begin: Optional[torch.cuda.Event]) -> Optional[StepEvents]:
+        """A launched step's events: `begin` and one after everything the launch queued."""
+        end = self._gpu_mark() if begin is not None else None
+        return StepEvents(begin, end) if begin is not None and end is not None else None
 
     def _mark_scheduled(self, sched: SchedulerOutput) -> None:
         now = time.monotonic()

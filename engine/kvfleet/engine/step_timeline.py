@@ -4,8 +4,10 @@ Each `LLMEngine.step()` call appends one JSON line: when the call began (seconds
 monotonic clock), how long it took, the shape of the step it scheduled (prompt tokens, decode rows, prompts whose
 first chunk it is), whether it was launched ahead (kvfleet.engine.async_step) and how long the call waited for the
 step before's tokens (little or none: the device was idle, waiting for the host), the scheduler's queue lengths
-after it, the outputs it returned and the requests taken in since the call before. The time between one call's end
-and the next call's start is the caller's (the server's step loop: taking requests in, handing outputs over).
+after it, the outputs it returned and the requests taken in since the call before; on a GPU also the device's time
+on the step it collected and the device's idle time before that step (kvfleet.engine.gpu_step_clock). The time
+between one call's end and the next call's start is the caller's (the server's step loop: taking requests in,
+handing outputs over).
 
 Issue 16's 300-at-once row waits ~7 % longer for its first step online than the same work does in process; the
 online and the offline timelines of the same burst side by side (`bench/step_timeline.py`) say whether the steps
@@ -57,6 +59,10 @@ class StepRecord:
     running: int
     outputs: int             # RequestOutputs the call returned
     added: int               # requests taken in since the call before (the intake between the two)
+    # On a GPU (kvfleet.engine.gpu_step_clock), of the step whose tokens this call collected: the device's time on
+    # it, first operation to last, and its idle time before it (None off a GPU, or for the first step read)
+    gpu_ms: Optional[float] = None
+    gpu_idle_ms: Optional[float] = None
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), separators=(",", ":"))
@@ -65,9 +71,11 @@ class StepRecord:
     def from_json(line: str) -> "StepRecord":
         d = json.loads(line)
         shape = d.get("launched")
+        gpu_ms, idle_ms = d.get("gpu_ms"), d.get("gpu_idle_ms")   # absent from older timelines (leases 29-30)
         return StepRecord(float(d["t"]), float(d["call_ms"]), StepShape(**shape) if shape is not None else None,
                           bool(d["ahead"]), float(d["collect_ms"]), int(d["waiting"]), int(d["running"]),
-                          int(d["outputs"]), int(d["added"]))
+                          int(d["outputs"]), int(d["added"]), float(gpu_ms) if gpu_ms is not None else None,
+                          float(idle_ms) if idle_ms is not None else None)
 
 
 class StepTimeline:
@@ -89,9 +97,12 @@ class StepTimeline:
             raise EnvSettingError(f"{ENV_VAR}: cannot write {path!r}: {e.strerror or e}") from e
 
     def add(self, start: float, end: float, launched: Optional[StepShape], ahead: bool, collect_ms: float,
-            waiting: int, running: int, outputs: int, added: int) -> None:
+            waiting: int, running: int, outputs: int, added: int, gpu_ms: Optional[float] = None,
+            gpu_idle_ms: Optional[float] = None) -> None:
         rec = StepRecord(round(start - self._origin, 6), round((end - start) * 1e3, 3), launched, ahead,
-                         round(collect_ms, 3), waiting, running, outputs, added)
+                         round(collect_ms, 3), waiting, running, outputs, added,
+                         round(gpu_ms, 3) if gpu_ms is not None else None,
+                         round(gpu_idle_ms, 3) if gpu_idle_ms is not None else None)
         with self._lock:
             if self._file is not None:
                 self._file.write(rec.to_json() + "\n")
