@@ -135,7 +135,11 @@ def test_throughput_cli_tensor_parallel_2_on_cpu_generates_the_same_tokens(tiny_
         assert res["output_tokens"] == sum(r.max_tokens for r in reqs)
 
 
-def test_throughput_cli_rejects_bad_arguments(tmp_path: Path) -> None:
+def test_throughput_cli_rejects_bad_arguments(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["--model", str(tmp_path), "--workload", "chat-mix", "--out", str(tmp_path / "x.json")]) == 2
     assert main(["--model", str(tmp_path), "--workload", "chat-mix", "--backend", "hf",
                  "--tensor-parallel-size", "2", "--out", str(tmp_path / "x.json")]) == 2
+    capsys.readouterr()
+    assert main(["--model", str(tmp_path), "--workload", "chat-mix", "--backend", "hf", "--step-trace",
+                 "--out", str(tmp_path / "x.json")]) == 2
+    assert "error: step_trace: the hf baseline has no engine steps" in capsys.readouterr().err

@@ -101,6 +101,8 @@ def _check_args(args: argparse.Namespace) -> None:
         raise ValueError("tensor_parallel_size: the hf baseline runs on one device only")
     if args.quantization and args.backend == "hf":
         raise ValueError("quantization: the hf baseline runs unquantized")
+    if args.step_trace and args.backend == "hf":
+        raise ValueError("step_trace: the hf baseline has no engine steps to trace (kvfleet and vllm only)")
     if args.hf_batch_size < 1:
         raise ValueError("hf_batch_size: must be >= 1")
     if not Path(args.model, "config.json").is_file() and not str(args.model).endswith(".gguf"):
