@@ -407,8 +407,9 @@ class LLMEngine:
 
     def _gpu_step_events(self, begin: Optional[torch.cuda.Event]) -> Optional[StepEvents]:
         """A launched step's events: `begin` and one after everything the launch queued."""
-        end = self._gpu_mark() if begin is not None else None
-        return StepEvents(begin, end) if begin is not None and end is not None else None
+        if begin is None or self._gpu_clock is None:
+            return None
+        return StepEvents(begin, self._gpu_clock.mark())
 
     def _mark_scheduled(self, sched: SchedulerOutput) -> None:
         now = time.monotonic()
