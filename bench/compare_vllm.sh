@@ -80,8 +80,8 @@
 # Knobs: BUDGET_S (default 570: stop starting stages that would not end inside it), KV_ENV (extra environment
 # for kvfleet, e.g. "KVFLEET_PREFILL_TILE=128,64,8,3"), LABEL (tags kvfleet results of a non-default
 # setting), WORKLOADS_LLAMA, WORKLOADS_QWEN, WORKLOADS_FP8, WORKLOADS_AB, LOADS (name:rate:requests,...),
-# ONLINE_ARGS (more flags for the online stage), XARGS (more flags for every offline run: "--step-trace"), PREFILL_AB (space-separated settings, each
-# VAR=VALUE[,VAR=VALUE...] for one run), ARGS_AB (space-separated settings, each --flag=V[,--flag=V...]),
+# ONLINE_ARGS (more flags for the online stage), XARGS (more flags for every offline run: "--step-trace"),
+# PREFILL_AB (space-separated settings, each VAR=VALUE[,VAR=VALUE...] for one run), ARGS_AB (space-separated settings, each --flag=V[,--flag=V...]),
 # LLAMA/QWEN (model folders: a dry run on CPU takes tiny ones), PROFILE_MODEL (step-profile's and host-profile's;
 # default LLAMA), STEP_PROFILE_ARGS (more flags for the kvfleet side of
 # step-profile: "--dry" on CPU), STEP_PROFILE_SCENARIOS (both sides' scenarios, e.g. "long-prompts"; default all;
@@ -282,8 +282,8 @@ phases)
   for kv in "$RUNS"/kvfleet-*.json; do
     vl=${kv/\/kvfleet-/\/vllm-}
     [[ -e $vl ]] && grep -q '"step_trace"' "$kv" && grep -q '"step_trace"' "$vl" || continue
-    { echo "## $(basename "$kv" .json | sed 's/^kvfleet-//')"; $PY bench/offline_phases.py compare "$kv" "$vl"; echo; } \
-      >> "$OUT/offline_phases.txt" 2>&1
+    row=$(basename "$kv" .json); row=${row#kvfleet-}
+    { echo "## $row"; $PY bench/offline_phases.py compare "$kv" "$vl"; echo; } >> "$OUT/offline_phases.txt" 2>&1
   done
   if [[ -s $OUT/offline_phases.txt ]]; then tee -a "$LOG" < "$OUT/offline_phases.txt"
   else echo "SKIP phases: no row of both engines with a step trace in $RUNS (run them with XARGS=--step-trace)" \
