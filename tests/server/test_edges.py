@@ -260,27 +260,24 @@ def test_long_texts_that_may_fit_are_tokenized_off_the_event_loop(server: Server
     # here (json.dumps of megabytes holds this process's GIL), and each side has one client (a new one costs
     # ~30 ms of CPU for its TLS context), so a slow probe is the server's doing, not this process's.
     data = json.dumps(body).encode()
-    sender = httpx.Client(timeout=120, trust_env=False)
-    prober = httpx.Client(timeout=30, trust_env=False)
+    with httpx.Client(timeout=120, trust_env=False) as sender, httpx.Client(timeout=30, trust_env=False) as prober:
 
-    def send() -> None:
-        start = time.monotonic()
-        box["resp"] = sender.post(server.url + path, content=data, headers={"Content-Type": "application/json"})
-        box["took"] = time.monotonic() - start
-
-    thread = threading.Thread(target=send, daemon=True)
-    thread.start()
-    slowest, probes = 0.0, 0
-    while thread.is_alive():
-        for probe in (server.url + "/health", f"http://127.0.0.1:{METRICS_PORT}/metrics"):
+        def send() -> None:
             start = time.monotonic()
-            assert prober.get(probe).status_code == 200
-            slowest = max(slowest, time.monotonic() - start)
-            probes += 1
-        time.sleep(0.05)
-    thread.join()
-    sender.close()
-    prober.close()
+            box["resp"] = sender.post(server.url + path, content=data, headers={"Content-Type": "application/json"})
+            box["took"] = time.monotonic() - start
+
+        thread = threading.Thread(target=send, daemon=True)
+        thread.start()
+        slowest, probes = 0.0, 0
+        while thread.is_alive():
+            for probe in (server.url + "/health", f"http://127.0.0.1:{METRICS_PORT}/metrics"):
+                start = time.monotonic()
+                assert prober.get(probe).status_code == 200
+                slowest = max(slowest, time.monotonic() - start)
+                probes += 1
+            time.sleep(0.05)
+        thread.join()
     resp = box["resp"]
     assert resp.status_code == 400 and "maximum context length" in resp.text, resp.text[:300]
     assert "characters" not in resp.json()["error"]["message"]   # tokenized, then counted: not the early bound
